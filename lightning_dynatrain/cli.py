@@ -1,0 +1,93 @@
+"""``dynatrain``: command-line entry point. ``dynatrain plan`` dry-runs a switch at any scale.
+
+Example::
+
+    dynatrain plan --model llama2-70b --src dp16-tp8-pp8 --dst dp8-tp8-pp16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lightning_dynatrain.vps.dryrun import GB, LinkModel, dry_run
+from lightning_dynatrain.vps.errors import DynaTrainError
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.presets import preset, preset_names
+from lightning_dynatrain.vps.spec import Precision
+
+_DEFAULTS = LinkModel()
+
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan a layout switch for a named model without running it",
+        description="Plan every rank's send/recv/retain lists for a switch SRC -> DST and print the totals. "
+        "Bytes count parameters and every optimizer state kind at the chosen precision.",
+    )
+    p.add_argument("--model", required=True, help=f"model preset: {', '.join(preset_names())}")
+    p.add_argument("--src", required=True, help="source layout, e.g. dp16-tp8-pp8 or dp128-tp4-pp2-ep64-zero1")
+    p.add_argument("--dst", required=True, help="destination layout")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for locality (default 8)")
+    p.add_argument("--rank", type=int, default=None, help="plan and report this one rank only")
+    p.add_argument("--precision", choices=[x.value for x in Precision], default=Precision.BF16.value,
+                   help="bf16: bf16 params + fp32 main params and Adam moments (default, as large runs train); "
+                   "fp32: fp32 params + Adam moments (as this project trains on CPU)")
+    p.add_argument("--intra-node-gbps", type=float, default=_DEFAULTS.intra_node / GB,
+                   help="GB/s per rank and direction inside a node (default %(default)s, NVLink class)")
+    p.add_argument("--inter-node-gbps", type=float, default=_DEFAULTS.inter_node / GB,
+                   help="GB/s per rank and direction across nodes (default %(default)s, one 200 Gb/s NIC per GPU)")
+    p.add_argument("--copy-gbps", type=float, default=_DEFAULTS.local_copy / GB,
+                   help="GB/s of a local device copy for retained state (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the figures")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    spec = preset(args.model)
+    src = ParallelConfig.parse(args.src)
+    dst = ParallelConfig.parse(args.dst)
+    if args.gpus_per_node < 1:
+        raise DynaTrainError(f"--gpus-per-node {args.gpus_per_node} is not positive", hint="use e.g. 8")
+    links = LinkModel(intra_node=args.intra_node_gbps * GB, inter_node=args.inter_node_gbps * GB,
+                      local_copy=args.copy_gbps * GB)
+    try:
+        report, plans = dry_run(spec, src, dst, precision=Precision(args.precision),
+                                gpus_per_node=args.gpus_per_node, links=links, only_rank=args.rank)
+    except IndexError as err:
+        raise DynaTrainError(str(err), hint="pass a rank inside the larger of the two worlds") from None
+    figures = report.as_dict()
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    print(f"{args.model}: {src} -> {dst} ({args.precision})")
+    if args.rank is not None:
+        print(plans[args.rank])
+    width = max(map(len, figures))
+    for key, value in figures.items():
+        if key.endswith("_bytes"):
+            text = f"{value:,} ({value / GB:.3f} GB)"
+        elif isinstance(value, float):
+            text = f"{value:.4f}"
+        else:
+            text = f"{value:,}"
+        print(f"  {key:<{width}}  {text}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dynatrain", description="lightning-dynatrain tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _plan_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except DynaTrainError as err:
+        print(f"dynatrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Where a logical tensor lives when its state is not flat-sharded: a grid of cells.
+
+Every split axis of a tensor (``layer`` by pp, ``expert`` by ep, ``tp``/``vocab`` by tp or etp) cuts it
+into equal contiguous ranges; a *cell* is one range per split axis. A rank holds exactly one cell of
+each tensor it holds, and a cell is held by every rank that agrees on the split coordinates (its
+replicas: data parallel, context parallel, tensor parallel for replicated tensors, and both end
+stages for a tied embedding).
+
+A vocabulary axis is split after Megatron pads it: at tp=2 a vocabulary of 100 padded to 256 gives
+cells ``[0:100)`` and an empty one; the padding rows are a don't-care region of the local tensor
+(``local_origin``/``local_shape`` include them, the cell's box does not).
+
+Example, ``linear_fc2.weight`` ``[layers=4, hidden=8, ffn=16]`` axes ``(layer, "", tp)`` at ``dp2-tp2-pp2``:
+rank 5 (tp1, dp0, pp1) holds cell ``(1, 1)`` = box ``[2:4, 0:8, 8:16]``, with replica rank 7.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+from typing import Iterator
+
+from lightning_dynatrain.vps.box import Box
+from lightning_dynatrain.vps.layout import DenseCoord, ExpertCoord, ParallelConfig
+from lightning_dynatrain.vps.spec import EXPERT, LAYER, TP, VOCAB, Group, LogicalTensor, ModelSpec, Place
+
+Cell = tuple[int, ...]
+
+
+class GridPlacement:
+    """The grid of one logical tensor under one layout. Pure; build through ``grid_placement``."""
+
+    def __init__(self, spec: ModelSpec, tensor: LogicalTensor, layout: ParallelConfig) -> None:
+        self.spec = spec
+        self.tensor = tensor
+        self.layout = layout
+        self.expert_mesh = tensor.group is Group.EXPERT
+        tp_size = layout.etp if self.expert_mesh else layout.tp
+        tp_dim = "etp" if self.expert_mesh else "tp"
+        # per split axis: (axis, mesh dimension, parts, cell width)
+        splits: list[tuple[int, str, int, int]] = []
+        for axis, role in enumerate(tensor.axes):
+            if role == LAYER:
+                splits.append((axis, "pp", layout.pp, tensor.shape[axis] // layout.pp))
+            elif role == EXPERT:
+                splits.append((axis, "ep", layout.ep, tensor.shape[axis] // layout.ep))
+            elif role == TP:
+                splits.append((axis, tp_dim, tp_size, tensor.shape[axis] // tp_size))
+            elif role == VOCAB:
+                splits.append((axis, tp_dim, tp_size, spec.padded_vocab(tp_size) // tp_size))
+        self.splits = tuple(splits)
+        self.split_dims = frozenset(d for _, d, _, _ in splits)
+        self.stages = self._stages()
+        self._holders: dict[tuple, tuple[int, ...]] = {}
+
+    def _stages(self) -> tuple[int, ...]:
+        place, pp = self.tensor.place, self.layout.pp
+        if place is Place.LAYERS:
+            return tuple(range(pp))
+        if place is Place.FIRST:
+            return (0,)
+        if place is Place.LAST:
+            return (pp - 1,)
+        return (0,) if pp == 1 else (0, pp - 1)
+
+    # ------------------------------------------------------------------ cells
+    def cell_of(self, rank: int) -> Cell | None:
+        """The cell ``rank`` holds, or ``None`` when its stage holds none of this tensor."""
+        c = self.coord(rank)
+        if c.pp not in self.stages:
+            return None
+        return tuple(getattr(c, dim) for _, dim, _, _ in self.splits)
+
+    def coord(self, rank: int) -> DenseCoord | ExpertCoord:
+        if self.expert_mesh:
+            return self.layout.expert_coord(rank)
+        return self.layout.dense_coord(rank)
+
+    def cell_box(self, cell: Cell) -> Box | None:
+        """The valid logical box of a cell (padding excluded); ``None`` if it is all padding."""
+        lo = [0] * self.tensor.ndim
+        hi = list(self.tensor.shape)
+        for (axis, _, _, width), index in zip(self.splits, cell):
+            lo[axis] = index * width
+            hi[axis] = min((index + 1) * width, self.tensor.shape[axis])
+            if hi[axis] <= lo[axis]:
+                return None
+        return Box(tuple(lo), tuple(hi))
+
+    def local_origin(self, cell: Cell) -> tuple[int, ...]:
+        """Logical coordinates of element 0 of the local tensor (non-stack axes)."""
+        origin = [0] * self.tensor.ndim
+        for (axis, _, _, width), index in zip(self.splits, cell):
+            origin[axis] = index * width
+        return tuple(origin[self.tensor.stack_axes:])
+
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of one local tensor viewed on the logical axes (non-stack axes, padding included)."""
+        shape = list(self.tensor.shape)
+        for axis, _, _, width in self.splits:
+            shape[axis] = width
+        return tuple(shape[self.tensor.stack_axes:])
+
+    def local_stack(self, cell: Cell) -> tuple[range, ...]:
+        """Global layer/expert indices of the separate local tensors of a cell, per stack axis."""
+        box = self.cell_box(cell)
+        assert box is not None
+        return tuple(range(box.lo[a], box.hi[a]) for a in range(self.tensor.stack_axes))
+
+    def cells_overlapping(self, box: Box) -> Iterator[Cell]:
+        """Cells (with a valid part) that intersect ``box``."""
+        ranges = []
+        for axis, _, parts, width in self.splits:
+            first = box.lo[axis] // width
+            last = min((box.hi[axis] - 1) // width, parts - 1)
+            ranges.append(range(first, last + 1))
+        for cell in itertools.product(*ranges):
+            if self.cell_box(cell) is not None:
+                yield cell
+
+    # ---------------------------------------------------------------- holders
+    def holders(self, cell: Cell, fixed: dict[str, int] | None = None) -> tuple[int, ...]:
+        """Ranks holding ``cell``, sorted. ``fixed`` pins more mesh dimensions (e.g. the zero shard)."""
+        key = (cell, tuple(sorted(fixed.items())) if fixed else ())
+        found = self._holders.get(key)
+        if found is None:
+            found = self._holders[key] = self._enumerate_holders(cell, fixed)
+        return found
+
+    def _enumerate_holders(self, cell: Cell, fixed: dict[str, int] | None) -> tuple[int, ...]:
+        pinned = dict(zip((d for _, d, _, _ in self.splits), cell))
+        if fixed:
+            pinned.update(fixed)
+        layout = self.layout
+        if self.expert_mesh:
+            sizes = {"etp": layout.etp, "ep": layout.ep, "edp": layout.edp}
+            dims = ("etp", "ep", "edp")
+        else:
+            sizes = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp}
+            dims = ("tp", "cp", "dp")
+        stages = (pinned["pp"],) if "pp" in pinned else self.stages
+        choices = [(pinned[d],) if d in pinned else range(sizes[d]) for d in dims]
+        ranks = []
+        for pp in stages:
+            for a, b, c in itertools.product(*choices):
+                if self.expert_mesh:
+                    ranks.append(layout.expert_rank(ExpertCoord(a, b, c, pp)))
+                else:
+                    ranks.append(layout.dense_rank(DenseCoord(a, b, c, pp)))
+        return tuple(sorted(ranks))
+
+    def replica_index(self, rank: int) -> int:
+        """Position of ``rank`` among the holders of its cell (used to spread sources evenly)."""
+        cell = self.cell_of(rank)
+        assert cell is not None
+        return self.holders(cell).index(rank)
+
+
+@lru_cache(maxsize=4096)
+def grid_placement(spec: ModelSpec, tensor_name: str, layout: ParallelConfig) -> GridPlacement:
+    return GridPlacement(spec, spec.tensor(tensor_name), layout)

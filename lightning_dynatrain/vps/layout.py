@@ -1,0 +1,198 @@
+"""Parallel layouts: how many ways each parallel axis splits the job, and which rank sits where.
+
+A layout is written ``dp2-tp2-pp1`` with optional ``-cpN``, ``-epN``, ``-etpN`` (expert tensor
+parallel, defaults to ``tp``) and ``-zero1`` (optimizer state sharded over data-parallel ranks as
+Megatron's distributed optimizer does; ``zero0`` keeps it replicated).
+
+Rank coordinates follow Megatron-core's ``RankGenerator`` with order ``tp-cp-ep-dp-pp`` so that the
+groups built here are the groups ``parallel_state.initialize_model_parallel`` builds:
+
+- dense mesh ``(tp, cp, dp, pp)``: ``rank = tp + TP * (cp + CP * (dp + DP * pp))``
+- expert mesh ``(etp, ep, edp, pp)``: ``rank = etp + ETP * (ep + EP * (edp + EDP * pp))``
+
+Example, ``dp2-tp2-pp2`` (8 ranks)::
+
+    rank:  0  1  2  3  4  5  6  7
+    tp:    0  1  0  1  0  1  0  1
+    dp:    0  0  1  1  0  0  1  1
+    pp:    0  0  0  0  1  1  1  1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from lightning_dynatrain.vps.errors import LayoutError
+
+_TOKEN = re.compile(r"^(dp|tp|pp|cp|ep|etp|zero)(\d+)$")
+
+
+class DenseCoord(NamedTuple):
+    """Position of a rank on the dense (non-expert) mesh."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+class ExpertCoord(NamedTuple):
+    """Position of a rank on the expert mesh (expert tensor, expert, expert-data, pipeline)."""
+
+    etp: int
+    ep: int
+    edp: int
+    pp: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """One parallel layout. Sizes only; validation against a model lives in ``validate``.
+
+    Attributes:
+        dp: data-parallel replicas (of the dense part).
+        tp: tensor-parallel ranks (Megatron column/row/vocab parallel split).
+        pp: pipeline stages (contiguous, equal numbers of layers).
+        cp: context-parallel ranks (sequence split; parameters are replicated over cp).
+        ep: expert-parallel ranks (experts split in contiguous ranges).
+        etp: expert tensor-parallel ranks; ``None`` means "same as tp".
+        zero: 0 = optimizer state replicated over data parallel, 1 = sharded (distributed optimizer).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(
+                    f"layout size {name}={value!r} is not a positive integer",
+                    hint=f"write e.g. '{name}1'",
+                )
+        if self.zero not in (0, 1):
+            raise LayoutError(
+                f"zero={self.zero!r} is not supported",
+                hint="use zero0 (replicated optimizer state) or zero1 (sharded over data parallel)",
+            )
+        if self.ep == 1 and self.etp != self.tp:
+            raise LayoutError(
+                f"etp={self.etp} differs from tp={self.tp} without expert parallelism",
+                hint="set etp equal to tp, or use ep > 1 (Megatron keeps expert weights in the dense "
+                "optimizer buffer when ep == 1)",
+            )
+        expert_capacity = self.tp * self.cp * self.dp
+        if expert_capacity % (self.etp * self.ep) != 0:
+            raise LayoutError(
+                f"expert groups do not fit: etp*ep = {self.etp}*{self.ep} must divide "
+                f"tp*cp*dp = {expert_capacity}",
+                hint="choose ep and etp so that etp*ep divides tp*cp*dp",
+            )
+
+    # ----------------------------------------------------------------- sizes
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: replicas of each expert shard."""
+        return (self.tp * self.cp * self.dp) // (self.etp * self.ep)
+
+    @property
+    def dp_cp(self) -> int:
+        """Size of the group the dense distributed optimizer shards over (dp x cp)."""
+        return self.dp * self.cp
+
+    # ----------------------------------------------------------- coordinates
+    def dense_coord(self, rank: int) -> DenseCoord:
+        self._check_rank(rank)
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        return DenseCoord(tp, cp, dp, pp)
+
+    def dense_rank(self, coord: DenseCoord) -> int:
+        tp, cp, dp, pp = coord
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def expert_coord(self, rank: int) -> ExpertCoord:
+        self._check_rank(rank)
+        etp, rest = rank % self.etp, rank // self.etp
+        ep, rest = rest % self.ep, rest // self.ep
+        edp, pp = rest % self.edp, rest // self.edp
+        return ExpertCoord(etp, ep, edp, pp)
+
+    def expert_rank(self, coord: ExpertCoord) -> int:
+        etp, ep, edp, pp = coord
+        return etp + self.etp * (ep + self.ep * (edp + self.edp * pp))
+
+    def dp_cp_index(self, rank: int) -> int:
+        """Rank within the dense data-parallel-with-context group (Megatron's ``dp_cp`` group)."""
+        c = self.dense_coord(rank)
+        return c.cp + self.cp * c.dp
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is outside layout {self} of world size {self.world_size}")
+
+    # ---------------------------------------------------------- string form
+    def __str__(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.cp != 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep != 1:
+            parts.append(f"ep{self.ep}")
+        if self.etp != self.tp:
+            parts.append(f"etp{self.etp}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        return "-".join(parts)
+
+    @classmethod
+    def parse(cls, text: "str | ParallelConfig") -> "ParallelConfig":
+        """Parse ``dp2-tp2-pp1[-cpN][-epN][-etpN][-zero1]``; omitted sizes are 1.
+
+        >>> str(ParallelConfig.parse("tp2-dp2-zero1"))
+        'dp2-tp2-pp1-zero1'
+        """
+        if isinstance(text, ParallelConfig):
+            return text
+        if not isinstance(text, str) or not text.strip():
+            raise LayoutError(
+                f"cannot parse layout {text!r}", hint="write a layout like 'dp2-tp2-pp1' or 'dp4-tp1-pp1-zero1'"
+            )
+        values: dict[str, int] = {}
+        for token in text.strip().lower().split("-"):
+            match = _TOKEN.match(token)
+            if match is None:
+                raise LayoutError(
+                    f"cannot parse layout {text!r}: unknown part {token!r}",
+                    hint="parts are dpN, tpN, ppN, cpN, epN, etpN, zero0/zero1 joined by '-', e.g. 'dp2-tp2-pp1'",
+                )
+            name, number = match.group(1), int(match.group(2))
+            if name in values:
+                raise LayoutError(f"cannot parse layout {text!r}: {name} is given twice", hint="give each size once")
+            values[name] = number
+        return cls(**values)
+
+    def replace(self, **changes: int) -> "ParallelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def as_layout(value: "str | ParallelConfig") -> ParallelConfig:
+    """Accept a layout or its string form."""
+    return ParallelConfig.parse(value)
+
+
+__all__ = ["DenseCoord", "ExpertCoord", "ParallelConfig", "as_layout"]

@@ -1,0 +1,59 @@
+"""What one rank does in a switch: the boxes it sends, receives and keeps. Pure data, printable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from lightning_dynatrain.vps.box import Box
+from lightning_dynatrain.vps.spec import Precision, StateKind
+
+
+class Transfer(NamedTuple):
+    """One box of one state kind of one tensor; ``peer`` is the other rank (self for a retain)."""
+
+    peer: int
+    tensor: str
+    kind: StateKind
+    box: Box
+
+    def __str__(self) -> str:
+        return f"{self.tensor}:{self.kind.value}{self.box}@{self.peer}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """The send, receive and retain lists of one rank for a switch from ``src`` to ``dst``.
+
+    Every rank computes every plan from the same inputs, so no coordination is needed: rank ``i``'s
+    send list to ``j`` matches rank ``j``'s receive list from ``i`` box for box, in the same order.
+    """
+
+    rank: int
+    src: str
+    dst: str
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+    retains: tuple[Transfer, ...]
+
+    def peers(self) -> tuple[int, ...]:
+        return tuple(sorted({t.peer for t in self.sends} | {t.peer for t in self.recvs}))
+
+    def bytes(self, transfers: tuple[Transfer, ...], precision: Precision) -> int:
+        return sum(t.box.numel * precision.element_size(t.kind) for t in transfers)
+
+    def sends_to(self, peer: int) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.sends if t.peer == peer)
+
+    def recvs_from(self, peer: int) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.recvs if t.peer == peer)
+
+    def __str__(self) -> str:
+        def count(ts: tuple[Transfer, ...]) -> str:
+            return f"{len(ts)} boxes/{sum(t.box.numel for t in ts)} el"
+
+        return (
+            f"rank {self.rank} {self.src}->{self.dst}: send {count(self.sends)} to {sorted({t.peer for t in self.sends})}"
+            f" | recv {count(self.recvs)} from {sorted({t.peer for t in self.recvs})}"
+            f" | retain {count(self.retains)}"
+        )

@@ -1,0 +1,66 @@
+"""Property tests of the planner over random models and random layout pairs (worlds 1-64).
+
+Each example plans every rank of the union world and runs the plans in the simulator: every
+destination element is written exactly once with the right value, every sent box is owned by its
+sender, sends and receives mirror each other in order, and the moved elements are the minimum.
+"""
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from lightning_dynatrain.vps.planner import plan_all
+from lightning_dynatrain.vps.spec import Precision
+from tests.vps.simulator import minimum_moved, simulate
+from tests.vps.strategies import layouts, small_specs
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+
+
+@st.composite
+def switches(draw, *, moe=None):
+    spec = draw(small_specs(moe=moe))
+    same_world = draw(st.booleans())
+    src = draw(layouts(spec))
+    dst = draw(layouts(spec, world_size=src.world_size if same_world else None))
+    return spec, src, dst, draw(st.sampled_from(list(Precision))), draw(st.sampled_from([1, 2, 4, 8]))
+
+
+@settings(max_examples=350, **SETTINGS)
+@given(switches(moe=False))
+def test_dense_switch_is_exact_and_minimal(case):
+    _check(*case)
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(switches(moe=True))
+def test_moe_switch_is_exact_and_minimal(case):
+    _check(*case)
+
+
+def _check(spec, src, dst, precision, gpus_per_node):
+    plans = plan_all(spec, src, dst, precision=precision, gpus_per_node=gpus_per_node)
+    result = simulate(spec, src, dst, plans, precision)
+    assert result.moved_elements == minimum_moved(spec, src, dst, precision)
+    assert result.moved_elements + result.retained_elements == result.dest_elements
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(st.data())
+def test_identity_switch_moves_nothing(data):
+    spec = data.draw(small_specs())
+    layout = data.draw(layouts(spec))
+    plans = plan_all(spec, layout, layout)
+    assert all(not p.sends and not p.recvs for p in plans.values())
+    assert simulate(spec, layout, layout, plans).moved_elements == 0
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(st.data())
+def test_plans_are_deterministic(data):
+    spec = data.draw(small_specs())
+    src = data.draw(layouts(spec))
+    dst = data.draw(layouts(spec))
+    first = plan_all(spec, src, dst)
+    from lightning_dynatrain.vps.dryrun import clear_planner_caches
+
+    clear_planner_caches()
+    assert plan_all(spec, src, dst) == first
