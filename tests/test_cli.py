@@ -1,0 +1,66 @@
+"""The ``dynatrain plan`` command, run as a user runs it (a real subprocess)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KEYS = {"parameters", "state_bytes", "moved_bytes", "retained_bytes", "intra_node_bytes", "inter_node_bytes",
+        "max_rank_send_bytes", "max_rank_recv_bytes", "plan_seconds", "plan_seconds_per_rank_max",
+        "estimated_transfer_seconds"}
+
+
+def dynatrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_dynatrain.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def plan_json(*args: str) -> dict:
+    out = dynatrain("plan", *args, "--json")
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(figures) == KEYS
+    return figures
+
+
+def test_data_to_tensor_parallel_without_zero_moves_nothing():
+    f = plan_json("--model", "llama2-7b", "--src", "dp4-tp1-pp1", "--dst", "dp2-tp2-pp1")
+    assert f["moved_bytes"] == 0
+    assert f["retained_bytes"] > 0
+
+
+def test_tp4_to_dp4_moves_three_full_copies():
+    f = plan_json("--model", "llama2-7b", "--src", "dp1-tp4-pp1", "--dst", "dp4-tp1-pp1", "--precision", "fp32")
+    # each of the 4 destination ranks needs the 3/4 of the state it did not hold
+    assert f["moved_bytes"] == pytest.approx(3 * f["state_bytes"], rel=0.01)
+    assert f["moved_bytes"] == f["intra_node_bytes"] + f["inter_node_bytes"]
+    assert f["state_bytes"] == f["parameters"] * 12
+
+
+def test_1024_rank_plan_runs_and_adds_up():
+    f = plan_json("--model", "llama2-70b", "--src", "dp16-tp8-pp8", "--dst", "dp32-tp4-pp8")
+    assert f["moved_bytes"] > 0 and f["inter_node_bytes"] >= 0
+    assert f["max_rank_recv_bytes"] <= f["moved_bytes"]
+    assert f["estimated_transfer_seconds"] > 0
+
+
+def test_single_rank_report_prints_its_plan():
+    out = dynatrain("plan", "--model", "llama2-7b", "--src", "dp2-tp2-pp1", "--dst", "dp1-tp2-pp2", "--rank", "3",
+                    "--gpus-per-node", "2")
+    assert out.returncode == 0, out.stderr
+    assert "rank 3 dp2-tp2-pp1->dp1-tp2-pp2:" in out.stdout
+    assert "moved_bytes" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "gpt-5", "--src", "dp2-tp1-pp1", "--dst", "dp1-tp2-pp1"), "unknown model 'gpt-5'"),
+    (("--model", "llama2-7b", "--src", "dp2-tx1", "--dst", "dp1-tp2-pp1"), "unknown part 'tx1'"),
+    (("--model", "llama2-7b", "--src", "dp1-tp3-pp1", "--dst", "dp1-tp2-pp1"), "tp=3 must divide the 32 attention heads"),
+    (("--model", "llama2-7b", "--src", "dp2-tp1-pp1", "--dst", "dp1-tp2-pp1", "--rank", "9"), "outside the union world"),
+])
+def test_bad_input_exits_2_with_the_reason_and_no_traceback(args, message):
+    out = dynatrain("plan", *args)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
