@@ -52,6 +52,7 @@ class GridPlacement:
         self.split_dims = frozenset(d for _, d, _, _ in splits)
         self.stages = self._stages()
         self._holders: dict[tuple, tuple[int, ...]] = {}
+        self._cell_boxes: dict[Cell, Box | None] = {}
 
     def _stages(self) -> tuple[int, ...]:
         place, pp = self.tensor.place, self.layout.pp
@@ -78,6 +79,13 @@ class GridPlacement:
 
     def cell_box(self, cell: Cell) -> Box | None:
         """The valid logical box of a cell (padding excluded); ``None`` if it is all padding."""
+        try:
+            return self._cell_boxes[cell]
+        except KeyError:
+            box = self._cell_boxes[cell] = self._make_cell_box(cell)
+            return box
+
+    def _make_cell_box(self, cell: Cell) -> Box | None:
         lo = [0] * self.tensor.ndim
         hi = list(self.tensor.shape)
         for (axis, _, _, width), index in zip(self.splits, cell):

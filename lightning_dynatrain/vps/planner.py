@@ -35,10 +35,14 @@ def choose_source(holders: tuple[int, ...], dest: int, replica: int, gpus_per_no
     ``replica`` is ``dest``'s position among the ranks that hold the same destination atom, so the
     replicas of one destination atom read from different holders where there are several.
     """
-    node = dest // gpus_per_node
-    local = [h for h in holders if h // gpus_per_node == node]
-    candidates = local or holders
+    candidates = _candidates(holders, dest // gpus_per_node, gpus_per_node)
     return candidates[replica % len(candidates)]
+
+
+@lru_cache(maxsize=65536)
+def _candidates(holders: tuple[int, ...], node: int, gpus_per_node: int) -> tuple[int, ...]:
+    local = tuple(h for h in holders if h // gpus_per_node == node)
+    return local or holders
 
 
 def _kind_groups(src: ParallelConfig, dst: ParallelConfig, precision: Precision) -> list[tuple[bool, bool, tuple[StateKind, ...]]]:

@@ -112,8 +112,16 @@ class LogicalTensor:
     place: Place
     megatron_name: str
     last_stage_name: str | None = None
+    stack_axes: int = field(init=False, default=0, compare=False)
+    """Number of leading axes that index separate local tensors (layer, then expert)."""
 
     def __post_init__(self) -> None:
+        n = 0
+        for role in self.axes:
+            if role not in (LAYER, EXPERT):
+                break
+            n += 1
+        object.__setattr__(self, "stack_axes", n)
         if len(self.shape) != len(self.axes):
             raise ModelSpecError(f"{self.name}: shape {self.shape} and axes {self.axes} differ in length")
         if any(r not in _ROLES for r in self.axes):
@@ -133,16 +141,6 @@ class LogicalTensor:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def stack_axes(self) -> int:
-        """Number of leading axes that index separate local tensors (layer, then expert)."""
-        n = 0
-        for role in self.axes:
-            if role not in (LAYER, EXPERT):
-                break
-            n += 1
-        return n
 
     def axis_of(self, role: str) -> int | None:
         return self.axes.index(role) if role in self.axes else None
