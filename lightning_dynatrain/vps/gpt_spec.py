@@ -8,7 +8,8 @@ in ``tests/vps/test_gpt_spec_megatron.py``::
                self_attention.linear_qkv.{weight,bias}, self_attention.{q,k}_layernorm.{weight,bias},
                pre_mlp_layernorm.{weight,bias},
                dense: mlp.linear_fc1.{weight,bias}, mlp.linear_fc2.{weight,bias}
-               MoE:   mlp.router.weight, mlp.experts.local_experts.{e}.linear_fc{1,2}.weight,
+               MoE:   mlp.router.{weight,bias}, per local expert e:
+                      mlp.experts.local_experts.{e}.linear_fc1.{weight,bias}, ...linear_fc2.{weight,bias},
                       mlp.shared_experts.linear_fc{1,2}.weight
     decoder.final_layernorm.{weight,bias}, output_layer.weight
 """
@@ -139,13 +140,19 @@ def build_gpt_spec(name: str, dims: GPTDims, *, published_parameters: int | None
     else:
         E, f = dims.num_experts, dims.moe_ffn_hidden
         add("mlp.router.weight", (L, E, h), (LAYER, NONE, NONE))
-        fc1 = (L, E, 2, f, h) if dims.gated_mlp else (L, E, f, h)
-        fc1_axes = (LAYER, EXPERT, NONE, TP, NONE) if dims.gated_mlp else (LAYER, EXPERT, TP, NONE)
+        if dims.add_bias_linear:
+            add("mlp.router.bias", (L, E), (LAYER, NONE))
         expert_name = _LAYERS + "mlp.experts.local_experts.{expert}."
-        add("mlp.experts.linear_fc1.weight", fc1, fc1_axes, group=Group.EXPERT,
-            megatron=expert_name + "linear_fc1.weight")
-        add("mlp.experts.linear_fc2.weight", (L, E, h, f), (LAYER, EXPERT, NONE, TP), group=Group.EXPERT,
-            megatron=expert_name + "linear_fc2.weight")
+        if dims.gated_mlp:
+            fc1, fc1_axes = ((L, E, 2, f, h), (LAYER, EXPERT, NONE, TP, NONE))
+        else:
+            fc1, fc1_axes = ((L, E, f, h), (LAYER, EXPERT, TP, NONE))
+        expert_tensors = [("linear_fc1.weight", fc1, fc1_axes), ("linear_fc2.weight", (L, E, h, f), (LAYER, EXPERT, NONE, TP))]
+        if dims.add_bias_linear:
+            expert_tensors.insert(1, ("linear_fc1.bias", fc1[:-1], fc1_axes[:-1]))
+            expert_tensors.append(("linear_fc2.bias", (L, E, h), (LAYER, EXPERT, NONE)))
+        for local, shape, axes in expert_tensors:
+            add("mlp.experts." + local, shape, axes, group=Group.EXPERT, megatron=expert_name + local)
         if dims.shared_expert_ffn:
             _add_mlp(add, "mlp.shared_experts", L, h, dims.shared_expert_ffn, dims.gated_mlp, False)
 
@@ -195,9 +202,9 @@ def _check(name: str, dims: GPTDims) -> None:
                              hint="use rope, learned_absolute or none")
     if dims.num_experts and (dims.moe_ffn_hidden <= 0):
         raise ModelSpecError(f"{name}: an MoE model needs moe_ffn_hidden > 0")
-    if dims.num_experts and dims.add_bias_linear:
-        raise ModelSpecError(f"{name}: MoE layers with linear biases are not supported",
-                             hint="set add_bias_linear=False (Megatron's shared experts refuse biases too)")
+    if dims.shared_expert_ffn and dims.add_bias_linear:
+        raise ModelSpecError(f"{name}: Megatron's shared experts have no biases",
+                             hint="set add_bias_linear=False or shared_expert_ffn=0")
 
 
 def dims_from_megatron(config: Any, *, vocab_size: int, seq_length: int = 2048, tied_embeddings: bool = False,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from lightning_dynatrain.vps.errors import LayoutError
@@ -27,7 +29,7 @@ def small_specs(draw, *, moe: bool | None = None):
         seq_length=8,
         gated_mlp=draw(st.booleans()),
         normalization=draw(st.sampled_from(["LayerNorm", "RMSNorm"])),
-        add_bias_linear=(not is_moe) and draw(st.booleans()),
+        add_bias_linear=draw(st.booleans()),
         qk_layernorm=draw(st.booleans()),
         position_embedding=draw(st.sampled_from(["rope", "learned_absolute"])),
         tied_embeddings=draw(st.booleans()),
@@ -36,6 +38,8 @@ def small_specs(draw, *, moe: bool | None = None):
         moe_ffn_hidden=draw(st.sampled_from([4, 8])) if is_moe else 0,
         shared_expert_ffn=draw(st.sampled_from([0, 4])) if is_moe else 0,
     )
+    if dims.add_bias_linear and dims.shared_expert_ffn:
+        dims = dataclasses.replace(dims, shared_expert_ffn=0)
     return build_gpt_spec("tiny-moe" if is_moe else "tiny", dims)
 
 

@@ -1,0 +1,344 @@
+"""Megatron DDP + optimizer for one layout, a training step, and views of the optimizer state.
+
+``build_ddp_and_optimizer`` wraps a ``GPTModel`` the way Megatron-LM trains it: contiguous
+param-and-grad buffers (``DistributedDataParallel``), ``get_megatron_optimizer`` with Adam, and
+megatron's distributed optimizer (ZeRO-1: optimizer state sharded over the data-parallel group) when
+the layout says ``zero1``. ``optimizer_state_views`` exposes, per parameter, the tensors that hold its
+state on this rank and where they sit in megatron's flat buffer: what the switch engine reads and
+writes. ``run_train_step`` runs one optimizer step through megatron's own pipeline schedules.
+
+Example (2 ranks, ``dp2-tp1-pp1-zero1``)::
+
+    pgs = initialize_for_layout(layout, seed=0)
+    model = build_gpt_model(shape, layout, seed=0)
+    ddp, opt = build_ddp_and_optimizer(model, layout, lr=1e-3, weight_decay=0.1)
+    loss = run_train_step(ddp, opt, {"tokens": x, "labels": y}, layout, num_microbatches=2)
+    views = optimizer_state_views(ddp, opt)   # views["output_layer.weight"].shard_range == (0, 2048)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import (
+    ChainedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+)
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
+from lightning_dynatrain.vps.errors import LayoutError
+from lightning_dynatrain.vps.layout import ParallelConfig
+
+
+def build_ddp_and_optimizer(
+    model: torch.nn.Module,
+    layout: ParallelConfig,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_eps: float = 1e-8,
+    clip_grad: float = 0.0,
+    pg_collection: ProcessGroupCollection | None = None,
+) -> tuple[DistributedDataParallel, MegatronOptimizer]:
+    """Wrap ``model`` in megatron DDP and build its Adam optimizer for ``layout``.
+
+    fp32 params (bf16 params get fp32 main params), grads reduced in fp32, no loss scaling, no overlap (one bucket per buffer, except
+    megatron's own split of a shared embedding), ``use_distributed_optimizer = layout.zero == 1``.
+    Weight decay skips biases and 1-D params (megatron's default overrides); Adam is megatron's
+    ``adam`` (decoupled weight decay, i.e. ``torch.optim.AdamW`` without Apex/TE).
+
+    Returns:
+        ``(ddp_model, optimizer)``; the optimizer is megatron's ``ChainedOptimizer`` (one for the
+        dense params, one more for expert params when expert params are not all-reduced, ep > 1).
+    """
+    pgs = pg_collection if pg_collection is not None else current_process_groups()
+    params_dtype = model.config.params_dtype
+    if params_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"params_dtype {params_dtype} is not supported. HINT: build the model with "
+            "params_dtype=torch.float32 (or torch.bfloat16: fp32 main params, no loss scaling)"
+        )
+    distributed = layout.zero == 1
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=distributed,
+        bucket_size=None,
+    )
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+        clip_grad=clip_grad,
+        params_dtype=params_dtype,
+        fp16=False,
+        bf16=params_dtype == torch.bfloat16,
+        loss_scale=None,
+        use_distributed_optimizer=distributed,
+    )
+    with megatron_on_cpu():
+        ddp_model = DistributedDataParallel(
+            config=model.config, ddp_config=ddp_config, module=model, pg_collection=pgs
+        )
+        optimizer = get_megatron_optimizer(
+            opt_config, [ddp_model], use_gloo_process_groups=False, pg_collection=pgs
+        )
+    return ddp_model, optimizer
+
+
+# ------------------------------------------------------------------------------------ state views
+@dataclass(frozen=True, slots=True)
+class BufferInfo:
+    """One megatron param-and-grad buffer (``ddp.buffers[i]`` or ``ddp.expert_parallel_buffers[i]``).
+
+    Attributes:
+        kind: ``"dense"`` (sharded over dp x cp) or ``"expert"`` (sharded over expert-dp).
+        index: position in ``ddp.buffers`` / ``ddp.expert_parallel_buffers``.
+        numel: padded size of the flat buffer.
+        numel_unpadded: elements that belong to params.
+        buckets: ``(start, end)`` of each bucket in the buffer, padded.
+        shard_group_size: ranks the distributed optimizer shards each bucket over (1 under zero0).
+        shard_rank: this rank's index in that group.
+    """
+
+    kind: str
+    index: int
+    numel: int
+    numel_unpadded: int
+    buckets: tuple[tuple[int, int], ...]
+    shard_group_size: int
+    shard_rank: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ParamStateView:
+    """Where one parameter's training state lives on this rank. Tensors are live views.
+
+    Attributes:
+        name: name in the unwrapped ``GPTModel.named_parameters()`` (stage-local layer index,
+            rank-local expert index).
+        param: the model parameter (this rank's TP/EP shard, full local shape).
+        main_param: the fp32 master copy when separate from ``param`` (bf16/fp16 training), flat
+            over ``shard_range`` under the distributed optimizer; ``None`` for fp32 params, where the
+            optimizer updates ``param`` (or its flat shard) directly.
+        exp_avg, exp_avg_sq: Adam moments; shape of ``param`` under zero0, flat of length
+            ``shard_range[1] - shard_range[0]`` under zero1; ``None`` before the first step, or when
+            this rank's shard holds no element of the param.
+        step: Adam's step count for this param (``None`` before the first step).
+        shard_range: ``(start, end)`` into ``param.view(-1)`` that this rank's optimizer owns under
+            zero1 (``None`` when it owns none of it); ``(0, numel)`` under zero0.
+        buffer_range: ``(start, end, bucket_id)`` of the param in the grad buffer
+            (megatron's ``param_index_map``).
+        buffer: the buffer it lives in.
+    """
+
+    name: str
+    param: torch.Tensor
+    main_param: torch.Tensor | None
+    exp_avg: torch.Tensor | None
+    exp_avg_sq: torch.Tensor | None
+    step: float | None
+    shard_range: tuple[int, int] | None
+    buffer_range: tuple[int, int, int]
+    buffer: BufferInfo
+
+
+def _buffers(ddp_model: DistributedDataParallel) -> dict[torch.nn.Parameter, tuple[BufferInfo, tuple]]:
+    where: dict[torch.nn.Parameter, tuple[BufferInfo, tuple]] = {}
+    for kind, buffers in (("dense", ddp_model.buffers), ("expert", ddp_model.expert_parallel_buffers)):
+        for index, buf in enumerate(buffers):
+            distributed = buf.ddp_config.use_distributed_optimizer
+            info = BufferInfo(
+                kind=kind,
+                index=index,
+                numel=buf.numel,
+                numel_unpadded=buf.numel_unpadded,
+                buckets=tuple((b.offset, b.offset + b.grad_data.numel()) for b in buf.buckets),
+                shard_group_size=buf.data_parallel_group.size() if distributed else 1,
+                shard_rank=buf.data_parallel_group.rank() if distributed else 0,
+            )
+            for param, rng in buf.param_index_map.items():
+                where[param] = (info, tuple(int(x) for x in rng))
+    return where
+
+
+def _model_to_optimizer_param(optimizer: MegatronOptimizer) -> dict:
+    """model param -> (inner torch optimizer, the tensor it updates, main param or None, shard range)."""
+    out: dict = {}
+    subs = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for sub in subs:
+        if isinstance(sub, DistributedOptimizer):
+            if sub.is_stub_optimizer:
+                continue
+            for model_groups, shard_groups, separate in (
+                (sub.model_fp32_groups, sub.shard_fp32_groups, False),  # updates a view of the param
+                (sub.model_float16_groups, sub.shard_fp32_from_float16_groups, True),  # fp32 main copy
+            ):
+                for model_group, shard_group in zip(model_groups, shard_groups):
+                    for model_param, shard in zip(model_group, shard_group):
+                        rng = sub._get_model_param_range_map(model_param)["param"]
+                        out[model_param] = (sub.optimizer, shard, shard if separate else None, (rng.start, rng.end))
+        elif isinstance(sub, Float16OptimizerWithFloat16Params):
+            for model_group, main_group in zip(sub.float16_groups, sub.fp32_from_float16_groups):
+                for model_param, main in zip(model_group, main_group):
+                    out[model_param] = (sub.optimizer, main, main, (0, model_param.numel()))
+            for group in sub.fp32_from_fp32_groups:
+                for model_param in group:
+                    out[model_param] = (sub.optimizer, model_param, None, (0, model_param.numel()))
+        elif isinstance(sub, FP32Optimizer):
+            if sub.is_stub_optimizer:
+                continue
+            for group in sub.optimizer.param_groups:
+                for model_param in group["params"]:
+                    out[model_param] = (sub.optimizer, model_param, None, (0, model_param.numel()))
+        else:
+            raise TypeError(f"unsupported megatron optimizer {type(sub).__name__}")
+    return out
+
+
+def optimizer_state_views(
+    ddp_model: DistributedDataParallel, optimizer: MegatronOptimizer
+) -> dict[str, ParamStateView]:
+    """Per parameter of the unwrapped model (in ``named_parameters()`` order): its state on this rank.
+
+    Under zero1 a parameter whose elements all fall in other ranks' shards has
+    ``shard_range=None`` and no moments here. Reads only; touches no process group.
+    """
+    where = _buffers(ddp_model)
+    owned = _model_to_optimizer_param(optimizer)
+    views: dict[str, ParamStateView] = {}
+    for name, param in ddp_model.module.named_parameters():
+        buffer, buffer_range = where[param]
+        inner, updated, main, shard_range = owned.get(param, (None, None, None, None))
+        state = inner.state.get(updated, {}) if inner is not None else {}
+        step = state.get("step")
+        views[name] = ParamStateView(
+            name=name,
+            param=param,
+            main_param=main,
+            exp_avg=state.get("exp_avg"),
+            exp_avg_sq=state.get("exp_avg_sq"),
+            step=float(step) if step is not None else None,
+            shard_range=shard_range,
+            buffer_range=buffer_range,
+            buffer=buffer,
+        )
+    return views
+
+
+# ----------------------------------------------------------------------------------- one train step
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's 3-tuple loss contract: (sum of token losses, token count, values to report)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss_sum = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def _forward_step(data_iterator: Iterator[Mapping[str, torch.Tensor]], model: torch.nn.Module):
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    positions = torch.arange(tokens.shape[1], dtype=torch.long).unsqueeze(0).expand_as(tokens)
+    output = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _microbatches(batch: Mapping[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:
+    tokens = batch["tokens"]
+    if tokens.dim() != 2 or tokens.shape[0] % num_microbatches:
+        raise ValueError(
+            f"tokens of shape {tuple(tokens.shape)} cannot be split into {num_microbatches} micro-batches. "
+            "HINT: pass [local_batch, seq] tokens with local_batch a multiple of num_microbatches"
+        )
+    mask = batch.get("loss_mask")
+    if mask is None:
+        mask = torch.ones_like(tokens, dtype=torch.float)
+    parts = {k: v.chunk(num_microbatches) for k, v in (("tokens", tokens), ("labels", batch["labels"]), ("loss_mask", mask))}
+    return [{k: parts[k][i] for k in parts} for i in range(num_microbatches)]
+
+
+def run_train_step(
+    ddp_model: DistributedDataParallel,
+    optimizer: MegatronOptimizer,
+    batch: Mapping[str, torch.Tensor],
+    layout: ParallelConfig,
+    num_microbatches: int,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+) -> float:
+    """One optimizer step over this data-parallel rank's ``batch``; returns the global mean loss.
+
+    Args:
+        batch: ``tokens`` and ``labels`` ``[local_batch, seq]`` (int64), optional ``loss_mask``
+            (same shape). Every TP/PP rank of a data-parallel replica passes the same batch.
+        num_microbatches: micro-batches the local batch is split into (1F1B schedule when pp > 1).
+
+    Returns:
+        Sum of masked token losses over all micro-batches and data-parallel ranks divided by their
+        token count (the quantity whose gradient is applied when micro-batches hold equal token
+        counts); the same float on every rank.
+    """
+    pgs = pg_collection if pg_collection is not None else current_process_groups()
+    if pgs.pp.size() != layout.pp:
+        raise LayoutError(
+            f"pipeline group of size {pgs.pp.size()} does not match layout {layout}",
+            hint="build the model, DDP and optimizer after initialize_for_layout(layout, ...)",
+        )
+    device = next(ddp_model.parameters()).device
+    micro = _microbatches({k: v.to(device) for k, v in batch.items()}, num_microbatches)
+    micro_batch_size, seq_length = micro[0]["tokens"].shape
+    ddp_model.train()
+    with megatron_on_cpu():
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=iter(micro),
+            model=[ddp_model],
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
+        finalize_model_grads([ddp_model], pg_collection=pgs)
+        optimizer.step()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    last_stage = pgs.pp.rank() == pgs.pp.size() - 1
+    if last_stage:
+        for report in reports:
+            total += report["lm loss"].to(torch.float64)
+        dist.all_reduce(total, group=pgs.dp_cp)
+    if pgs.pp.size() > 1:
+        last_rank = dist.get_global_rank(pgs.pp, pgs.pp.size() - 1)
+        dist.broadcast(total, src=last_rank, group=pgs.pp)
+    return float(total[0] / total[1])
+
+
+__all__ = [
+    "BufferInfo",
+    "ParamStateView",
+    "build_ddp_and_optimizer",
+    "optimizer_state_views",
+    "run_train_step",
+]

@@ -1,0 +1,43 @@
+"""The multi-process helper itself: results come back, child failures and hangs fail the test."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import DistributedTestError, run_distributed
+
+
+def _sum_ranks(rank: int, world_size: int, scale: float) -> float:
+    t = torch.tensor([float(rank + 1) * scale])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _fail_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 says no")
+    dist.barrier()  # rank 0 waits for a peer that never comes
+
+
+def _hang(rank: int, world_size: int) -> None:
+    time.sleep(60)
+
+
+def test_returns_per_rank_values():
+    assert run_distributed(_sum_ranks, 2, 1.5) == [4.5, 4.5]
+
+
+def test_child_exception_text_reaches_the_parent():
+    with pytest.raises(DistributedTestError, match="ValueError: rank 1 says no"):
+        run_distributed(_fail_on_rank_1, 2, timeout_s=60)
+
+
+def test_timeout_fails():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match="timed out"):
+        run_distributed(_hang, 2, timeout_s=5)
+    assert time.monotonic() - start < 15
