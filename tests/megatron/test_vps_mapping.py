@@ -27,14 +27,28 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.names import local_parameters
 from lightning_dynatrain.vps.spec import StateKind
-from tests.megatron.jobs import SHAPES, WORLD2, WORLD4
+from tests.megatron.jobs import SHAPES, WORLD1, WORLD2, WORLD4
 
-CASES = [(2, key) for key in WORLD2] + [(4, key) for key in WORLD4]
+CASES = [(1, key) for key in WORLD1] + [(2, key) for key in WORLD2] + [(4, key) for key in WORLD4]
 IDS = [f"{k[0]}-{k[1]}" for _, k in CASES]
 
 
 def _spec(shape_name: str):
     return logical_spec(GPTShape(**SHAPES[shape_name]), shape_name)
+
+
+@pytest.mark.parametrize("shape_name", sorted(SHAPES))
+def test_spec_read_from_a_transformer_config_is_the_builders(shape_name):
+    """``dims_from_megatron`` on megatron's own ``TransformerConfig`` gives the same logical tensors."""
+    from lightning_dynatrain.megatron.gpt import transformer_config
+    from lightning_dynatrain.vps.gpt_spec import build_gpt_spec, dims_from_megatron
+
+    shape = GPTShape(**SHAPES[shape_name])
+    config = transformer_config(shape, ParallelConfig.parse("dp1-tp1-pp1"))
+    dims = dims_from_megatron(config, vocab_size=shape.vocab_size, seq_length=shape.seq_length,
+                              tied_embeddings=shape.tied_embeddings, position_embedding=shape.position_embedding,
+                              make_vocab_size_divisible_by=shape.make_vocab_size_divisible_by)
+    assert build_gpt_spec(shape_name, dims).tensors == _spec(shape_name).tensors
 
 
 def _logical(world1: list[dict], shape_name: str, what: str) -> dict[str, np.ndarray]:
