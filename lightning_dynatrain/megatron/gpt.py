@@ -193,6 +193,7 @@ def transformer_config(
     *,
     params_dtype: torch.dtype = torch.float32,
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall",
+    initialize: bool = True,
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for ``shape`` split by ``layout``.
 
@@ -236,6 +237,7 @@ def transformer_config(
         expert_tensor_parallel_size=layout.etp,
         sequence_parallel=shape.is_moe and layout.tp > 1,
         use_cpu_initialization=True,
+        perform_initialization=initialize,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -261,6 +263,7 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     pg_collection: ProcessGroupCollection | None = None,
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall",
+    initialize: bool = True,
 ) -> GPTModel:
     """Build this rank's part of the GPT: its pipeline stage, its TP/EP shards.
 
@@ -271,6 +274,8 @@ def build_gpt_model(
 
     Args:
         pg_collection: groups to build on; default: the current megatron groups.
+        initialize: ``False`` allocates the parameters without initialising them (a hot switch fills
+            them right after), skipping megatron's master-weight init and ``init_layout_independent``.
     """
     pgs = pg_collection if pg_collection is not None else current_process_groups()
     if pgs.tp.size() != layout.tp or pgs.pp.size() != layout.pp:
@@ -279,7 +284,7 @@ def build_gpt_model(
             hint="call initialize_for_layout(layout, seed=...) before build_gpt_model",
         )
     config = transformer_config(
-        shape, layout, params_dtype=params_dtype, moe_token_dispatcher=moe_token_dispatcher
+        shape, layout, params_dtype=params_dtype, moe_token_dispatcher=moe_token_dispatcher, initialize=initialize
     )
     pp_rank = pgs.pp.rank()
     torch.manual_seed(seed)
@@ -296,7 +301,8 @@ def build_gpt_model(
             parallel_output=True,
             pg_collection=pgs,
         )
-    init_layout_independent(model, shape, layout, seed=seed, pg_collection=pgs)
+    if initialize:
+        init_layout_independent(model, shape, layout, seed=seed, pg_collection=pgs)
     return model
 
 

@@ -115,9 +115,11 @@ def build_gpt_spec(name: str, dims: GPTDims, *, published_parameters: int | None
         if norm_bias:
             add(prefix + ".bias", lead + (width,), lead_axes + (NONE,), place=place)
 
-    # ---- pre-process (first stage)
+    # ---- pre-process (first stage); vocabulary rows: Megatron's padding at the largest valid tp
+    multiple = dims.make_vocab_size_divisible_by * g
+    vocab_rows = -(-dims.vocab_size // multiple) * multiple
     emb_place = Place.FIRST_AND_LAST if dims.tied_embeddings else Place.FIRST
-    add("embedding.word_embeddings.weight", (dims.vocab_size, h), (VOCAB, NONE), place=emb_place,
+    add("embedding.word_embeddings.weight", (vocab_rows, h), (VOCAB, NONE), place=emb_place,
         last="output_layer.weight" if dims.tied_embeddings else None)
     if dims.position_embedding == "learned_absolute":
         add("embedding.position_embeddings.weight", (dims.seq_length, h), (NONE, NONE), place=Place.FIRST)
@@ -159,7 +161,7 @@ def build_gpt_spec(name: str, dims: GPTDims, *, published_parameters: int | None
     # ---- post-process (last stage)
     add_norm("decoder.final_layernorm", h, place=Place.LAST)
     if not dims.tied_embeddings:
-        add("output_layer.weight", (dims.vocab_size, h), (VOCAB, NONE), place=Place.LAST)
+        add("output_layer.weight", (vocab_rows, h), (VOCAB, NONE), place=Place.LAST)
 
     return ModelSpec(
         name=name,

@@ -6,9 +6,10 @@ each tensor it holds, and a cell is held by every rank that agrees on the split 
 replicas: data parallel, context parallel, tensor parallel for replicated tensors, and both end
 stages for a tied embedding).
 
-A vocabulary axis is split after Megatron pads it: at tp=2 a vocabulary of 100 padded to 256 gives
-cells ``[0:100)`` and an empty one; the padding rows are a don't-care region of the local tensor
-(``local_origin``/``local_shape`` include them, the cell's box does not).
+A vocabulary axis is split after Megatron pads it for this layout's tp: a vocabulary of 100 with
+``make_vocab_size_divisible_by=64`` is 128 rows at tp=1 and tp=2 and 256 at tp=4, so at tp=2 the
+cells are ``[0:64)`` and ``[64:128)``. The logical axis is as long as the largest padding of any
+layout (``ModelSpec.vocab_rows``); rows past this layout's padded size are held by no rank.
 
 Example, ``linear_fc2.weight`` ``[layers=4, hidden=8, ffn=16]`` axes ``(layer, "", tp)`` at ``dp2-tp2-pp2``:
 rank 5 (tp1, dp0, pp1) holds cell ``(1, 1)`` = box ``[2:4, 0:8, 8:16]``, with replica rank 7.
@@ -39,6 +40,8 @@ class GridPlacement:
         tp_dim = "etp" if self.expert_mesh else "tp"
         # per split axis: (axis, mesh dimension, parts, cell width)
         splits: list[tuple[int, str, int, int]] = []
+        # end of each axis in this layout (a vocabulary axis ends at this layout's padded size)
+        self.limits = list(tensor.shape)
         for axis, role in enumerate(tensor.axes):
             if role == LAYER:
                 splits.append((axis, "pp", layout.pp, tensor.shape[axis] // layout.pp))
@@ -48,6 +51,7 @@ class GridPlacement:
                 splits.append((axis, tp_dim, tp_size, tensor.shape[axis] // tp_size))
             elif role == VOCAB:
                 splits.append((axis, tp_dim, tp_size, spec.padded_vocab(tp_size) // tp_size))
+                self.limits[axis] = spec.padded_vocab(tp_size)
         self.splits = tuple(splits)
         self.split_dims = frozenset(d for _, d, _, _ in splits)
         self.stages = self._stages()
@@ -90,7 +94,7 @@ class GridPlacement:
         hi = list(self.tensor.shape)
         for (axis, _, _, width), index in zip(self.splits, cell):
             lo[axis] = index * width
-            hi[axis] = min((index + 1) * width, self.tensor.shape[axis])
+            hi[axis] = min((index + 1) * width, self.limits[axis])
             if hi[axis] <= lo[axis]:
                 return None
         return Box(tuple(lo), tuple(hi))

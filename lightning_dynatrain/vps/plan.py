@@ -25,6 +25,10 @@ class Transfer(NamedTuple):
 class RankPlan:
     """The send, receive and retain lists of one rank for a switch from ``src`` to ``dst``.
 
+    ``fills`` are destination boxes no source rank holds: vocabulary padding rows that only the
+    destination layout has (a larger tp pads more). They are the named don't-care region: the
+    engine zeroes them rather than leaving uninitialised memory in a tensor Megatron trains.
+
     Every rank computes every plan from the same inputs, so no coordination is needed: rank ``i``'s
     send list to ``j`` matches rank ``j``'s receive list from ``i`` box for box, in the same order.
     """
@@ -35,6 +39,7 @@ class RankPlan:
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
     retains: tuple[Transfer, ...]
+    fills: tuple[Transfer, ...] = ()
 
     def peers(self) -> tuple[int, ...]:
         return tuple(sorted({t.peer for t in self.sends} | {t.peer for t in self.recvs}))
@@ -56,4 +61,5 @@ class RankPlan:
             f"rank {self.rank} {self.src}->{self.dst}: send {count(self.sends)} to {sorted({t.peer for t in self.sends})}"
             f" | recv {count(self.recvs)} from {sorted({t.peer for t in self.recvs})}"
             f" | retain {count(self.retains)}"
+            + (f" | fill {count(self.fills)}" if self.fills else "")
         )

@@ -7,7 +7,9 @@ holders spread evenly over the destination's replicas. A send list is the mirror
 atom a rank holds and each destination rank that chose it. No rank talks to another to plan.
 
 Exactness: atoms are held whole, so a destination element is retained iff its rank already held
-it, and received exactly once otherwise; moved bytes are therefore the minimum possible.
+it, and received exactly once otherwise; moved bytes are therefore the minimum possible. The only
+destination elements no source holds are vocabulary padding rows the source layout does not pad
+to; they are listed as ``fills`` (zeroed by the engine).
 
 The optimizer's state kinds share one geometry (they are sharded alike), so the geometry is
 computed once per tensor and expanded per kind.
@@ -26,7 +28,7 @@ from lightning_dynatrain.vps.errors import PlanError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import state_placement
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
-from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
+from lightning_dynatrain.vps.spec import VOCAB, ModelSpec, Precision, StateKind
 
 
 def choose_source(holders: tuple[int, ...], dest: int, replica: int, gpus_per_node: int) -> int:
@@ -96,14 +98,20 @@ def _plan_rank(
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     retains: list[Transfer] = []
+    fills: list[Transfer] = []
     in_src = rank < src.world_size
     in_dst = rank < dst.world_size
     for src_sharded, dst_sharded, kinds in _kind_groups(src, dst, precision):
         for tensor in spec.tensors:
             source = state_placement(spec, src, tensor.name, src_sharded)
             target = state_placement(spec, dst, tensor.name, dst_sharded)
+            vocab_axis = tensor.axis_of(VOCAB)
             if in_dst:
                 for region in target.regions(rank):
+                    if vocab_axis is not None:
+                        fill = _beyond(region.box, vocab_axis, source.grid.limits[vocab_axis])
+                        if fill is not None:
+                            fills.extend(Transfer(rank, tensor.name, k, fill) for k in kinds)
                     for dbox, dholders in target.pieces(region.box):
                         replica = dholders.index(rank)
                         for box, holders in source.pieces(dbox):
@@ -133,7 +141,17 @@ def _plan_rank(
         sends=tuple(sorted(sends, key=key)),
         recvs=tuple(sorted(recvs, key=key)),
         retains=tuple(sorted(retains, key=key)),
+        fills=tuple(sorted(fills, key=key)),
     )
+
+
+def _beyond(box: Box, axis: int, limit: int) -> Box | None:
+    """The part of ``box`` at or past ``limit`` on ``axis`` (rows the source layout does not have)."""
+    if box.hi[axis] <= limit:
+        return None
+    lo = list(box.lo)
+    lo[axis] = max(lo[axis], limit)
+    return Box(tuple(lo), box.hi)
 
 
 @lru_cache(maxsize=256)

@@ -7,6 +7,10 @@ Parallel axes are collapsed into logical axes (DESIGN.md):
 - ``expert`` the global expert index; expert parallelism splits it into contiguous ranges.
 - ``tp``     the axis tensor parallelism splits (expert tensors: expert tensor parallelism).
 - ``vocab``  a vocabulary axis split by tensor parallelism after Megatron pads it (see ``padded_vocab``).
+             Its logical extent is the largest padded size any valid layout uses (``vocab_rows``):
+             Megatron trains padding rows like any other (they enter the softmax), so the rows two
+             layouts share move like the rest; rows only the destination has are a named
+             don't-care region (``RankPlan.fills``), zeroed, never silently dropped.
 - ``""``     not split (replicated over the parallel dimensions).
 
 Leading ``layer``/``expert`` axes index *separate* local tensors (``decoder.layers.3...``); the
@@ -184,7 +188,18 @@ class ModelSpec:
 
     @property
     def parameters(self) -> int:
-        return sum(t.numel for t in self.tensors)
+        """Parameters of the model, counting the true vocabulary (not Megatron's padding rows)."""
+        total = 0
+        for t in self.tensors:
+            axis = t.axis_of(VOCAB)
+            total += t.numel if axis is None else t.numel // t.shape[axis] * self.vocab_size
+        return total
+
+    @property
+    def vocab_rows(self) -> int:
+        """Logical extent of a vocabulary axis: the padding at the largest valid tp (tp divides the
+        query groups, and every smaller valid tp pads to at most this many rows)."""
+        return self.padded_vocab(self.num_query_groups)
 
     def tensor(self, name: str) -> LogicalTensor:
         try:

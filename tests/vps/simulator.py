@@ -49,6 +49,7 @@ class SimulationResult:
         self.moved_elements = 0
         self.retained_elements = 0
         self.dest_elements = 0
+        self.filled_elements = 0
 
 
 def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP32) -> SimulationResult:
@@ -108,6 +109,17 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
             assert t.peer == r
             copy(r, r, t)
             result.retained_elements += t.box.numel
+        for t in plan.fills:
+            # only vocabulary padding rows the source layout does not have may be filled
+            tensor = spec.tensor(t.tensor)
+            axis = tensor.axes.index("vocab")
+            assert t.box.lo[axis] >= min(spec.padded_vocab(src.tp), tensor.shape[axis]) >= spec.vocab_size
+            key = (t.tensor, t.kind)
+            d_regs = dst_regions[r][key]
+            d_i = d_regs.index(_find(d_regs, t.box))
+            _view(dst_store[(r, key, d_i)], d_regs[d_i], t.box)[...] = _expected(spec, offsets, t.tensor, t.kind, t.box)
+            _view(writes[(r, key, d_i)], d_regs[d_i], t.box)[...] += 1
+            result.filled_elements += t.box.numel
 
     for (r, key, i), arr in dst_store.items():
         reg = dst_regions[r][key][i]
@@ -119,13 +131,22 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
 
 
 def minimum_moved(spec, src, dst, precision=Precision.FP32) -> int:
-    """Elements destination ranks need and did not hold in the source layout (brute force)."""
+    """Elements destination ranks need, did not hold, and some source rank holds (brute force)."""
+    held = {}
+    for r in range(src.world_size):
+        for key, regs in rank_regions(spec, src, r, precision).items():
+            held.setdefault(key, []).extend(reg.box for reg in regs)
     total = 0
     for r in range(dst.world_size):
         have = rank_regions(spec, src, r, precision) if r < src.world_size else {}
         for key, regs in rank_regions(spec, dst, r, precision).items():
             for reg in regs:
-                need = np.ones(reg.box.shape, dtype=bool)
+                exists = np.zeros(reg.box.shape, dtype=bool)
+                for box in held.get(key, []):
+                    inter = box.intersect(reg.box)
+                    if inter is not None:
+                        exists[inter.relative_to(reg.box.lo)] = True
+                need = exists.copy()
                 for h in have.get(key, []):
                     inter = h.box.intersect(reg.box)
                     if inter is not None:

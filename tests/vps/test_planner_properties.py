@@ -40,7 +40,7 @@ def _check(spec, src, dst, precision, gpus_per_node):
     plans = plan_all(spec, src, dst, precision=precision, gpus_per_node=gpus_per_node)
     result = simulate(spec, src, dst, plans, precision)
     assert result.moved_elements == minimum_moved(spec, src, dst, precision)
-    assert result.moved_elements + result.retained_elements == result.dest_elements
+    assert result.moved_elements + result.retained_elements + result.filled_elements == result.dest_elements
 
 
 @settings(max_examples=60, **SETTINGS)

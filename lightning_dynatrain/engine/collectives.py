@@ -1,0 +1,206 @@
+"""Collective promotion: one ``broadcast`` instead of k point-to-point sends of the same box.
+
+When the planner has a source rank send the same ``(tensor, kind, box)`` to ``k >= 2`` peers (new
+data-parallel replicas all reading from the one rank that holds a shard), a broadcast in the
+subgroup ``{sender} ∪ peers`` can move it once. Whether that pays depends on the links, so the
+decision is made by a cost model fed with measured bandwidths (``measure_link_costs``):
+
+- point to point: the sender pushes ``k * B`` bytes through its link: ``k * B / p2p_bytes_per_s``;
+- broadcast: ``broadcast_setup_s + B / broadcast_bytes_per_s``, the bandwidth measured over the
+  whole group (a ring or tree broadcast, NCCL's, costs about ``B / bw`` whatever k; gloo's pushes to
+  each member in turn, which the measurement over the whole group shows as a low bandwidth, so the
+  model stays conservative for smaller k).
+
+Without costs nothing is promoted. Every rank computes the same ``BroadcastPlan`` from every rank's
+plan (``plan_all``) and the same costs (``measure_link_costs`` agrees on them with an all-reduce), so
+every rank creates the same subgroups in the same order and runs the same broadcasts in the same
+global order. That order, and running all broadcasts in a phase of their own before the XOR steps,
+is what keeps the switch free of deadlocks: the first unfinished broadcast always has all its
+members waiting on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynatrain.engine.comm import GroupComm
+from lightning_dynatrain.vps.box import Box
+from lightning_dynatrain.vps.plan import RankPlan
+from lightning_dynatrain.vps.spec import Precision, StateKind
+
+Item = tuple[str, StateKind, Box]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCosts:
+    """Measured link speeds of a group (identical on every rank).
+
+    Attributes:
+        p2p_bytes_per_s: one direction of a pairwise exchange, both directions running at once.
+        broadcast_bytes_per_s: payload bytes over seconds of a broadcast over the whole group.
+        broadcast_setup_s: the time of a tiny broadcast (latency, launch and subgroup overhead).
+    """
+
+    p2p_bytes_per_s: float
+    broadcast_bytes_per_s: float
+    broadcast_setup_s: float = 0.0
+
+    def p2p_seconds(self, nbytes: int, peers: int) -> float:
+        return peers * nbytes / self.p2p_bytes_per_s
+
+    def broadcast_seconds(self, nbytes: int) -> float:
+        return self.broadcast_setup_s + nbytes / self.broadcast_bytes_per_s
+
+    def broadcast_pays(self, nbytes: int, peers: int) -> bool:
+        """True when one broadcast of ``nbytes`` beats ``peers`` point-to-point sends of it."""
+        return self.broadcast_seconds(nbytes) < self.p2p_seconds(nbytes, peers)
+
+    def __str__(self) -> str:
+        return (f"p2p {self.p2p_bytes_per_s / 2**20:.1f} MiB/s, broadcast {self.broadcast_bytes_per_s / 2**20:.1f}"
+                f" MiB/s + {self.broadcast_setup_s * 1e6:.0f} us")
+
+
+class BroadcastJob(NamedTuple):
+    """Boxes one sender broadcasts to the same receivers, in the sender's plan order."""
+
+    sender: int
+    receivers: tuple[int, ...]
+    items: tuple[Item, ...]
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return tuple(sorted((self.sender,) + self.receivers))
+
+    def __str__(self) -> str:
+        return f"bcast {self.sender}->{list(self.receivers)} ({len(self.items)} boxes)"
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastPlan:
+    """The promoted broadcasts of one switch, in the global order every rank runs them in."""
+
+    jobs: tuple[BroadcastJob, ...] = ()
+
+    def member_sets(self) -> tuple[tuple[int, ...], ...]:
+        """Every subgroup the plan needs (plan ranks), sorted: the order to create them in."""
+        return tuple(sorted({j.members for j in self.jobs}))
+
+    def jobs_of(self, rank: int) -> tuple[BroadcastJob, ...]:
+        return tuple(j for j in self.jobs if rank in j.members)
+
+    def promoted(self, rank: int) -> frozenset[tuple[int, int, str, StateKind, Box]]:
+        """``(sender, receiver, tensor, kind, box)`` of every transfer of ``rank`` a broadcast carries."""
+        return frozenset(
+            (j.sender, r, t, k, b) for j in self.jobs_of(rank) for r in j.receivers for t, k, b in j.items
+        )
+
+    def __str__(self) -> str:
+        return "; ".join(map(str, self.jobs)) or "no broadcasts"
+
+
+def plan_broadcasts(plans: Mapping[int, RankPlan], costs: LinkCosts | None, *,
+                    precision: Precision = Precision.FP32, min_peers: int = 2) -> BroadcastPlan:
+    """The broadcasts worth running instead of point-to-point sends, from every rank's plan.
+
+    A box a sender sends to ``min_peers`` or more peers is grouped with the sender's other boxes for
+    the same peers into one job; a job is promoted when ``costs`` says one broadcast of its bytes
+    beats that many sends. ``costs=None`` promotes nothing. Pure and deterministic.
+    """
+    if costs is None:
+        return BroadcastPlan()
+    jobs: list[BroadcastJob] = []
+    for sender in sorted(plans):
+        peers_of: dict[Item, list[int]] = defaultdict(list)
+        for t in plans[sender].sends:
+            peers_of[(t.tensor, t.kind, t.box)].append(t.peer)
+        by_receivers: dict[tuple[int, ...], list[Item]] = defaultdict(list)
+        for item, peers in peers_of.items():  # dicts keep the plan's order
+            if len(peers) >= min_peers:
+                by_receivers[tuple(sorted(peers))].append(item)
+        for receivers, items in by_receivers.items():
+            nbytes = sum(b.numel * precision.element_size(k) for _, k, b in items)
+            if costs.broadcast_pays(nbytes, len(receivers)):
+                jobs.append(BroadcastJob(sender, receivers, tuple(items)))
+    jobs.sort(key=lambda j: (j.members, j.sender, j.receivers))
+    return BroadcastPlan(tuple(jobs))
+
+
+class SubgroupCache:
+    """Subgroups for broadcasts, created once and kept by their members (global ranks).
+
+    Pass the same cache to every switch of a run (a strategy owns one): switching back to a layout
+    then creates nothing. Every rank of the switch's group must call ``ensure`` with the same member
+    sets, which it does when every rank uses the same ``BroadcastPlan``.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def ensure(self, member_sets: Iterable[tuple[int, ...]], comm: GroupComm) -> None:
+        """Create the missing subgroups of ``member_sets`` (plan ranks), in sorted order, on every rank."""
+        for members in sorted(set(member_sets)):
+            ranks = comm.global_ranks(members)
+            if ranks not in self._groups:
+                group = dist.new_group(list(ranks), use_local_synchronization=not comm.is_world())
+                self._groups[ranks] = group
+
+    def get(self, members: tuple[int, ...], comm: GroupComm) -> dist.ProcessGroup:
+        ranks = comm.global_ranks(members)
+        assert ranks in self._groups, f"subgroup {ranks} used before ensure()"
+        return self._groups[ranks]
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+def measure_link_costs(group: dist.ProcessGroup | None = None, *, nbytes: int = 4 * 2**20,
+                       device: torch.device | None = None) -> LinkCosts:
+    """Time one pairwise exchange and one broadcast of ``nbytes`` on ``group``; same result on every rank.
+
+    Pairs are ``(i, i ^ 1)`` exchanging both ways at once; the broadcast goes from group rank 0 to the
+    whole group; a one-element broadcast gives the setup time. Each figure is the slowest rank's
+    (an all-reduce MAX), so every rank gets the same ``LinkCosts``. Collective: call on every rank.
+    """
+    comm = GroupComm(group, device)
+    if comm.size == 1:
+        return LinkCosts(float("inf"), float("inf"), 0.0)
+    send = torch.zeros(nbytes, dtype=torch.uint8, device=comm.device)
+    recv = torch.empty_like(send)
+    tiny = torch.zeros(1, dtype=torch.uint8, device=comm.device)
+    peer = comm.rank ^ 1
+
+    def exchange(a: torch.Tensor, b: torch.Tensor) -> None:
+        if peer < comm.size:
+            ops = [dist.P2POp(dist.isend, a, group=group, group_peer=peer),
+                   dist.P2POp(dist.irecv, b, group=group, group_peer=peer)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        comm.synchronize()
+
+    def timed(fn) -> float:
+        dist.barrier(group=group)
+        comm.synchronize()
+        start = time.perf_counter()
+        fn()
+        comm.synchronize()
+        return time.perf_counter() - start
+
+    exchange(tiny, tiny.clone())  # warm-up: lazily created communicators and connections
+    dist.broadcast(tiny, group=group, group_src=0)
+    t_p2p = timed(lambda: exchange(send, recv))
+    t_bcast = timed(lambda: dist.broadcast(send, group=group, group_src=0))
+    t_setup = timed(lambda: dist.broadcast(tiny, group=group, group_src=0))
+    times = torch.tensor([t_p2p, t_bcast, t_setup], dtype=torch.float64, device=comm.device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    t_p2p, t_bcast, t_setup = times.tolist()
+    return LinkCosts(nbytes / max(t_p2p, 1e-9), nbytes / max(t_bcast, 1e-9), t_setup)
+
+
+__all__ = ["BroadcastJob", "BroadcastPlan", "LinkCosts", "SubgroupCache", "measure_link_costs", "plan_broadcasts"]

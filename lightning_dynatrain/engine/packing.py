@@ -1,0 +1,89 @@
+"""Moving boxes between local tensors and byte buffers: pack, unpack, local copy, and the arena.
+
+A pack buffer is raw ``uint8``; a box sits at a byte offset, viewed as its own dtype and its own
+shape (stack axes included, row-major), so one buffer carries bf16 params and fp32 moments side by
+side. Packing a box that spans several local tensors (several layers) writes one slab per local
+tensor, in the order of the stack indices, which is the box's row-major order.
+
+Each function takes the store key's tensor through a callable, so the engine can allocate a
+destination tensor at its first write and count the last read of a source tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_dynatrain.engine.report import SwitchRecorder
+from lightning_dynatrain.engine.store import StoreKey, box_pieces, box_view, stack_axes
+from lightning_dynatrain.vps.box import Box
+from lightning_dynatrain.vps.mapping import Region
+from lightning_dynatrain.vps.spec import StateKind
+
+TensorOf = Callable[[StoreKey], torch.Tensor]
+
+
+def buffer_view(buf: torch.Tensor, offset: int, box: Box, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes ``[offset, offset + box bytes)`` of a ``uint8`` buffer, as ``dtype`` in ``box.shape``."""
+    nbytes = box.numel * dtype.itemsize
+    return buf[offset:offset + nbytes].view(dtype).view(box.shape)
+
+
+def _slab(packed: torch.Tensor, outer: Box, sub: Box, n_stack: int) -> torch.Tensor:
+    """The part of ``packed`` (shaped like ``outer``) that holds ``sub``, one local tensor of it."""
+    if n_stack == 0:
+        return packed
+    return packed[tuple(s - o for s, o in zip(sub.lo[:n_stack], outer.lo[:n_stack]))]
+
+
+def pack_box(source: TensorOf, region: Region, tensor: str, kind: StateKind, box: Box, packed: torch.Tensor) -> None:
+    """Copy ``box`` from the local tensors of ``region`` into ``packed`` (shaped ``box.shape``)."""
+    n = stack_axes(region)
+    for key, sub in box_pieces(tensor, kind, region, box):
+        _slab(packed, box, sub, n).copy_(box_view(source(key), region, sub))
+
+
+def unpack_box(dest: TensorOf, region: Region, tensor: str, kind: StateKind, box: Box, packed: torch.Tensor) -> None:
+    """Copy ``packed`` (shaped ``box.shape``) into the local tensors of ``region``."""
+    n = stack_axes(region)
+    for key, sub in box_pieces(tensor, kind, region, box):
+        box_view(dest(key), region, sub).copy_(_slab(packed, box, sub, n))
+
+
+def copy_box(source: TensorOf, src_region: Region, dest: TensorOf, dst_region: Region,
+             tensor: str, kind: StateKind, box: Box) -> int:
+    """Copy a retained ``box`` from old storage to new with ``Tensor.copy_``; returns the pieces copied."""
+    count = 0
+    for key, sub in box_pieces(tensor, kind, dst_region, box):
+        box_view(dest(key), dst_region, sub).copy_(box_view(source(key), src_region, sub))
+        count += 1
+    return count
+
+
+class StagingArena:
+    """One ``uint8`` buffer reused by every stage of a switch, sized for the largest stage.
+
+    Allocated at the first stage and released after the last; its bytes are what the report's
+    ``peak_staging_bytes`` measures (the recorder sees every allocation and release).
+    """
+
+    def __init__(self, capacity: int, device: torch.device, recorder: SwitchRecorder) -> None:
+        self.capacity = capacity
+        self.device = device
+        self._recorder = recorder
+        self._buf: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self._buf is None:
+            self._buf = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+            self._recorder.staging_alloc(self._buf.numel())
+        return self._buf
+
+    def release(self) -> None:
+        if self._buf is not None:
+            self._recorder.staging_free(self._buf.numel())
+            self._buf = None
+
+
+__all__ = ["StagingArena", "buffer_view", "copy_box", "pack_box", "unpack_box"]

@@ -1,0 +1,133 @@
+"""A hot switch of a megatron GPT's whole training state from one layout to another, in memory.
+
+On every rank, between two optimizer steps:
+
+1. plan this rank's sends, receives and retains (``vps.planner``: pure, no communication);
+2. re-initialise megatron's process groups for the new layout (``parallel_state_adapter``);
+3. build the new layout's model, DDP buffers and optimizer *without* initialising weights, and give
+   the optimizer empty Adam state at the current step;
+4. let the engine move every box from the old model/optimizer tensors into the new ones
+   (``engine.execute_switch``: retains copied locally, the rest exchanged pairwise);
+5. drop the old model and optimizer.
+
+Megatron allocates a whole model and optimizer at construction, so here the old and the new state
+coexist for the duration of the switch; the engine's staging budget bounds only what comes on top.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynatrain.engine.engine import execute_switch
+from lightning_dynatrain.engine.report import SwitchReport
+from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
+from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
+from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
+from lightning_dynatrain.megatron.state_bridge import (
+    adam_step,
+    materialize_adam_state,
+    megatron_store,
+    precision_of,
+)
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.mapping import rank_regions
+from lightning_dynatrain.vps.planner import plan_rank_cached
+from lightning_dynatrain.vps.spec import VOCAB, ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MegatronTrainingState:
+    """What a rank trains with at one layout: the DDP-wrapped model and its megatron optimizer."""
+
+    layout: ParallelConfig
+    ddp: Any
+    optimizer: Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HotSwitchResult:
+    """The new state and the figures of the switch (the engine's report plus the rebuild time)."""
+
+    state: MegatronTrainingState
+    report: SwitchReport
+    rebuild_seconds: float
+    seconds: float
+
+
+@torch.no_grad()
+def _zero_vocab_padding(store: dict, spec: ModelSpec) -> None:
+    """Uninitialised vocabulary padding rows would enter the softmax as garbage: make them zeros.
+
+    The engine then overwrites every valid row; only the padding rows (a don't-care region that
+    Megatron nevertheless feeds to the loss) keep the zeros.
+    """
+    for key, tensor in store.items():
+        if VOCAB in spec.tensor(key[0]).axes:
+            tensor.zero_()
+
+
+def hot_switch(
+    current: MegatronTrainingState,
+    target: ParallelConfig,
+    *,
+    shape: GPTShape,
+    seed: int,
+    staging_budget: int | str,
+    optimizer_kwargs: dict,
+    spec: ModelSpec | None = None,
+    gpus_per_node: int = 8,
+    group: dist.ProcessGroup | None = None,
+) -> HotSwitchResult:
+    """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over the world.
+
+    ``optimizer_kwargs`` are ``build_ddp_and_optimizer``'s keyword arguments (lr, weight decay,
+    betas, ...): the new optimizer must be configured like the old one.
+    """
+    start = time.perf_counter()
+    spec = spec or logical_spec(shape)
+    rank = dist.get_rank(group)
+    src = current.layout
+    precision = precision_of(current.ddp.module)
+    plan = plan_rank_cached(spec, src, target, rank, precision, gpus_per_node)
+    step = adam_step(current.optimizer) or 0
+    if step == 0:
+        materialize_adam_state(current.optimizer, 0)
+    source = megatron_store(current.ddp, current.optimizer, spec, src, rank)
+
+    t0 = time.perf_counter()
+    initialize_for_layout(target, seed=seed)
+    params_dtype = next(current.ddp.module.parameters()).dtype
+    model = build_gpt_model(shape, target, seed=seed, params_dtype=params_dtype, initialize=False)
+    ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
+    materialize_adam_state(optimizer, step)
+    dest = megatron_store(ddp, optimizer, spec, target, rank)
+    _zero_vocab_padding(dest, spec)
+    rebuild = time.perf_counter() - t0
+
+    def allocate(key, numel, dtype):  # the new model's own storage: filled in place
+        tensor = dest[key]
+        assert tensor.numel() == numel and tensor.dtype == dtype, (key, tensor.shape, numel, dtype)
+        return tensor
+
+    _, report = execute_switch(
+        plan,
+        source,
+        rank_regions(spec, src, rank, precision),
+        rank_regions(spec, target, rank, precision),
+        allocate,
+        staging_budget=staging_budget,
+        group=group,
+        gpus_per_node=gpus_per_node,
+    )
+    return HotSwitchResult(
+        state=MegatronTrainingState(layout=target, ddp=ddp, optimizer=optimizer),
+        report=report,
+        rebuild_seconds=rebuild,
+        seconds=time.perf_counter() - start,
+    )
+

@@ -1,0 +1,178 @@
+"""Functions the multi-process engine tests run on every rank (module level, so spawn can import them).
+
+Each runs several switches in one spawned job (a process start costs seconds) and returns small
+picklable summaries the parent asserts on; element checks happen in the children.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynatrain.engine import (
+    LinkCosts,
+    StagingBudgetError,
+    SubgroupCache,
+    SwitchReport,
+    execute_switch,
+    measure_link_costs,
+    plan_broadcasts,
+)
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.mapping import rank_regions
+from lightning_dynatrain.vps.planner import plan_all, plan_rank
+from tests.engine._cases import Case
+from tests.engine._state import compare, local_state, padded_empty
+
+
+def _regions(spec, layout: ParallelConfig, rank: int, precision) -> dict:
+    return rank_regions(spec, layout, rank, precision) if rank < layout.world_size else {}
+
+
+def summary(case: Case, report: SwitchReport) -> dict:
+    return {
+        "case": str(case), "rank": report.rank, "peak": report.peak_staging_bytes,
+        "budget": report.staging_budget_bytes, "stages": report.stages, "sent": report.sent_bytes,
+        "recv": report.recv_bytes, "retained": report.retained_bytes, "p2p_ops": report.p2p.ops,
+        "p2p_bytes": report.p2p.bytes, "bcast_ops": report.broadcast.ops, "bcast_bytes": report.broadcast.bytes,
+        "copy_bytes": report.local_copy.bytes, "inter": report.sent_inter_node_bytes + report.recv_inter_node_bytes,
+        "line": str(report),
+    }
+
+
+def switch_and_check(rank: int, case: Case, store: dict, src: str, dst: str, *, device: str = "cpu",
+                     **kwargs) -> tuple[dict, SwitchReport]:
+    """Run ``src -> dst`` on this rank's ``store`` and check every element of the result."""
+    spec = case.spec()
+    a, b = ParallelConfig.parse(src), ParallelConfig.parse(dst)
+    plan = plan_rank(spec, a, b, rank, precision=case.precision, gpus_per_node=case.gpus_per_node)
+    new, report = execute_switch(
+        plan, store, _regions(spec, a, rank, case.precision), _regions(spec, b, rank, case.precision),
+        functools.partial(padded_empty, device=device), staging_budget=case.budget,
+        gpus_per_node=case.gpus_per_node, **kwargs,
+    )
+    assert all(t.device.type == torch.device(device).type for t in new.values()), "state left its device"
+    assert not store, f"rank {rank}: source tensors left in the store: {list(store)[:3]}"
+    want = local_state(spec, b, rank, case.precision, filled_from=spec.padded_vocab(a.tp))
+    compare(new, want, f"rank {rank} {src}->{dst} {case}")
+    return new, report
+
+
+def _round_trip_expectation(case: Case, store: dict, rank: int) -> dict:
+    """What A -> B -> A gives back: every tensor bit for bit, except vocabulary padding rows that
+    only A pads to (B has no such rows, so they come back zeroed, as the plan's fills)."""
+    spec = case.spec()
+    a, b = ParallelConfig.parse(case.src), ParallelConfig.parse(case.dst)
+    if spec.padded_vocab(b.tp) >= spec.padded_vocab(a.tp):
+        return {k: v.clone() for k, v in store.items()}
+    return {k: v.to(next(iter(store.values())).device) for k, v in
+            local_state(spec, a, rank, case.precision, filled_from=spec.padded_vocab(b.tp)).items()}
+
+
+def run_cases(rank: int, world: int, cases: list[Case], device: str = "cpu") -> list[dict]:
+    """Every case there and back: exact after the first switch, bit-identical after the second."""
+    out = []
+    for case in cases:
+        store = {k: v.to(device) for k, v in local_state(case.spec(), case.src, rank, case.precision).items()}
+        original = _round_trip_expectation(case, store, rank)
+        new, report = switch_and_check(rank, case, store, case.src, case.dst, device=device)
+        back, _ = switch_and_check(rank, case, new, case.dst, case.src, device=device)
+        compare(back, original, f"rank {rank} round trip {case}")
+        out.append(summary(case, report))
+    return out
+
+
+def run_too_small(rank: int, world: int, case: Case) -> str:
+    """A budget below the largest row: every rank raises StagingBudgetError and keeps its state."""
+    spec = case.spec()
+    store = local_state(spec, case.src, rank, case.precision)
+    original = {k: v.clone() for k, v in store.items()}
+    src, dst = ParallelConfig.parse(case.src), ParallelConfig.parse(case.dst)
+    plan = plan_rank(spec, src, dst, rank, precision=case.precision)
+    try:
+        execute_switch(plan, store, _regions(spec, src, rank, case.precision), _regions(spec, dst, rank, case.precision),
+                       staging_budget=case.budget)
+    except StagingBudgetError as err:
+        compare(store, original, f"rank {rank}: state after a refused switch")
+        # the group is still usable: nothing is left in flight
+        dist.barrier()
+        return str(err)
+    raise AssertionError(f"rank {rank}: a budget of {case.budget} was accepted")
+
+
+def run_broadcast(rank: int, world: int, cases: list[Case], costs: LinkCosts | None) -> list[dict]:
+    """Cases with broadcast promotion (``costs``); one subgroup cache across all of them."""
+    cache = SubgroupCache()
+    out = []
+    for case in cases:
+        spec = case.spec()
+        src, dst = ParallelConfig.parse(case.src), ParallelConfig.parse(case.dst)
+        plans = plan_all(spec, src, dst, precision=case.precision, gpus_per_node=case.gpus_per_node)
+        promoted = plan_broadcasts(plans, costs, precision=case.precision)
+        store = local_state(spec, src, rank, case.precision)
+        original = _round_trip_expectation(case, store, rank)
+        new, report = switch_and_check(rank, case, store, case.src, case.dst, broadcasts=promoted, subgroups=cache)
+        back_plans = plan_all(spec, dst, src, precision=case.precision, gpus_per_node=case.gpus_per_node)
+        back_promoted = plan_broadcasts(back_plans, costs, precision=case.precision)
+        back, _ = switch_and_check(rank, case, new, case.dst, case.src, broadcasts=back_promoted, subgroups=cache)
+        compare(back, original, f"rank {rank} round trip {case}")
+        row = summary(case, report)
+        row["jobs"] = len(promoted.jobs)
+        row["subgroups"] = len(cache)
+        out.append(row)
+    return out
+
+
+def run_measure(rank: int, world: int) -> tuple[float, float, float]:
+    costs = measure_link_costs(nbytes=2**20)
+    return costs.p2p_bytes_per_s, costs.broadcast_bytes_per_s, costs.broadcast_setup_s
+
+
+def run_suite(rank: int, world: int, parts: dict[str, tuple[str, tuple]]) -> dict[str, tuple[str, object]]:
+    """Run several named parts in one spawned job: ``{name: ("ok", value) | ("error", traceback)}``.
+
+    A part that raises is reported and the next part runs (every rank raises in the same part for
+    the errors these tests provoke, so the group stays in step); a part that deadlocks ends the job
+    by the parent's timeout.
+    """
+    import traceback
+
+    out: dict[str, tuple[str, object]] = {}
+    for name, (fn_name, args) in parts.items():
+        try:
+            out[name] = ("ok", globals()[fn_name](rank, world, *args))
+        except Exception:  # reported to the parent, which fails the test of this part
+            out[name] = ("error", traceback.format_exc())
+        dist.barrier()
+    return out
+
+
+def run_bad_inputs(rank: int, world: int, case: Case) -> dict[str, str]:
+    """Mistakes found before anything moves: every rank stops, with the culprit's error on its rank."""
+    from lightning_dynatrain.engine import StateStoreError, SwitchAbortedError
+
+    spec = case.spec()
+    src, dst = ParallelConfig.parse(case.src), ParallelConfig.parse(case.dst)
+    plan = plan_rank(spec, src, dst, rank, precision=case.precision)
+    regions = (_regions(spec, src, rank, case.precision), _regions(spec, dst, rank, case.precision))
+    out = {}
+
+    store = local_state(spec, src, rank, case.precision)
+    if rank == world - 1:
+        store.pop(next(iter(store)))  # the last rank lost a tensor
+    try:
+        execute_switch(plan, store, *regions, staging_budget=case.budget)
+        raise AssertionError("a missing source tensor was accepted")
+    except (StateStoreError, SwitchAbortedError) as err:
+        out["missing"] = type(err).__name__
+
+    store = local_state(spec, src, rank, case.precision)
+    try:
+        execute_switch(plan, store, *regions, lambda key, numel, dtype: torch.empty(numel + 1, dtype=dtype),
+                       staging_budget=case.budget)
+        raise AssertionError("a wrong-sized destination tensor was accepted")
+    except StateStoreError as err:
+        out["allocator"] = str(err)
+    return out
