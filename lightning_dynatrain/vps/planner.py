@@ -18,7 +18,6 @@ computed once per tensor and expanded per kind.
 from __future__ import annotations
 
 import gc
-from collections import defaultdict
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Iterable, Iterator
@@ -180,11 +179,4 @@ def plan_all(
     return {r: plan_rank(spec, src, dst, r, precision=precision, gpus_per_node=gpus_per_node) for r in ranks}
 
 
-def boxes_by_peer(transfers: Iterable[Transfer]) -> dict[int, list[Transfer]]:
-    out: dict[int, list[Transfer]] = defaultdict(list)
-    for t in transfers:
-        out[t.peer].append(t)
-    return dict(out)
-
-
-__all__ = ["Box", "choose_source", "plan_all", "plan_rank", "plan_rank_cached", "union_world", "boxes_by_peer"]
+__all__ = ["choose_source", "plan_all", "plan_rank", "plan_rank_cached", "union_world"]
