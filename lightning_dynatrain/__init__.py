@@ -1,8 +1,10 @@
 """lightning-dynatrain: hot-switch the parallel layout of Megatron-core GPT training in memory.
 
 ``import lightning_dynatrain`` registers ``DynaTrainStrategy`` in Lightning's ``StrategyRegistry``
-as ``"dynatrain"`` (``Trainer(strategy="dynatrain")`` = pure data parallelism, layout ``auto``).
-It imports Lightning, not megatron-core; the public classes load on first use::
+as ``"dynatrain"`` (``Trainer(strategy="dynatrain")`` = pure data parallelism, layout ``auto``):
+at once if ``lightning.pytorch`` is already imported, else right after it is. So importing this
+package (or its ``vps``/``megatron`` layers, e.g. in the dry-run CLI or a spawned test worker)
+imports neither Lightning nor megatron-core; the public classes load on first use::
 
     from lightning_dynatrain import DynaTrainStrategy, GPTLightningModule, ScheduledReconfig
 """
@@ -10,6 +12,9 @@ It imports Lightning, not megatron-core; the public classes load on first use::
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any
 
 _EXPORTS = {
@@ -24,14 +29,44 @@ _EXPORTS = {
     "StdlibTextDataModule": "lightning_dynatrain.data.datamodule",
     "ParallelConfig": "lightning_dynatrain.vps.layout",
 }
+_STRATEGY_MODULE = "lightning_dynatrain.strategy.dynatrain"  # registers the strategy at its end
+
+
+class _ThenRegister(importlib.abc.Loader):
+    """Runs ``lightning.pytorch``'s own loader, then imports the strategy module (which registers)."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def]
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:  # type: ignore[no-untyped-def]
+        self._loader.exec_module(module)
+        importlib.import_module(_STRATEGY_MODULE)
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ... of the real loader
+        return getattr(self._loader, name)
+
+
+class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
+    """Waits for ``import lightning.pytorch`` (imports nothing itself), then steps aside."""
+
+    def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
+        if fullname != "lightning.pytorch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenRegister(spec.loader)
+        return spec
 
 
 def _register_strategy() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
-
-    DynaTrainStrategy.register_strategies(StrategyRegistry)
+    if "lightning.pytorch" in sys.modules:
+        importlib.import_module(_STRATEGY_MODULE)
+    elif not any(isinstance(f, _RegisterAfterLightning) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterLightning())
 
 
 def __getattr__(name: str) -> Any:

@@ -303,7 +303,36 @@ def build_gpt_model(
         )
     if initialize:
         init_layout_independent(model, shape, layout, seed=seed, pg_collection=pgs)
+    else:
+        _set_tensor_parallel_attributes(model, shape)
     return model
+
+
+def _set_tensor_parallel_attributes(model: torch.nn.Module, shape: GPTShape) -> None:
+    """Tag weights as megatron's init would have (``tensor_model_parallel``, ``partition_dim``, ``stride``).
+
+    Megatron sets these inside its weight initialisers, so ``perform_initialization=False`` leaves
+    them unset, and then ``clip_grad_norm`` counts the TP-split weights of tp ranks > 0 as duplicates
+    and leaves them out of the gradient norm (a silently different clipping factor).
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, ColumnParallelLinear):
+            gated_fc1 = shape.gated_mlp and name.endswith("linear_fc1")  # megatron's mlp.py uses stride 2
+            set_tensor_model_parallel_attributes(weight, True, 0, 2 if gated_fc1 else 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+        elif isinstance(module, VocabParallelEmbedding):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
 
 
 __all__ = [

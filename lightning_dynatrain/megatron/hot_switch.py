@@ -101,8 +101,10 @@ def hot_switch(
 
     t0 = time.perf_counter()
     initialize_for_layout(target, seed=seed)
-    params_dtype = next(current.ddp.module.parameters()).dtype
-    model = build_gpt_model(shape, target, seed=seed, params_dtype=params_dtype, initialize=False)
+    old_param = next(current.ddp.module.parameters())
+    model = build_gpt_model(shape, target, seed=seed, params_dtype=old_param.dtype, initialize=False)
+    if old_param.device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
+        model = model.to(old_param.device)
     ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
     materialize_adam_state(optimizer, step)
     dest = megatron_store(ddp, optimizer, spec, target, rank)

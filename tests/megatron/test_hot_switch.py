@@ -24,7 +24,8 @@ CHAINS = {
     "dense": (DENSE, ["dp2-tp2-pp1", "dp1-tp2-pp2-zero1", "dp4-tp1-pp1-zero1", "dp2-tp1-pp2", "dp2-tp2-pp1"]),
     "moe": (MOE, ["dp2-tp2-pp1-ep2", "dp4-tp1-pp1-ep4-etp1-zero1", "dp2-tp2-pp1-ep2"]),
 }
-OPTIMIZER = dict(lr=1e-2, weight_decay=0.1)
+# clip_grad: the gradient norm must see every TP shard after a switch (see test on tags)
+OPTIMIZER = dict(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 
 
 def _snapshot(state, spec, layout, rank):
@@ -79,6 +80,13 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
         state = hot_switch(state, target, shape=shape, seed=SEED, staging_budget=staging_budget,
                            optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2).state
     out["round_trip"] = (start, _snapshot(state, spec, home, rank))
+    # a model built without init for a switch carries the tensor-parallel tags megatron's init sets
+    # (clip_grad_norm leaves untagged TP-split weights of tp ranks > 0 out of the norm)
+    def tags(m):
+        return {n: tuple(getattr(p, a, None) for a in ("tensor_model_parallel", "partition_dim", "partition_stride"))
+                for n, p in m.named_parameters()}
+    out["tags"] = (tags(build_gpt_model(shape, home, seed=SEED)), tags(build_gpt_model(shape, home, seed=SEED,
+                                                                                        initialize=False)))
     # the same training without any switch, in the same processes
     initialize_for_layout(first, seed=SEED)
     fresh = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=SEED), first, **OPTIMIZER)
@@ -135,6 +143,14 @@ def test_a_to_b_to_a_gives_back_identical_local_tensors(chain_run):
         assert start.keys() == end.keys()
         for key in start:
             assert np.array_equal(start[key], end[key]), f"{name} rank {rank}: {key} changed over {chain[0]} -> {chain[1]} -> {chain[0]}"
+
+
+def test_uninitialised_models_carry_megatrons_tensor_parallel_tags(chain_run):
+    _, _, _, runs = chain_run
+    for r in runs:
+        initialised, bare = r["tags"]
+        assert bare == initialised
+        assert any(t[0] for t in initialised.values())
 
 
 def test_peak_staging_stays_within_the_budget(chain_run):

@@ -1,0 +1,226 @@
+"""``ScheduledReconfig``: switch the parallel layout at given optimizer steps.
+
+A schedule maps optimizer-step numbers to layouts. Entry ``S: L`` means: once ``S`` optimizer steps
+are done (``trainer.global_step == S``, at ``on_train_batch_end``, after the optimizer step), switch
+to ``L``; step ``S + 1`` runs at ``L``. An entry at step 0 (or at or before the step a run resumes
+from, if it has not run yet) is applied at ``on_train_start``.
+
+Three ways to write it::
+
+    ScheduledReconfig({200: "dp1-tp2-pp2", 400: "dp4-tp1-pp1"})
+    ScheduledReconfig("200:dp1-tp2-pp2,400:dp4-tp1-pp1")
+    ScheduledReconfig("schedule.yaml")      # schedule: {200: dp1-tp2-pp2, 400: dp4-tp1-pp1}
+
+The whole schedule is checked at ``setup`` against the model (``GPTShape`` rules), the batch sizes
+and the world size, so a bad layout at step 5000 fails before step 1, naming step 5000 and the rule.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_dynatrain.vps.errors import DynaTrainError
+from lightning_dynatrain.vps.layout import ParallelConfig
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+
+ScheduleLike = Mapping[int, "str | ParallelConfig"] | str | os.PathLike | None
+
+
+class ScheduleError(DynaTrainError):
+    """A schedule cannot be read, or one of its entries cannot run (the message names the step)."""
+
+
+def _step(key: Any, where: str) -> int:
+    try:
+        step = int(str(key).strip())
+    except ValueError:
+        raise ScheduleError(f"{where}: step {key!r} is not a whole number",
+                            hint="write entries as STEP:LAYOUT, e.g. 200:dp1-tp2-pp2") from None
+    if step < 0:
+        raise ScheduleError(f"{where}: step {step} is negative", hint="steps count optimizer steps from 0")
+    return step
+
+
+def _layout(value: Any, step: int, where: str) -> ParallelConfig:
+    try:
+        return ParallelConfig.parse(value if isinstance(value, ParallelConfig) else str(value))
+    except DynaTrainError as err:
+        raise ScheduleError(f"{where}: entry at step {step}: {err.message}", hint=err.hint) from err
+
+
+def _from_string(text: str) -> dict[int, ParallelConfig]:
+    out: dict[int, ParallelConfig] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if ":" not in part:
+            raise ScheduleError(f"schedule {text!r}: entry {part!r} has no ':'",
+                                hint="write STEP:LAYOUT[,STEP:LAYOUT...], e.g. 200:dp1-tp2-pp2,400:dp4")
+        key, value = part.split(":", 1)
+        step = _step(key, f"schedule {text!r}")
+        if step in out:
+            raise ScheduleError(f"schedule {text!r}: step {step} appears twice", hint="give each step once")
+        out[step] = _layout(value.strip(), step, f"schedule {text!r}")
+    return out
+
+
+def _from_yaml(path: Path) -> dict[int, ParallelConfig]:
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as err:  # omegaconf / yaml raise many types
+        raise ScheduleError(f"cannot read schedule file {path}: {err}",
+                            hint="write YAML like `schedule: {200: dp1-tp2-pp2}`") from err
+    node = cfg.get("schedule", cfg) if isinstance(cfg, DictConfig) else None
+    if not isinstance(node, DictConfig):
+        raise ScheduleError(f"schedule file {path} has no mapping of steps to layouts",
+                            hint="write YAML like `schedule: {200: dp1-tp2-pp2, 400: dp4-tp1-pp1}`")
+    raw = OmegaConf.to_container(node, resolve=True)
+    return {_step(k, str(path)): _layout(v, _step(k, str(path)), str(path)) for k, v in raw.items()}
+
+
+def parse_schedule(schedule: ScheduleLike) -> dict[int, ParallelConfig]:
+    """Read a schedule (dict, ``"STEP:LAYOUT,..."``, or a YAML path) into ``{step: layout}``, sorted by step.
+
+    >>> parse_schedule("400:dp4, 200:dp1-tp2-pp2")
+    {200: ParallelConfig(dp=1, tp=2, pp=2, cp=1, ep=1, etp=2, zero=0), 400: ParallelConfig(dp=4, tp=1, pp=1, cp=1, ep=1, etp=1, zero=0)}
+
+    Raises:
+        ScheduleError: unreadable file, malformed entry, negative or repeated step, unparsable layout.
+    """
+    if schedule is None:
+        entries: dict[int, ParallelConfig] = {}
+    elif isinstance(schedule, Mapping):
+        entries = {}
+        for key, value in schedule.items():
+            step = _step(key, "schedule")
+            if step in entries:
+                raise ScheduleError(f"schedule: step {step} appears twice", hint="give each step once")
+            entries[step] = _layout(value, step, "schedule")
+    elif isinstance(schedule, os.PathLike) or (
+        isinstance(schedule, str) and (schedule.strip().endswith((".yaml", ".yml")) or Path(schedule).is_file())
+    ):
+        path = Path(schedule)
+        if not path.is_file():
+            raise ScheduleError(f"schedule file {path} does not exist", hint="pass an existing YAML path or STEP:LAYOUT,...")
+        entries = _from_yaml(path)
+    elif isinstance(schedule, str):
+        entries = _from_string(schedule)
+    else:
+        raise ScheduleError(f"cannot read a schedule from {type(schedule).__name__}",
+                            hint="pass a dict {step: layout}, a 'STEP:LAYOUT,...' string or a YAML path")
+    return dict(sorted(entries.items()))
+
+
+class ScheduledReconfig(Callback):
+    """Switch ``DynaTrainStrategy``'s layout at the optimizer steps of a schedule.
+
+    Args:
+        schedule: ``{step: layout}``, ``"STEP:LAYOUT,STEP:LAYOUT"``, or a YAML file path with a
+            ``schedule:`` mapping (see module docstring). Empty/``None``: never switch.
+
+    Raises:
+        ScheduleError: at construction, when the schedule cannot be read; at ``setup``, when an entry
+            does not fit the model, the batch or the world (the message names its step and the rule).
+        TypeError: at ``setup``, when the Trainer's strategy is not a ``DynaTrainStrategy``.
+
+    Example::
+
+        trainer = Trainer(strategy=DynaTrainStrategy("dp2-tp2-pp1"), devices=4,
+                          callbacks=[ScheduledReconfig({200: "dp1-tp2-pp2"})])
+
+    State (``state_dict``): the steps whose switch already ran, so a resumed run does not repeat them.
+    """
+
+    def __init__(self, schedule: ScheduleLike) -> None:
+        self.schedule: dict[int, ParallelConfig] = parse_schedule(schedule)
+        self.done: set[int] = set()
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(schedule=tuple((s, str(l)) for s, l in self.schedule.items()))
+
+    @staticmethod
+    def _strategy(trainer: "pl.Trainer") -> "DynaTrainStrategy":
+        from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+
+        if not isinstance(trainer.strategy, DynaTrainStrategy):
+            raise TypeError(f"ScheduledReconfig needs DynaTrainStrategy, the Trainer runs "
+                            f"{type(trainer.strategy).__name__}. HINT: Trainer(strategy=DynaTrainStrategy(...))")
+        return trainer.strategy
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit" or not self.schedule:
+            return
+        strategy = self._strategy(trainer)
+        validate_schedule(self.schedule, world_size=trainer.world_size, start=strategy.layout,
+                          shape=getattr(pl_module, "shape", None),
+                          global_batch_size=getattr(pl_module, "global_batch_size", None),
+                          micro_batch_size=getattr(pl_module, "micro_batch_size", None))
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        due = [s for s in self.schedule if s <= trainer.global_step and s not in self.done]
+        if due:  # step 0, or entries a resumed run has passed: go to the latest of them
+            self.done.update(due)
+            self._strategy(trainer).reconfigure(self.schedule[max(due)])
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step in self.schedule and step not in self.done:
+            self.done.add(step)
+            self._strategy(trainer).reconfigure(self.schedule[step])
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"done": sorted(self.done), "schedule": {s: str(l) for s, l in self.schedule.items()}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.done = {int(s) for s in state_dict.get("done", [])}
+
+
+def validate_schedule(schedule: Mapping[int, ParallelConfig], *, world_size: int, start: ParallelConfig | None = None,
+                      shape: Any = None, global_batch_size: int | None = None,
+                      micro_batch_size: int | None = None) -> None:
+    """Check every entry (world size, model rules, batch split); the first bad one raises, naming its step.
+
+    Also warns when the padded vocabulary differs between layouts of the schedule: megatron's padded
+    rows take part in the softmax, so the model would change at the switch.
+
+    Raises:
+        ScheduleError: ``"schedule entry at step 5000 (dp1-tp3-pp1): <rule>"`` with the rule's hint.
+    """
+    from lightning_dynatrain.strategy.validation import padded_vocab_sizes, validate_target
+
+    for step, layout in schedule.items():
+        try:
+            validate_target(layout, world_size=world_size, shape=shape, global_batch_size=global_batch_size,
+                            micro_batch_size=micro_batch_size, current=start)
+        except DynaTrainError as err:
+            raise ScheduleError(f"schedule entry at step {step} ({layout}): {err.message}", hint=err.hint) from err
+    if shape is not None and hasattr(shape, "make_vocab_size_divisible_by"):
+        layouts = ([start] if start is not None else []) + list(schedule.values())
+        padded = padded_vocab_sizes(shape, layouts)
+        if len(set(padded.values())) > 1:
+            rank_zero_warn(
+                f"the padded vocabulary differs across the schedule's layouts ({padded} by tp): padded rows take "
+                "part in the softmax, so the model changes at a switch. Set make_vocab_size_divisible_by to "
+                "lightning_dynatrain.strategy.vocab_divisor_for(vocab_size, tp_sizes)")
+
+
+__all__ = ["ScheduleError", "ScheduledReconfig", "parse_schedule", "validate_schedule"]

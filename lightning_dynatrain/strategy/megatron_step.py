@@ -1,0 +1,171 @@
+"""The megatron side of ``DynaTrainStrategy``, as plain functions over one ``MegatronState``.
+
+A layout's whole megatron state is one object: the groups, the ``GPTModel`` shard, megatron's
+``DistributedDataParallel`` and optimizer, and the micro-batch count. A layout change is "tear down
+the state of layout A, build the state of layout B" (plus moving the numbers, the engine's job):
+
+    groups  = initialize_for_layout(B)            # megatron parallel_state for B (collective)
+    model   = build_model(recipe, B)              # B's shard of the same logical model
+    state   = attach_optimizer(model, recipe, B, adam)   # DDP + optimizer + micro-batches
+    ...                                           # the engine fills model and optimizer state
+    teardown_state(old)
+
+``train_step`` runs one optimizer step over the GLOBAL batch: it cuts this rank's data-parallel
+share by the state's layout, sets the scheduled learning rate, and calls megatron's pipeline
+schedule through ``run_train_step`` (forward/backward over micro-batches, finalize grads, step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from lightning_dynatrain.data.sampler import dp_share_bounds
+from lightning_dynatrain.megatron.gpt import build_gpt_model
+from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
+from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups, destroy, initialize_for_layout
+from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
+from lightning_dynatrain.strategy.validation import BatchSizeError, num_microbatches
+from lightning_dynatrain.vps.layout import ParallelConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class MegatronState:
+    """Everything megatron holds for one layout on this rank."""
+
+    layout: ParallelConfig
+    """The layout these objects were built for."""
+    groups: ProcessGroupCollection
+    """This rank's megatron groups for ``layout``."""
+    model: torch.nn.Module
+    """This rank's ``GPTModel`` shard (the module the LightningModule holds as ``model``)."""
+    ddp: DistributedDataParallel
+    """Megatron DDP around ``model`` (contiguous param and grad buffers)."""
+    optimizer: MegatronOptimizer
+    """Megatron's optimizer (distributed when ``layout.zero == 1``)."""
+    num_microbatches: int
+    """Micro-batches per optimizer step at this layout: global // (dp * micro)."""
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.dp.rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.groups.dp.size()
+
+
+def init_groups(layout: ParallelConfig, *, seed: int) -> ProcessGroupCollection:
+    """Megatron's groups for ``layout`` on the current WORLD (collective; replaces the previous ones)."""
+    return initialize_for_layout(layout, seed=seed)
+
+
+def build_model(recipe: MegatronRecipe, layout: ParallelConfig, *, device: torch.device | None = None) -> torch.nn.Module:
+    """This rank's shard of the recipe's GPT at ``layout`` (groups must be initialised for it)."""
+    model = build_gpt_model(recipe.shape, layout, seed=recipe.seed, params_dtype=recipe.params_dtype)
+    if device is not None and device.type != "cpu":
+        model = model.to(device)
+    return model
+
+
+def optimizer_kwargs(adam: AdamSettings) -> dict:
+    """``build_ddp_and_optimizer``'s keyword arguments for ``adam`` (also what ``hot_switch`` takes)."""
+    return dict(lr=adam.lr, weight_decay=adam.weight_decay, adam_beta1=adam.betas[0], adam_beta2=adam.betas[1],
+                adam_eps=adam.eps, clip_grad=adam.clip_grad)
+
+
+def state_of(layout: ParallelConfig, ddp: DistributedDataParallel, optimizer: MegatronOptimizer,
+             recipe: MegatronRecipe) -> MegatronState:
+    """The ``MegatronState`` of a DDP model and optimizer built for ``layout`` (groups must be ``layout``'s)."""
+    micro = num_microbatches(recipe.global_batch_size, layout.dp * layout.cp, recipe.micro_batch_size)
+    return MegatronState(layout=layout, groups=current_process_groups(), model=ddp.module, ddp=ddp,
+                         optimizer=optimizer, num_microbatches=micro)
+
+
+def attach_optimizer(model: torch.nn.Module, recipe: MegatronRecipe, layout: ParallelConfig,
+                     adam: AdamSettings) -> MegatronState:
+    """Wrap ``model`` in megatron DDP, build its optimizer, and derive the micro-batch count."""
+    num_microbatches(recipe.global_batch_size, layout.dp * layout.cp, recipe.micro_batch_size)  # fail early
+    ddp, optimizer = build_ddp_and_optimizer(model, layout, **optimizer_kwargs(adam))
+    return state_of(layout, ddp, optimizer, recipe)
+
+
+def teardown_state() -> None:
+    """Release megatron's groups (the modules of the old state must not communicate afterwards)."""
+    destroy()
+
+
+def set_lr_and_wd(optimizer: MegatronOptimizer, *, lr: float, weight_decay: float) -> None:
+    """Apply a scheduled learning rate and weight decay the way megatron's ``OptimizerParamScheduler``
+    does: times each group's ``lr_mult`` / ``wd_mult`` (``wd_mult`` is 0 for biases and 1-D params)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
+def local_share(batch: Mapping[str, torch.Tensor], *, dp_rank: int, dp_size: int,
+                global_batch_size: int) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's rows of a global batch (contiguous, by the current layout).
+
+    Raises:
+        BatchSizeError: the batch is not a global batch of ``global_batch_size`` rows.
+    """
+    rows = batch["tokens"].shape[0]
+    if rows != global_batch_size:
+        raise BatchSizeError(
+            f"the dataloader gave a batch of {rows} sequences, expected the global batch of {global_batch_size}",
+            hint="serve GLOBAL batches on every rank (lightning_dynatrain.data.GlobalBatchSampler); the strategy "
+            "slices the data-parallel share itself",
+        )
+    start, end = dp_share_bounds(global_batch_size, dp_rank, dp_size)
+    return {k: v[start:end] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def train_step(state: MegatronState, batch: Mapping[str, torch.Tensor], *, global_batch_size: int,
+               lr: float, weight_decay: float) -> float:
+    """One optimizer step of the global ``batch`` at ``state``'s layout; the global mean loss (same on every rank)."""
+    local = local_share(batch, dp_rank=state.dp_rank, dp_size=state.dp_size, global_batch_size=global_batch_size)
+    set_lr_and_wd(state.optimizer, lr=lr, weight_decay=weight_decay)
+    return run_train_step(state.ddp, state.optimizer, local, state.layout, state.num_microbatches,
+                          pg_collection=state.groups)
+
+
+def optimizer_state_dict(state: MegatronState) -> dict:
+    """This rank's optimizer state: the inner torch optimizers' state dicts (same-layout resume only)."""
+    return {"layout": str(state.layout), "inner": [None if o is None else o.state_dict() for o in _inner(state)]}
+
+
+def load_optimizer_state_dict(state: MegatronState, saved: Mapping) -> None:
+    """Load what ``optimizer_state_dict`` saved, into an optimizer built for the same layout."""
+    inner = _inner(state)
+    if saved.get("layout") != str(state.layout) or len(saved["inner"]) != len(inner):
+        raise ValueError(f"optimizer state of layout {saved.get('layout')} cannot load at {state.layout}")
+    for opt, sd in zip(inner, saved["inner"]):
+        if opt is not None and sd is not None:
+            opt.load_state_dict(sd)
+
+
+def _inner(state: MegatronState) -> list[torch.optim.Optimizer | None]:
+    subs = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
+    return [getattr(sub, "optimizer", None) for sub in subs]
+
+
+__all__ = [
+    "MegatronState",
+    "attach_optimizer",
+    "build_model",
+    "init_groups",
+    "load_optimizer_state_dict",
+    "local_share",
+    "optimizer_kwargs",
+    "optimizer_state_dict",
+    "set_lr_and_wd",
+    "state_of",
+    "teardown_state",
+    "train_step",
+]

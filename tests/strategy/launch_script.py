@@ -1,0 +1,64 @@
+"""A 3-step static run of DynaTrainStrategy, started by the launcher tests as a user would start it.
+
+``python launch_script.py OUT --devices 2`` (Lightning's subprocess launcher), under ``torchrun``, or
+one process per rank with SLURM's variables. Each rank writes ``OUT/rank{global_rank}.json`` with
+what Lightning and the strategy saw (environment class, ranks, layout, data-parallel share, losses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--layout", default="dp2-tp1-pp1")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--registry-name", action="store_true", help="Trainer(strategy='dynatrain')")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from lightning.pytorch import Trainer, seed_everything
+
+    import lightning_dynatrain  # registers "dynatrain"
+    from lightning_dynatrain.data import StdlibTextDataModule
+    from lightning_dynatrain.megatron.gpt import GPTShape
+    from lightning_dynatrain.strategy import DynaTrainStrategy, GPTLightningModule
+
+    seed_everything(0)
+    shape = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=32,
+                     make_vocab_size_divisible_by=128)
+    module = GPTLightningModule(shape, lr=3e-3, global_batch_size=8, micro_batch_size=2, seed=1234)
+    data = StdlibTextDataModule(seq_length=32, global_batch_size=8, seed=0, max_bytes=200_000)
+    strategy = "dynatrain" if args.registry_name else DynaTrainStrategy(args.layout)
+    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    seen = {}
+
+    def probe() -> None:
+        s = trainer.strategy
+        seen.update(layout=str(s.layout), sampler=s.distributed_sampler_kwargs, dp=s.megatron.dp_size,
+                    env=type(s.cluster_environment).__name__, global_rank=trainer.global_rank,
+                    world_size=trainer.world_size, local_rank=trainer.local_rank, node_rank=trainer.node_rank,
+                    strategy=type(s).__name__, launcher=type(s.launcher).__name__ if s.launcher else None,
+                    dist_rank=torch.distributed.get_rank(), dist_world=torch.distributed.get_world_size())
+
+    module.on_train_start = probe  # read while the process group is up
+    trainer.fit(module, datamodule=data)
+    seen.update(losses=[loss for _, loss in module.losses], global_step=trainer.global_step,
+                dist_after=torch.distributed.is_initialized(), pid=os.getpid(), argv=sys.argv,
+                slurm_procid=os.environ.get("SLURM_PROCID"))
+    Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The strategy's plain parts without processes: registry, construction errors, batch and vocab rules,
+the LR schedule, switch reports and their logging protocol."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_dynatrain.engine.report import PrimitiveStats, SwitchReport
+from lightning_dynatrain.engine.errors import StagingBudgetError
+from lightning_dynatrain.strategy import (
+    BatchSizeError,
+    DynaTrainStrategy,
+    RankFigures,
+    ReconfigReport,
+    SwitchFigures,
+    WorldSizeError,
+    figures_from_engine_report,
+    num_microbatches,
+    validate_target,
+    vocab_divisor_for,
+    warmup_cosine_lr,
+)
+from lightning_dynatrain.strategy.report import log_switch
+from lightning_dynatrain.vps.errors import LayoutError
+
+
+def test_import_registers_the_strategy_lazily() -> None:
+    """``import lightning_dynatrain`` loads neither Lightning nor megatron; "dynatrain" is registered once
+    Lightning is imported, in either order."""
+    code = ("import sys, lightning_dynatrain\n"
+            "print(any(m.startswith(('lightning.', 'megatron')) for m in sys.modules))\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\n"
+            "print(StrategyRegistry['dynatrain']['strategy'].__name__)\n"
+            "print(any(m.startswith('megatron') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "DynaTrainStrategy", "False"], out.stderr[-2000:]
+
+
+def test_construction_checks_layout_and_budget() -> None:
+    strategy = DynaTrainStrategy("tp2-dp2", staging_budget="1MiB")
+    assert repr(strategy) == "DynaTrainStrategy(layout='dp2-tp2-pp1', staging_budget=1048576)"
+    assert strategy.is_distributed is False and strategy.num_nodes == 1
+    with pytest.raises(RuntimeError, match="set in setup_environment"):
+        strategy.layout
+    with pytest.raises(RuntimeError, match="built in DynaTrainStrategy.setup"):
+        strategy.megatron
+    with pytest.raises(LayoutError, match="unknown part 'xp2'"):
+        DynaTrainStrategy("dp2-xp2")
+    with pytest.raises(StagingBudgetError):
+        DynaTrainStrategy("dp2", staging_budget="lots")
+    assert repr(DynaTrainStrategy()) == "DynaTrainStrategy(layout='auto', staging_budget=268435456)"
+
+
+def test_validate_target_rules() -> None:
+    from lightning_dynatrain.megatron.gpt import GPTShape
+
+    shape = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=16)
+    assert str(validate_target("dp2-tp2", world_size=4, shape=shape, global_batch_size=8, micro_batch_size=2)) == "dp2-tp2-pp1"
+    with pytest.raises(WorldSizeError, match="Elastic Device Manager"):
+        validate_target("dp2", world_size=4)
+    with pytest.raises(LayoutError, match="tp=8 must divide the 4 attention heads"):
+        validate_target("tp8", world_size=8, shape=shape)
+    with pytest.raises(LayoutError, match="context parallelism"):
+        validate_target("dp2-cp2", world_size=4, shape=shape)
+    with pytest.raises(BatchSizeError, match="global batch 6 is not a multiple of dp \\* micro_batch_size = 4 \\* 1"):
+        validate_target("dp4", world_size=4, global_batch_size=6, micro_batch_size=1)
+
+
+def test_microbatches_and_vocab_padding() -> None:
+    from lightning_dynatrain.megatron.gpt import GPTShape, padded_vocab_size
+
+    assert num_microbatches(16, 2, 2) == 4 and num_microbatches(16, 4, 4) == 1
+    with pytest.raises(BatchSizeError):
+        num_microbatches(16, 3, 1)
+    for vocab, tps in ((256, [1, 2, 4]), (256, [1, 2]), (250, [1, 2, 4, 8]), (100, [1, 3])):
+        divisor = vocab_divisor_for(vocab, tps)
+        shape = GPTShape(hidden=8, layers=1, heads=1, ffn_hidden=8, vocab_size=vocab, seq_length=4,
+                         make_vocab_size_divisible_by=divisor)
+        assert len({padded_vocab_size(shape, tp) for tp in tps}) == 1, (vocab, tps)
+    assert vocab_divisor_for(256, [1, 2]) == 128
+
+
+def test_warmup_cosine() -> None:
+    lrs = [warmup_cosine_lr(s, peak=1.0, warmup_steps=4, max_steps=20, min_ratio=0.1) for s in range(25)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:])) and lrs[20] == pytest.approx(0.1) == lrs[24]
+    assert warmup_cosine_lr(99, peak=2.0, warmup_steps=0, max_steps=None) == 2.0
+
+
+def _engine_report() -> SwitchReport:
+    return SwitchReport(rank=0, src="dp2-tp1-pp1", dst="dp1-tp2-pp1", plan_s=0.01, allocate_s=0.0, copy_s=0.02,
+                        pack_s=0.0, transfer_s=0.1, unpack_s=0.0, free_s=0.0, total_seconds=0.2,
+                        sent_intra_node_bytes=3000, sent_inter_node_bytes=1000, recv_intra_node_bytes=0,
+                        recv_inter_node_bytes=0, retained_bytes=500, stages=2, peak_staging_bytes=4096,
+                        staging_budget_bytes=1 << 20, p2p=PrimitiveStats(), broadcast=PrimitiveStats(),
+                        local_copy=PrimitiveStats())
+
+
+def test_reports_follow_the_protocol_and_log_their_figures(capsys) -> None:
+    figures = figures_from_engine_report(_engine_report(), extra_phases={"rebuild": 0.05})
+    assert isinstance(figures, SwitchFigures) and isinstance(RankFigures(), SwitchFigures)
+    assert figures.seconds == pytest.approx(0.25) and figures.moved_bytes == 4000
+    assert figures.phase_seconds["transfer"] == 0.1 and figures.phase_seconds["rebuild"] == 0.05
+    report = ReconfigReport.from_figures(figures, step=200, src="dp2-tp1-pp1", dst="dp1-tp2-pp1")  # no dist: local
+    assert (report.moved_bytes, report.retained_bytes, report.peak_staging_bytes) == (4000, 500, 4096)
+    assert report.metrics()["dynatrain/switch_seconds"] == pytest.approx(0.25)
+    assert report.metrics()["dynatrain/switch_transfer_seconds"] == 0.1
+    assert set(report.metrics()) >= {"dynatrain/moved_bytes", "dynatrain/retained_bytes", "dynatrain/peak_staging_bytes"}
+    assert json.loads(json.dumps(report.to_json()))["phase_seconds"]["rebuild"] == 0.05
+
+    logged = []
+    trainer = SimpleNamespace(loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.append((step, m)))])
+    log_switch(trainer, report, is_global_zero=True)
+    line = capsys.readouterr().out.strip()
+    assert line == ("[dynatrain] step 200: dp2-tp1-pp1 -> dp1-tp2-pp1 in 0.250 s, moved 3.9 KiB, retained 500 B, "
+                    "peak staging 4.0 KiB")
+    assert logged[0][0] == 200 and logged[0][1]["dynatrain/moved_bytes"] == 4000
+    log_switch(trainer, ReconfigReport(step=3, src="dp4-tp1-pp1", dst="dp4-tp1-pp1"), is_global_zero=False)
+    assert capsys.readouterr().out == "" and len(logged) == 1  # no-op: no metrics; rank != 0: no line
