@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo plan-demo test bench clean
 
 setup: $(STAMP)
 
@@ -15,8 +15,14 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-# The main job: a dry-run plan of a real switch at cluster scale (1024 ranks, Qwen3-235B MoE).
+# The main job: 4 CPU processes train a byte-level GPT on the standard library's sources and hot-switch
+# layout three times (dp, tp, pp and zero change); writes runs/demo/{metrics.csv,switches.jsonl,loss.png}.
 demo: $(STAMP)
+	$(PY) examples/train_gpt.py --devices 4 --max-steps 240 --layout dp4-tp1-pp1 \
+		--schedule 60:dp2-tp2-pp1,120:dp1-tp2-pp2-zero1,180:dp2-tp1-pp2-zero1 --out runs/demo
+
+# A dry-run plan of a switch at cluster scale (1024 ranks, Qwen3-235B MoE).
+plan-demo: $(STAMP)
 	$(VENV)/bin/dynatrain plan --model qwen-moe-235b --src dp128-tp4-pp2-ep64-zero1 --dst dp256-tp2-pp2-ep128-zero1
 
 test: $(STAMP)
@@ -24,6 +30,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_at_scale.py
+	$(PY) benchmarks/step_overhead.py --devices 2
+	$(PY) benchmarks/switch_vs_checkpoint.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -109,7 +109,7 @@ def plot(out: Path, rows: list[tuple[int, float, str]], switches: list) -> None:
     start = rows[0][2] if rows else ""
     ax.set(xlabel="optimizer step", ylabel="loss (nats / byte)", title=f"byte-level GPT on the stdlib, start {start}")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="lower left")  # the switch labels sit at the top
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
     plt.close(fig)
