@@ -42,13 +42,16 @@ def free_port() -> int:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
-           results: Any, collective_timeout_s: float) -> None:
+           results: Any, collective_timeout_s: float, backend: str = "gloo") -> None:
     try:
         import torch
 
-        torch.set_num_threads(1)  # N ranks share the few cores of a CI machine
+        if backend == "nccl":  # one GPU per rank, round robin (the GPU checks)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:
+            torch.set_num_threads(1)  # N ranks share the few cores of a CI machine
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -64,8 +67,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-                    collective_timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+                    collective_timeout_s: float | None = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks (gloo, or ``backend="nccl"``).
 
     Args:
         timeout_s: wall-clock limit of the whole run; the children are killed after it.
@@ -87,7 +90,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     procs = [
         ctx.Process(
             target=_child,
-            args=(rank, world_size, port, fn, args, kwargs, results, collective_timeout_s),
+            args=(rank, world_size, port, fn, args, kwargs, results, collective_timeout_s, backend),
             daemon=True,
         )
         for rank in range(world_size)

@@ -86,16 +86,16 @@ def main() -> None:
     parser.add_argument("--local", action="store_true", help="world 1, large state, local copies only")
     parser.add_argument("--verbose", action="store_true", help="print every rank's report")
     args = parser.parse_args()
-    from tests.engine._spawn import run_on_backend
+    from tests.dist import run_distributed
 
     device = "cuda" if args.backend == "nccl" else "cpu"
     if args.local:
-        for line in run_on_backend(_bench_local, 1, args.backend, args.budget, args.repeat, device)[0]:
+        for line in run_distributed(_bench_local, 1, args.budget, args.repeat, device, backend=args.backend, timeout_s=180)[0]:
             print(line)
         return
     for world in args.world:
         start = time.perf_counter()
-        per_rank = run_on_backend(_bench, world, args.backend, args.budget, args.repeat, device, timeout_s=600)
+        per_rank = run_distributed(_bench, world, args.budget, args.repeat, device, backend=args.backend, timeout_s=600)
         _, p2p, bcast = per_rank[0][0]
         print(f"world {world} ({args.backend}, budget {args.budget}): link p2p {p2p / 2**20:.0f} MiB/s per direction, "
               f"broadcast {bcast / 2**20:.0f} MiB/s; job {time.perf_counter() - start:.1f}s")

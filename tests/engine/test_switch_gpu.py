@@ -14,7 +14,7 @@ import torch
 
 from lightning_dynatrain.vps.spec import Precision
 from tests.engine._cases import Case
-from tests.engine._spawn import run_on_backend
+from tests.dist import run_distributed
 from tests.engine._workers import run_cases
 from tests.engine.test_switch_dist import DENSE, GQA, MOE, WIDE, WIDE_MOE
 
@@ -39,10 +39,10 @@ def _check(reports: list[list[dict]]) -> None:
 
 
 def test_world1_local_copies_on_gpu():
-    _check(run_on_backend(run_cases, 1, "nccl", WORLD1, "cuda"))
+    _check(run_distributed(run_cases, 1, WORLD1, "cuda", backend="nccl", timeout_s=180))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2 and os.environ.get("DYNATRAIN_SHARE_GPU") != "1",
                     reason="needs two GPUs (or DYNATRAIN_SHARE_GPU=1)")
 def test_world2_switches_on_gpu():
-    _check(run_on_backend(run_cases, 2, "nccl", WORLD2, "cuda"))
+    _check(run_distributed(run_cases, 2, WORLD2, "cuda", backend="nccl", timeout_s=180))
