@@ -1,0 +1,178 @@
+"""Turn the per-rank records of ``switch_vs_checkpoint.py``'s jobs into per-pair figures, a table and
+geometric means. Pure functions over plain dicts (no torch), so the script's spawned children can
+import this module cheaply."""
+
+from __future__ import annotations
+
+import math
+
+GOALS = {  # metric -> (goal, "higher" or "lower" is better)
+    "speedup_vs_dcp": (8.0, "higher"),
+    "speedup_vs_megatron_ckpt": (8.0, "higher"),
+    "speedup_vs_restart": (50.0, "higher"),
+    "speedup_vs_allgather": (3.0, "higher"),
+    "time_over_floor": (1.5, "lower"),
+}
+BASELINES = {"dcp": "speedup_vs_dcp", "megatron": "speedup_vs_megatron_ckpt", "restart": "speedup_vs_restart",
+             "allgather": "speedup_vs_allgather"}
+GB = 1e9
+
+
+def _restart(first: dict, second: list[dict] | None) -> dict | None:
+    save = first.get("restart_save")
+    if not save or not second:
+        return None
+    entered = min(r["process_entered_at"] for r in second)
+    r = second[0]
+    return dict(seconds=r["loaded_at"] - save["decided_at"], save_seconds=save["saved_at"] - save["decided_at"],
+                exit_and_spawn_seconds=entered - save["saved_at"], startup_seconds=r["fn_started_at"] - entered,
+                build_seconds=r["built_at"] - r["fn_started_at"], load_seconds=r["loaded_at"] - r["built_at"],
+                passed=r["passed"], diff=r["diff"])
+
+
+def summarize(src: str, dst: str, ranks: list[dict], restart: list[dict] | None) -> dict:
+    """One pair's figures from job 1's per-rank records (and the restart job's)."""
+    first = ranks[0]
+    methods = dict(first["methods"])
+    for name in methods:
+        methods[name] = dict(methods[name], peak_rss_sum=sum(r["methods"][name]["peak_rss"] for r in ranks))
+    checks = {m: c["passed"] for m, c in first["checks"].items()}
+    restarted = _restart(first, restart)
+    if restarted is not None:
+        methods["restart"] = restarted
+        checks["restart"] = restarted["passed"]
+    floor = first["floor"]
+    seconds = {m: rec["seconds"] for m, rec in methods.items()}
+    seconds["floor"] = floor["seconds"]
+    hot = methods.get("hot_switch")
+    out = dict(pair=f"{src} -> {dst}", src=src, dst=dst, seconds=seconds, methods=methods, floor=floor,
+               speeds=first["speeds"], checks=checks, all_checks_passed=all(checks.values()) and bool(checks),
+               restores=first["restores"], skipped=first["skipped"], errors=first["errors"],
+               base_rss_sum=sum(r["base_rss"] for r in ranks), build_trained_seconds=first["build_trained_seconds"])
+    if hot is not None:
+        engine = hot["engine_seconds"]
+        seconds["hot_switch_engine"] = engine
+        seconds["hot_switch_rebuild"] = hot["rebuild_seconds"]
+        out["peak_staging_bytes"] = hot["peak_staging_bytes"]
+        for method, key in BASELINES.items():
+            if method in seconds:
+                out[key] = seconds[method] / hot["seconds"]
+                out["engine_" + key] = seconds[method] / engine
+        if floor["seconds"] > 0:
+            out["time_over_floor"] = hot["seconds"] / floor["seconds"]
+            out["engine_time_over_floor"] = engine / floor["seconds"]
+    return out
+
+
+def geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def geomeans(rows: list[dict]) -> dict:
+    keys = list(GOALS) + ["engine_" + k for k in GOALS] + ["peak_staging_bytes"]
+    out: dict = {}
+    for key in keys:
+        values = [r[key] for r in rows if r.get(key)]
+        out[key] = geomean(values)
+        out[key + "_pairs"] = len(values)
+    return out
+
+
+def goals(means: dict) -> dict:
+    out = {}
+    for key, (goal, better) in GOALS.items():
+        value = means.get(key)
+        met = value is not None and (value >= goal if better == "higher" else value <= goal)
+        out[key] = dict(goal=goal, better=better, value=value, met=met)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ text
+def _s(value: float | None) -> str:
+    return "-" if value is None else (f"{value:.3f}" if value < 10 else f"{value:.1f}")
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}x"
+
+
+def table(rows: list[dict], means: dict) -> str:
+    head = (f"{'pair':<40} {'hot s':>7} {'engine':>7} {'rebuild':>7} {'allgat':>7} {'dcp':>7} {'mcore':>7} "
+            f"{'restart':>7} {'floor':>7} {'moved':>7} {'kept':>7} {'xdcp':>6} {'xmcore':>6} {'xrest':>6} "
+            f"{'xallg':>6} {'/floor':>6}  checks")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        s = r["seconds"]
+        checks = " ".join(f"{m}:{'ok' if ok else 'FAIL'}" for m, ok in r["checks"].items())
+        lines.append(
+            f"{r['pair']:<40} {_s(s.get('hot_switch')):>7} {_s(s.get('hot_switch_engine')):>7} "
+            f"{_s(s.get('hot_switch_rebuild')):>7} {_s(s.get('allgather')):>7} {_s(s.get('dcp')):>7} "
+            f"{_s(s.get('megatron')):>7} {_s(s.get('restart')):>7} {_s(s.get('floor')):>7} "
+            f"{r['floor']['recv_bytes_total'] / GB:>6.2f}G {r['floor']['retained_bytes_total'] / GB:>6.2f}G "
+            f"{_x(r.get('speedup_vs_dcp')):>6} {_x(r.get('speedup_vs_megatron_ckpt')):>6} "
+            f"{_x(r.get('speedup_vs_restart')):>6} {_x(r.get('speedup_vs_allgather')):>6} "
+            f"{_s(r.get('time_over_floor')):>6}  {checks}")
+        for method, reason in r["skipped"].items():
+            lines.append(f"{'':<4}skipped {method}: {reason}")
+        for method, error in r["errors"].items():
+            lines.append(f"{'':<4}ERROR {method}: {error.strip().splitlines()[-1]}")
+    lines.append("-" * len(head))
+    lines.append(
+        f"{'geomean (hot switch incl. rebuild)':<40} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} "
+        f"{'':>7} {'':>7} {_x(means['speedup_vs_dcp']):>6} {_x(means['speedup_vs_megatron_ckpt']):>6} "
+        f"{_x(means['speedup_vs_restart']):>6} {_x(means['speedup_vs_allgather']):>6} {_s(means['time_over_floor']):>6}")
+    lines.append(
+        f"{'geomean (engine only)':<40} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} "
+        f"{_x(means['engine_speedup_vs_dcp']):>6} {_x(means['engine_speedup_vs_megatron_ckpt']):>6} "
+        f"{_x(means['engine_speedup_vs_restart']):>6} {_x(means['engine_speedup_vs_allgather']):>6} "
+        f"{_s(means['engine_time_over_floor']):>6}")
+    return "\n".join(lines)
+
+
+def _steps(steps: dict[str, float]) -> str:
+    return " ".join(f"{k.strip('_')} {v:.3f}" for k, v in steps.items() if v >= 0.0005)
+
+
+def profile(rows: list[dict]) -> str:
+    """Where the hot switch's time goes, and the baselines' own breakdowns."""
+    lines = ["", "where the time goes (seconds, slowest rank)"]
+    for r in rows:
+        m = r["methods"]
+        lines.append(f"  {r['pair']}")
+        if "hot_switch" in m:
+            h = m["hot_switch"]
+            phases = " ".join(f"{k} {v:.3f}" for k, v in h["phases"].items() if v >= 0.0005)
+            lines.append(f"    hot switch {h['seconds']:.3f} = plan+prep {h['plan_seconds']:.3f} + rebuild "
+                         f"{h['rebuild_seconds']:.3f} + engine {h['engine_seconds']:.3f} ({phases}) + drop old "
+                         f"{h['release_seconds']:.3f} (+ waiting for the slowest rank); recv {h['recv_bytes'] / GB:.2f} GB, kept "
+                         f"{h['retained_bytes'] / GB:.2f} GB, peak staging {h['peak_staging_bytes'] / 2**20:.0f} MiB")
+            lines.append("      rebuild + engine steps: " + _steps(h["steps"]))
+        for name in ("dcp", "megatron", "allgather"):
+            if name in m:
+                lines.append(f"      {name}'s rebuild steps: " + _steps(m[name]["steps"]))
+        if "allgather" in m:
+            a = m["allgather"]
+            lines.append(f"    allgather {a['seconds']:.3f} = rebuild {a['rebuild_seconds']:.3f} + gather/slice "
+                         f"{a['gather_seconds']:.3f} (in all_gather {a['collective_seconds']:.3f}, "
+                         f"{a['collectives']} calls, {a['recv_bytes'] / GB:.2f} GB received)")
+        for name in ("dcp", "megatron"):
+            if name in m:
+                c = m[name]
+                lines.append(f"    {name} {c['seconds']:.3f} = save {c['save_seconds']:.3f} + drop old "
+                             f"{c['free_seconds']:.3f} + build {c['build_seconds']:.3f} + load {c['load_seconds']:.3f}"
+                             f" ({c['checkpoint_bytes'] / GB:.2f} GB on disk)")
+        if "restart" in m:
+            c = m["restart"]
+            lines.append(f"    restart {c['seconds']:.3f} = save {c['save_seconds']:.3f} + exit and spawn "
+                         f"{c['exit_and_spawn_seconds']:.3f} + start-up {c['startup_seconds']:.3f} + init/build "
+                         f"{c['build_seconds']:.3f} + load {c['load_seconds']:.3f}")
+        sp = r["speeds"]
+        lines.append(f"    floor {r['floor']['seconds']:.3f} = {r['floor']['recv_bytes_total'] / GB:.2f} GB at "
+                     f"{sp['p2p_aggregate_bytes_per_s'] / GB:.2f} GB/s aggregate p2p ("
+                     f"{sp['p2p_pair_bytes_per_s'] / GB:.2f} GB/s per rank) + {r['floor']['retained_bytes_max'] / GB:.2f}"
+                     f" GB kept at {sp['copy_bytes_per_s'] / GB:.2f} GB/s copy_")
+        peaks = " ".join(f"{k} {v['peak_rss_sum'] / GB:.1f}" for k, v in m.items() if "peak_rss_sum" in v)
+        if peaks:
+            lines.append(f"    peak RSS, sum over ranks (GB): {peaks}")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""The floor: the least time any switch could take on this machine, from the plans and measured speeds.
+
+    floor = (bytes all ranks receive from other processes) / (aggregate pairwise link bandwidth)
+          + max over ranks of (bytes the rank keeps) / (its Tensor.copy_ speed)
+
+Both speeds are measured in the same run and with every rank busy at once, as in a switch: pairs
+``(i, i ^ 1)`` exchange ``nbytes`` both ways with ``isend``/``irecv``, and every rank copies a
+``copy_bytes`` tensor into another, already touched one. The aggregate bandwidth is the bytes all
+ranks received divided by the slowest rank's time; best of ``repeats``.
+
+Example (every rank)::
+
+    speeds = measure_speeds()
+    floor = switch_floor(spec, src, dst, rank, speeds)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.planner import plan_rank
+from lightning_dynatrain.vps.spec import ModelSpec, Precision
+
+MiB = 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Speeds:
+    """Measured on this run's ranks, all busy at once."""
+
+    p2p_pair_bytes_per_s: float
+    """One rank's receive rate while every pair exchanges both ways at once."""
+    p2p_aggregate_bytes_per_s: float
+    """Bytes received by all ranks per second (``world`` times the slowest pair's rate)."""
+    copy_bytes_per_s: float
+    """One rank's ``Tensor.copy_`` rate while every rank copies."""
+
+
+@dataclass(frozen=True, slots=True)
+class Floor:
+    recv_bytes_total: int
+    retained_bytes_max: int
+    retained_bytes_total: int
+    transfer_seconds: float
+    copy_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.transfer_seconds + self.copy_seconds
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "seconds": self.seconds}
+
+
+def _slowest(seconds: float, group: dist.ProcessGroup | None) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _timed(fn, group: dist.ProcessGroup | None) -> float:
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    fn()
+    return _slowest(time.perf_counter() - start, group)
+
+
+def measure_speeds(*, nbytes: int = 64 * MiB, copy_bytes: int = 256 * MiB, repeats: int = 3,
+                   group: dist.ProcessGroup | None = None) -> Speeds:
+    """Pairwise both-ways ``isend``/``irecv`` and concurrent ``copy_``; collective."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    send = torch.ones(nbytes, dtype=torch.uint8)
+    recv = torch.zeros(nbytes, dtype=torch.uint8)
+    peer = rank ^ 1
+
+    def exchange() -> None:
+        if peer < world:
+            works = [dist.isend(send, group_dst=peer, group=group), dist.irecv(recv, group_src=peer, group=group)]
+            for work in works:
+                work.wait()
+
+    exchange()  # warm-up: connections are made lazily
+    t_p2p = min(_timed(exchange, group) for _ in range(repeats))
+    a = torch.ones(copy_bytes // 4)
+    b = torch.zeros_like(a)
+    t_copy = min(_timed(lambda: b.copy_(a), group) for _ in range(repeats))
+    pair = nbytes / t_p2p
+    return Speeds(pair, pair * (world - world % 2), copy_bytes / t_copy)
+
+
+def switch_floor(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, speeds: Speeds, *,
+                 precision: Precision = Precision.FP32, gpus_per_node: int = 8,
+                 group: dist.ProcessGroup | None = None) -> Floor:
+    """The floor of ``src -> dst`` from every rank's plan (collective; same result on every rank).
+
+    Uses the uncached ``plan_rank``: a hot switch timed later still pays for its own plan.
+    """
+    plan = plan_rank(spec, src, dst, rank, precision=precision, gpus_per_node=gpus_per_node)
+    mine = torch.tensor([plan.bytes(plan.recvs, precision), plan.bytes(plan.retains, precision)], dtype=torch.int64)
+    table = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    recv = sum(int(t[0]) for t in table)
+    kept = [int(t[1]) for t in table]
+    return Floor(recv, max(kept), sum(kept), recv / speeds.p2p_aggregate_bytes_per_s,
+                 max(kept) / speeds.copy_bytes_per_s)
+
+
+__all__ = ["Floor", "Speeds", "measure_speeds", "switch_floor"]

@@ -1,0 +1,154 @@
+"""Baseline: megatron-core's own ``dist_checkpointing``, saved at layout A and loaded at layout B.
+
+The model's ``sharded_state_dict()`` keys carry global layer offsets (the reason it reshards
+pipeline stages right), the optimizer's ``sharded_state_dict`` maps Adam's moments onto the same
+keys. For the distributed optimizer (zero1) the only resharding format that runs in
+megatron-core 0.16.1 on CPU is ``fully_reshardable`` (``fully_sharded_model_space`` fails with
+``ShardedTensor.flattened_range is not supported``). That format gathers each DP group's shards on
+save and, on load, allocates the whole TP/PP-local optimizer state on every rank before slicing
+its shard: its memory need is what ``memory.py`` budgets for it. The save uses megatron's
+``distrib_optim_fully_reshardable_mem_efficient`` variant (gather on DP rank 0 only, over the
+"gloo" DP group, which on CPU is the DP group itself): the default gathers on every DP rank and
+does not fit in memory here for the 270M model at dp4.
+
+Loading a distributed optimizer without Apex or Transformer Engine needs patch G of
+``MEGATRON_ON_CPU.md``: the optimizer must already hold Adam state (``build_empty_state`` does
+that), and ``_set_main_param_and_optimizer_states`` must skip the ``step`` key that the checkpoint
+does not carry (``_skip_step_on_load`` below, applied only around the load).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState
+
+#: The distributed optimizer's resharding format (see the module docstring).
+SHARDING_TYPE = "fully_reshardable"
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronCkptTimes:
+    """Seconds of one side (save or load), slowest rank: building the sharded state dict, I/O, applying."""
+
+    prepare: float
+    io: float
+    apply: float
+
+    @property
+    def total(self) -> float:
+        return self.prepare + self.io + self.apply
+
+
+def _metadata(*, mem_efficient: bool) -> dict:
+    return {"distrib_optim_sharding_type": SHARDING_TYPE,
+            "distrib_optim_fully_reshardable_mem_efficient": mem_efficient}
+
+
+def _use_dp_group_as_gloo_group(optimizer) -> None:
+    """The memory-efficient gather runs over ``data_parallel_group_gloo``, which our groups do not
+    create (``create_gloo_process_groups=False``); on CPU the DP group is a gloo group already."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    for sub in subs:
+        if isinstance(sub, DistributedOptimizer) and getattr(sub, "data_parallel_group_gloo", None) is None:
+            sub.data_parallel_group_gloo = sub.data_parallel_group
+
+
+def _sharded_state_dict(state: MegatronTrainingState, *, is_loading: bool) -> dict:
+    metadata = _metadata(mem_efficient=not is_loading)
+    if not is_loading:
+        _use_dp_group_as_gloo_group(state.optimizer)
+    model = state.ddp.module.sharded_state_dict(metadata=metadata)
+    optimizer = state.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
+    return {"model": model, "optimizer": optimizer}
+
+
+@contextmanager
+def _skip_step_on_load() -> Iterator[None]:
+    """Patch G: without Apex/TE the live Adam state has a ``step`` the checkpoint does not carry.
+
+    Answers ``distrib_optimizer.py::_set_main_param_and_optimizer_states`` (``dst_tensors[key]
+    .copy_(tensors[key])`` over every live key, ``KeyError: 'step'``); the step itself comes back
+    through the param groups in ``load_state_dict``.
+    """
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def patched(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            live = {"param": main_param, **self.optimizer.state[main_param]}
+            for key, tensor in live.items():
+                if key != "step":
+                    tensor.copy_(tensors[key])
+            return
+        original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = patched
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original
+
+
+def warm_up() -> None:
+    """Start the helper process megatron's checkpoint writer keeps for a whole job.
+
+    ``filesystem_async._get_write_results_queue`` spawns a ``multiprocessing.Manager`` (a fresh
+    interpreter, about 10 s here) at a process's first save and reuses it afterwards. A training job
+    that switches has checkpointed before, so the benchmark pays it outside the timed save.
+    """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+
+    _get_write_results_queue()
+
+
+def _slowest(*seconds: float) -> list[float]:
+    import torch
+
+    t = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def save(state: MegatronTrainingState, path: str) -> MegatronCkptTimes:
+    """Write ``state`` with ``dist_checkpointing.save`` (collective; ``path`` exists, is empty)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    with megatron_on_cpu():
+        sharded = _sharded_state_dict(state, is_loading=False)
+        t1 = time.perf_counter()
+        dist_checkpointing.save(sharded, path)
+    dist.barrier()
+    t2 = time.perf_counter()
+    prepare, io = _slowest(t1 - t0, t2 - t1)
+    return MegatronCkptTimes(prepare, io, 0.0)
+
+
+def load(state: MegatronTrainingState, path: str) -> MegatronCkptTimes:
+    """Fill ``state`` (built empty at the new layout, Adam state materialised) from ``path``."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    with megatron_on_cpu(), _skip_step_on_load():
+        sharded = _sharded_state_dict(state, is_loading=True)
+        t1 = time.perf_counter()
+        loaded = dist_checkpointing.load(sharded, path)
+        t2 = time.perf_counter()
+        state.ddp.module.load_state_dict(loaded["model"])
+        state.optimizer.load_state_dict(loaded["optimizer"])
+        del loaded, sharded
+    dist.barrier()
+    t3 = time.perf_counter()
+    prepare, io, apply = _slowest(t1 - t0, t2 - t1, t3 - t2)
+    return MegatronCkptTimes(prepare, io, apply)
+
+
+__all__ = ["SHARDING_TYPE", "MegatronCkptTimes", "load", "save", "warm_up"]

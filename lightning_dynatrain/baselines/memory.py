@@ -1,0 +1,111 @@
+"""What fits: the resident bytes of a training state per layout, the machine's free memory, peak RSS.
+
+There is no swap here; a method that does not fit gets its processes killed. So before each method
+the job asks ``fits(extra)``: the bytes that method adds on top of what is resident now (estimated
+from the layout, below) plus a margin, against ``MemAvailable``. Peak RSS per method is measured
+with ``VmHWM`` after resetting it (``/proc/self/clear_refs``).
+
+State bytes of one rank (fp32): params + megatron's fp32 grad buffer (same size) + Adam's two
+moments (the rank's zero1 shard under the distributed optimizer), counted from the VPS regions, so
+no model needs to be built to know it.
+"""
+
+from __future__ import annotations
+
+from lightning_dynatrain.engine.store import RegionIndex, local_numel
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.mapping import rank_regions
+from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
+
+GiB = 2**30
+
+
+def local_numels(spec: ModelSpec, layout: ParallelConfig, rank: int,
+                 precision: Precision = Precision.FP32) -> dict[StateKind, int]:
+    """Elements of each state kind the rank stores (padding rows included)."""
+    out: dict[StateKind, int] = {kind: 0 for kind, _ in precision.kinds}
+    for key, region in RegionIndex(rank_regions(spec, layout, rank, precision)).local_tensors().items():
+        out[key[1]] += local_numel(region)
+    return out
+
+
+def state_bytes(spec: ModelSpec, layout: ParallelConfig, rank: int, precision: Precision = Precision.FP32) -> int:
+    """Resident bytes of the rank's training state: params, grads, moments (fp32)."""
+    n = local_numels(spec, layout, rank, precision)
+    return 4 * (2 * n[StateKind.PARAM] + n[StateKind.EXP_AVG] + n[StateKind.EXP_AVG_SQ])
+
+
+def world_state_bytes(spec: ModelSpec, layout: ParallelConfig) -> int:
+    return sum(state_bytes(spec, layout, r) for r in range(layout.world_size))
+
+
+def unsharded_optimizer_bytes(spec: ModelSpec, layout: ParallelConfig, *, dp_rank0_only: bool = False) -> int:
+    """Megatron's ``fully_reshardable`` format materialises param + both moments of every local
+    (TP/PP) parameter, unsharded: on every rank when loading, on DP rank 0 only when saving with its
+    memory-efficient variant. This is that, summed over the ranks that do it."""
+    ranks = [r for r in range(layout.world_size) if not dp_rank0_only or layout.dense_coord(r).dp == 0]
+    return sum(3 * 4 * local_numels(spec, layout, r)[StateKind.PARAM] for r in ranks)
+
+
+def trim_heap() -> None:
+    """Return free heap memory to the OS (glibc ``malloc_trim``).
+
+    Tensors below glibc's (dynamic, up to 32 MiB) mmap threshold live in malloc heaps, whose freed
+    pages stay with the process: after a 17 GB state is dropped the process can keep gigabytes it no
+    longer uses, and the next method then "does not fit". The benchmark trims between methods,
+    outside every timed window, so each method starts from the same clean state.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the peak then counts from process start
+        pass
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def fmt_gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+__all__ = [
+    "mem_available",
+    "trim_heap",
+    "peak_rss",
+    "reset_peak_rss",
+    "rss",
+    "state_bytes",
+    "unsharded_optimizer_bytes",
+    "world_state_bytes",
+]

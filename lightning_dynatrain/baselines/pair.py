@@ -1,0 +1,410 @@
+"""One layout pair, every method, in one spawned job (+ one more job for the restart's second half).
+
+``pair_job`` runs on every rank of a 4-process gloo world. It builds the trained state at layout A
+and fingerprints it, measures the link and copy speeds, then runs each method A -> B:
+
+- ``hot_switch``: ``megatron.hot_switch.hot_switch`` (+ dropping the old state);
+- ``allgather``: build B empty, ``allgather_switch``, drop A;
+- ``dcp``: DCP save of A's logical boxes, drop A, build B empty, resharding load;
+- ``megatron``: megatron ``dist_checkpointing`` save, drop A, build B empty, load;
+- ``restart`` (first half, last): DCP save, then the job returns and its processes exit;
+  ``restart_job`` in fresh processes then initialises, builds B and loads.
+
+After each method the state at B is fingerprinted against A's, then brought back to A (a hot
+switch back when it fits in memory, else a deterministic rebuild of A) for the next method. A
+method whose extra memory does not fit (``memory.py``) or that megatron cannot run is skipped with
+the reason. Times are the slowest rank's, between barriers.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynatrain.baselines import dcp, megatron_ckpt
+from lightning_dynatrain.baselines.allgather import CHUNK_ELEMENTS, allgather_switch
+from lightning_dynatrain.baselines.fingerprint import Fingerprint, diff, logical_fingerprint
+from lightning_dynatrain.baselines.floor import measure_speeds, switch_floor
+from lightning_dynatrain.baselines.memory import (
+    GiB,
+    fmt_gb,
+    mem_available,
+    peak_rss,
+    reset_peak_rss,
+    rss,
+    trim_heap,
+    unsharded_optimizer_bytes,
+    world_state_bytes,
+)
+from lightning_dynatrain.baselines import state as state_module
+from lightning_dynatrain.baselines.profile import STEPS, profiled
+from lightning_dynatrain.baselines.state import BenchSetup, build_empty_state, build_trained_state, step_of, store_of
+from lightning_dynatrain.engine.staging import parse_bytes
+from lightning_dynatrain.megatron import hot_switch as hot_switch_module
+from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
+from lightning_dynatrain.megatron.parallel_state_adapter import destroy
+from lightning_dynatrain.megatron.state_bridge import set_adam_step
+from lightning_dynatrain.vps.layout import ParallelConfig
+
+METHODS = ("hot_switch", "allgather", "dcp", "megatron", "restart")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairConfig:
+    setup: BenchSetup
+    src: str
+    dst: str
+    methods: tuple[str, ...] = METHODS
+    workdir: str = "/tmp"
+    """Checkpoints go to fresh directories under it (removed after use)."""
+    margin_bytes: int = int(1.5 * GiB)
+    """Memory kept free on top of a method's estimated need."""
+    gpus_per_node: int = 4
+    probe_bytes: int = 64 * 2**20
+    """Message size of the p2p bandwidth probe (the copy probe moves four times as much)."""
+
+
+def megatron_skip_reason(src: ParallelConfig, dst: ParallelConfig) -> str | None:
+    """Switches megatron-core 0.16.1's dist_checkpointing cannot load (found on this machine)."""
+    if src.zero == 0 and dst.zero == 1:
+        return ("megatron-core 0.16.1 cannot load a non-distributed-optimizer checkpoint into a distributed "
+                "optimizer (KeyError: optimizer.state.param.* not in the checkpoint)")
+    if src.zero == 1 and dst.zero == 0:
+        return ("megatron-core 0.16.1 cannot load a distributed-optimizer checkpoint into a non-distributed "
+                "optimizer (KeyError: 'pre_wd_mult' in FP32Optimizer._filter_and_reorder_param_groups)")
+    return None
+
+
+def _max(*values: float) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _sum(*values: float) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _agree(value):
+    """Rank 0's value on every rank (decisions every rank must take alike)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class PairBench:
+    """The mutable state of one pair's job on one rank. ``self.state`` is at A between methods."""
+
+    def __init__(self, cfg: PairConfig, rank: int) -> None:
+        self.cfg = cfg
+        self.setup = cfg.setup
+        self.spec = cfg.setup.spec
+        self.rank = rank
+        self.src = ParallelConfig.parse(cfg.src)
+        self.dst = ParallelConfig.parse(cfg.dst)
+        self.state: MegatronTrainingState | None = None
+        self.fp_src: Fingerprint = {}
+        self.step = 0
+        self.out: dict = {"methods": {}, "skipped": {}, "errors": {}, "checks": {}, "restores": []}
+
+    # ------------------------------------------------------------------ helpers
+    def fits(self, extra: int, what: str) -> str | None:
+        """``None`` when ``extra`` bytes (world total) fit now, else why not; the same on every rank."""
+        reason = None
+        if self.rank == 0:
+            free = mem_available()
+            if extra + self.cfg.margin_bytes > free:
+                reason = (f"needs {fmt_gb(extra)} more for {what} (+{fmt_gb(self.cfg.margin_bytes)} margin), "
+                          f"{fmt_gb(free)} available")
+        return _agree(reason)
+
+    def timed_barrier(self) -> float:
+        dist.barrier()
+        return time.perf_counter()
+
+    def fingerprint(self) -> Fingerprint:
+        return logical_fingerprint(store_of(self.state, self.spec, self.rank), self.spec, self.state.layout, self.rank)
+
+    def check(self, name: str) -> None:
+        fp = self.fingerprint()
+        self.out["checks"][name] = {"passed": fp == self.fp_src, "diff": diff(self.fp_src, fp)}
+
+    def drop_state(self) -> float:
+        """Forget the current state and collect it; returns the seconds it took."""
+        start = time.perf_counter()
+        self.state = None
+        gc.collect()
+        return time.perf_counter() - start
+
+    def fresh_dir(self, name: str) -> str:
+        path = os.path.join(self.cfg.workdir, name)
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        dist.barrier()
+        return path
+
+    def remove_dir(self, path: str) -> None:
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def switch(self, target: ParallelConfig):
+        return hot_switch(self.state, target, shape=self.setup.shape, seed=self.setup.seed,
+                          staging_budget=self.setup.staging_budget, optimizer_kwargs=self.setup.optimizer,
+                          spec=self.spec, gpus_per_node=self.cfg.gpus_per_node)
+
+    # ---------------------------------------------------------------- set up
+    def start(self) -> None:
+        self.out["base_rss"] = rss()
+        speeds = measure_speeds(nbytes=self.cfg.probe_bytes, copy_bytes=4 * self.cfg.probe_bytes)
+        self.out["speeds"] = {k: getattr(speeds, k) for k in speeds.__slots__}
+        self.speeds = speeds
+        if "megatron" in self.cfg.methods and megatron_skip_reason(self.src, self.dst) is None:
+            megatron_ckpt.warm_up()
+        t0 = self.timed_barrier()
+        self.state = build_trained_state(self.setup, self.src, self.rank)
+        self.out["build_trained_seconds"] = _max(time.perf_counter() - t0)[0]
+        self.step = step_of(self.state)
+        self.fp_src = self.fingerprint()
+        self.out["fingerprint_elements"] = sum(n for _, n in self.fp_src.values())
+
+    def floor(self) -> None:
+        floor = switch_floor(self.spec, self.src, self.dst, self.rank, self.speeds, gpus_per_node=self.cfg.gpus_per_node)
+        self.out["floor"] = floor.as_dict()
+
+    def back_to_src(self, after: str) -> None:
+        """Bring the state back to A: hot switch back when it fits, else rebuild A (deterministic)."""
+        how = "hot_switch_back"
+        if self.fits(world_state_bytes(self.spec, self.src), "the switch back") is None:
+            t0 = self.timed_barrier()
+            result = self.switch(self.src)
+            self.state = result.state
+            del result
+            gc.collect()
+            seconds = _max(time.perf_counter() - t0)[0]
+        else:
+            how = "rebuild"
+            self.drop_state()
+            trim_heap()
+            t0 = self.timed_barrier()
+            self.state = build_trained_state(self.setup, self.src, self.rank)
+            seconds = _max(time.perf_counter() - t0)[0]
+        passed = self.fingerprint() == self.fp_src
+        self.out["restores"].append({"after": after, "how": how, "seconds": seconds, "passed": passed})
+        if not passed:
+            raise AssertionError(f"the state at {self.src} after {after} and {how} is not the original one")
+
+    # ---------------------------------------------------------------- methods
+    def hot_switch(self) -> dict:
+        t0 = self.timed_barrier()
+        with profiled(hot_switch_module) as steps:
+            result = self.switch(self.dst)
+        t1 = time.perf_counter()
+        self.state = result.state  # the old state had no other reference: it goes now
+        report, rebuild, inner = result.report, result.rebuild_seconds, result.seconds
+        del result
+        gc.collect()
+        t2 = time.perf_counter()
+        t3 = self.timed_barrier()
+        prep = inner - rebuild - report.total_seconds  # plan, Adam step, old store: before the rebuild
+        total, switch_s, release, engine, rebuild_max, prep_max, peak = _max(
+            t3 - t0, t1 - t0, t2 - t1, report.total_seconds, rebuild, prep, report.peak_staging_bytes)
+        phases = _max(*report.seconds.values())
+        recv, retained = _sum(report.recv_bytes, report.retained_bytes)
+        return dict(seconds=total, switch_seconds=switch_s, release_seconds=release, engine_seconds=engine,
+                    rebuild_seconds=rebuild_max, plan_seconds=prep_max, steps=self.slowest_steps(steps),
+                    phases=dict(zip(report.seconds, phases)), recv_bytes=int(recv), retained_bytes=int(retained),
+                    peak_staging_bytes=int(peak))
+
+    def slowest_steps(self, steps: dict[str, float]) -> dict[str, float]:
+        """Seconds per profiled step (``profile.STEPS``), slowest rank; collective."""
+        return dict(zip(STEPS, _max(*(steps.get(n, 0.0) for n in STEPS))))
+
+    def build_empty(self) -> tuple[MegatronTrainingState, dict[str, float]]:
+        """The checkpoint baselines' rebuild, with the same step timings as the hot switch's."""
+        with profiled(state_module) as steps:
+            new = build_empty_state(self.setup, self.dst, self.step)
+        return new, steps
+
+    def allgather(self) -> dict:
+        t0 = self.timed_barrier()
+        source = store_of(self.state, self.spec, self.rank)
+        new, steps = self.build_empty()
+        t1 = time.perf_counter()
+        stats = allgather_switch(source, store_of(new, self.spec, self.rank), self.spec, self.src, self.dst, self.rank)
+        del source
+        self.state = new
+        del new
+        gc.collect()
+        t2 = self.timed_barrier()
+        total, rebuild, gather, in_collectives = _max(t2 - t0, t1 - t0, stats.seconds, stats.gather_seconds)
+        (recv,) = _sum(stats.recv_bytes)
+        return dict(seconds=total, rebuild_seconds=rebuild, gather_seconds=gather, steps=self.slowest_steps(steps),
+                    collective_seconds=in_collectives, collectives=stats.collectives, recv_bytes=int(recv))
+
+    def dcp(self) -> dict:
+        path = self.fresh_dir("dcp")
+        t0 = self.timed_barrier()
+        saved = dcp.save(store_of(self.state, self.spec, self.rank), self.spec, self.src, self.rank, path, step=self.step)
+        t1 = time.perf_counter()
+        self.drop_state()
+        t2 = time.perf_counter()
+        self.state, steps = self.build_empty()
+        t3 = time.perf_counter()
+        loaded = dcp.load(store_of(self.state, self.spec, self.rank), self.spec, self.dst, self.rank, path)
+        set_adam_step(self.state.optimizer, loaded.step)
+        t4 = self.timed_barrier()
+        total, save_s, free_s, build_s, load_s = _max(t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        size = _dir_bytes(path) if self.rank == 0 else 0
+        self.remove_dir(path)
+        return dict(seconds=total, save_seconds=save_s, free_seconds=free_s, build_seconds=build_s,
+                    load_seconds=load_s, save_prepare_seconds=saved.prepare, load_prepare_seconds=loaded.prepare,
+                    checkpoint_bytes=_agree(size), step=loaded.step, steps=self.slowest_steps(steps))
+
+    def megatron(self) -> dict:
+        path = self.fresh_dir("megatron")
+        t0 = self.timed_barrier()
+        saved = megatron_ckpt.save(self.state, path)
+        t1 = time.perf_counter()
+        self.drop_state()
+        t2 = time.perf_counter()
+        self.state, steps = self.build_empty()
+        t3 = time.perf_counter()
+        loaded = megatron_ckpt.load(self.state, path)
+        t4 = self.timed_barrier()
+        total, save_s, free_s, build_s, load_s = _max(t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        size = _dir_bytes(path) if self.rank == 0 else 0
+        self.remove_dir(path)
+        return dict(seconds=total, save_seconds=save_s, free_seconds=free_s, build_seconds=build_s,
+                    load_seconds=load_s, save_prepare_seconds=saved.prepare, load_prepare_seconds=loaded.prepare,
+                    load_apply_seconds=loaded.apply, checkpoint_bytes=_agree(size), step=step_of(self.state),
+                    steps=self.slowest_steps(steps))
+
+    def restart_save(self) -> dict:
+        """The first half of checkpoint-and-restart: the decision, the save; then the job exits."""
+        path = os.path.join(self.cfg.workdir, "restart")
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        dist.barrier()
+        decided = time.time()
+        dcp.save(store_of(self.state, self.spec, self.rank), self.spec, self.src, self.rank, path, step=self.step)
+        saved = time.time()
+        (first,) = _max(-decided)
+        (last,) = _max(saved)
+        return dict(decided_at=-first, saved_at=last, path=path)
+
+    # ---------------------------------------------------------------- driver
+    def extra_need(self, method: str) -> tuple[int, str]:
+        a, b = world_state_bytes(self.spec, self.src), world_state_bytes(self.spec, self.dst)
+        world = self.src.world_size
+        if method == "hot_switch":
+            return b + world * parse_bytes(self.setup.staging_budget), "the new state beside the old"
+        if method == "allgather":
+            return b + world * (world + 2) * CHUNK_ELEMENTS * 4, "the new state beside the old"
+        if method == "dcp":
+            return max(0, b - a) + world * 256 * 2**20, "the new state after the old is dropped"
+        if method == "megatron":  # the save gathers beside A; the load (A dropped) unshards beside B
+            save = unsharded_optimizer_bytes(self.spec, self.src, dp_rank0_only=True) if self.src.zero else 0
+            load = b + (unsharded_optimizer_bytes(self.spec, self.dst) if self.dst.zero else 0) - a
+            return max(save, load, 0), "megatron's unsharded optimizer state (fully_reshardable) and the new state"
+        return 0, ""
+
+    def run(self, method: str) -> None:
+        if method == "megatron" and (reason := megatron_skip_reason(self.src, self.dst)):
+            self.out["skipped"][method] = reason
+            return
+        need, what = self.extra_need(method)
+        if (reason := self.fits(need, what)) is not None:
+            self.out["skipped"][method] = reason
+            return
+        reset_peak_rss()
+        try:
+            record = getattr(self, method)()
+        except Exception:
+            self.out["errors"][method] = traceback.format_exc(limit=6)
+            self.recover(method)
+            return
+        record["peak_rss"] = peak_rss()
+        self.out["methods"][method] = record
+        trim_heap()  # outside the timed window: every method starts from a trimmed heap
+        self.check(method)
+        self.back_to_src(method)
+        trim_heap()
+
+    def recover(self, method: str) -> None:
+        """After a failed method: forget whatever is half built and rebuild A."""
+        dist.barrier()
+        self.drop_state()
+        trim_heap()
+        self.state = build_trained_state(self.setup, self.src, self.rank)
+        self.out["restores"].append({"after": method, "how": "rebuild after error", "passed": self.fingerprint() == self.fp_src})
+
+
+def _settle() -> None:
+    """Process set-up of every job: quiet deprecation warnings, and ``gc.freeze()`` what the imports
+    made, so that collecting a dropped megatron model (it has reference cycles) scans only the
+    objects created since (0.3 s -> ~0 per ``gc.collect()`` here). Same for every method."""
+    warnings.filterwarnings("ignore")
+    gc.collect()
+    gc.freeze()
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def pair_job(rank: int, world: int, cfg: PairConfig) -> dict:
+    """Job 1 of a pair (see the module docstring); returns this rank's record."""
+    _settle()
+    bench = PairBench(cfg, rank)
+    bench.start()
+    in_process = [m for m in cfg.methods if m != "restart"]
+    for method in in_process:
+        bench.run(method)
+        if method == "hot_switch":
+            bench.floor()
+    if "floor" not in bench.out:
+        bench.floor()
+    if "restart" in cfg.methods:  # the load's memory is checked by the parent, once these processes are gone
+        bench.out["restart_save"] = bench.restart_save()
+    bench.out["fp_src"] = bench.fp_src
+    bench.out["step"] = bench.step
+    destroy()
+    return bench.out
+
+
+def restart_job(rank: int, world: int, cfg: PairConfig, path: str, fp_src: Fingerprint, step: int) -> dict:
+    """Job 2 of the restart: fresh processes initialise megatron, build B and load the checkpoint."""
+    started = time.time()
+    _settle()
+    setup, spec, dst = cfg.setup, cfg.setup.spec, ParallelConfig.parse(cfg.dst)
+    state = build_empty_state(setup, dst, 0)
+    built = time.time()
+    loaded = dcp.load(store_of(state, spec, rank), spec, dst, rank, path)
+    set_adam_step(state.optimizer, loaded.step)
+    dist.barrier()
+    done = time.time()
+    fp = logical_fingerprint(store_of(state, spec, rank), spec, dst, rank)
+    first_start, last_built, last_done = -_max(-started)[0], _max(built)[0], _max(done)[0]
+    passed = fp == fp_src and loaded.step == step
+    destroy()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return dict(fn_started_at=first_start, built_at=last_built, loaded_at=last_done, load_seconds=loaded.total,
+                passed=passed, diff=diff(fp_src, fp), step=loaded.step)
+
+
+__all__ = ["METHODS", "PairConfig", "megatron_skip_reason", "pair_job", "restart_job"]

@@ -1,0 +1,105 @@
+"""The training state every baseline starts from and ends in: a megatron GPT + Adam at one layout.
+
+``BenchSetup`` says which model and how it is trained (one step with a tiny batch, so the Adam
+moments are real, non-zero state). ``build_trained_state`` builds it at a layout and runs that
+step; ``build_empty_state`` builds a layout's model, DDP buffers and optimizer *without* weight init
+and with empty Adam state at a given step (what a checkpoint load or a switch fills);
+``release`` drops a state so its memory goes back before the next method runs.
+
+Example (every rank of a 4-rank gloo world)::
+
+    setup = BenchSetup(shape=GPTShape(...))
+    state = build_trained_state(setup, ParallelConfig.parse("dp2-tp2-pp1"))
+    store = store_of(state, setup.spec, rank)        # (tensor, kind, stack) -> live local tensor
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
+from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState
+from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
+from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
+from lightning_dynatrain.megatron.state_bridge import adam_step, materialize_adam_state, megatron_store
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.spec import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSetup:
+    """What is trained, and how, in every method of a benchmark run."""
+
+    shape: GPTShape
+    """The model (layout-free)."""
+    seed: int = 1234
+    """Weight-init seed (layout-independent init) and data seed."""
+    optimizer: dict = field(default_factory=lambda: dict(lr=1e-3, weight_decay=0.1))
+    """``build_ddp_and_optimizer`` keyword arguments; every rebuilt optimizer gets the same."""
+    global_batch: int = 4
+    """Sequences in the one training step that gives Adam its state (split over data parallel)."""
+    train_seq: int = 32
+    """Tokens per sequence of that step (the model's ``seq_length`` is only its maximum)."""
+    staging_budget: str = "256MiB"
+    """The hot switch's staging budget."""
+
+    @cached_property
+    def spec(self) -> ModelSpec:
+        return logical_spec(self.shape)
+
+
+def _batch(setup: BenchSetup, layout: ParallelConfig, rank: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(setup.seed)
+    tokens = torch.randint(0, setup.shape.vocab_size, (setup.global_batch, setup.train_seq + 1), generator=generator)
+    per = setup.global_batch // layout.dp
+    dp_rank = layout.dense_coord(rank).dp
+    local = tokens[dp_rank * per:(dp_rank + 1) * per]
+    return {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous()}
+
+
+def build_trained_state(setup: BenchSetup, layout: ParallelConfig, rank: int) -> MegatronTrainingState:
+    """Build the model at ``layout`` (layout-independent init) and run one optimizer step.
+
+    Deterministic: the same setup and layout give the same state bit for bit, so a state can be
+    rebuilt instead of kept. Collective over the world.
+    """
+    if setup.global_batch % layout.dp:
+        raise ValueError(f"global_batch={setup.global_batch} is not a multiple of dp={layout.dp}")
+    initialize_for_layout(layout, seed=setup.seed)
+    model = build_gpt_model(setup.shape, layout, seed=setup.seed)
+    ddp, optimizer = build_ddp_and_optimizer(model, layout, **setup.optimizer)
+    batch = _batch(setup, layout, rank)
+    run_train_step(ddp, optimizer, batch, layout, num_microbatches=batch["tokens"].shape[0])
+    return MegatronTrainingState(layout=layout, ddp=ddp, optimizer=optimizer)
+
+
+def build_empty_state(setup: BenchSetup, layout: ParallelConfig, step: int) -> MegatronTrainingState:
+    """Megatron groups, model, DDP and optimizer for ``layout``, weights not initialised, Adam state
+    allocated (zeros) at ``step``: what a checkpoint load or an in-memory switch then fills."""
+    initialize_for_layout(layout, seed=setup.seed)
+    model = build_gpt_model(setup.shape, layout, seed=setup.seed, initialize=False)
+    ddp, optimizer = build_ddp_and_optimizer(model, layout, **setup.optimizer)
+    materialize_adam_state(optimizer, step)
+    return MegatronTrainingState(layout=layout, ddp=ddp, optimizer=optimizer)
+
+
+def step_of(state: MegatronTrainingState) -> int:
+    return adam_step(state.optimizer) or 0
+
+
+def store_of(state: MegatronTrainingState, spec: ModelSpec, rank: int) -> dict:
+    """Every local tensor of the state keyed ``(tensor, kind, stack)`` (live views, no copies)."""
+    return megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
+
+
+def release(*objects: object) -> None:
+    """Forget the caller's references first (``del``); this collects the cycles megatron builds."""
+    del objects
+    gc.collect()
+
+
+__all__ = ["BenchSetup", "build_empty_state", "build_trained_state", "release", "step_of", "store_of"]
