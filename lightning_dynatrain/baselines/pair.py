@@ -175,6 +175,7 @@ class PairBench:
         t0 = self.timed_barrier()
         self.state = build_trained_state(self.setup, self.src, self.rank)
         self.out["build_trained_seconds"] = _max(time.perf_counter() - t0)[0]
+        trim_heap()  # the training step's temporaries: about 1 GB per rank at 270M, dp4
         self.step = step_of(self.state)
         self.fp_src = self.fingerprint()
         self.out["fingerprint_elements"] = sum(n for _, n in self.fp_src.values())
@@ -200,6 +201,7 @@ class PairBench:
             t0 = self.timed_barrier()
             self.state = build_trained_state(self.setup, self.src, self.rank)
             seconds = _max(time.perf_counter() - t0)[0]
+            trim_heap()
         passed = self.fingerprint() == self.fp_src
         self.out["restores"].append({"after": after, "how": how, "seconds": seconds, "passed": passed})
         if not passed:
@@ -349,6 +351,7 @@ class PairBench:
         self.drop_state()
         trim_heap()
         self.state = build_trained_state(self.setup, self.src, self.rank)
+        trim_heap()
         self.out["restores"].append({"after": method, "how": "rebuild after error", "passed": self.fingerprint() == self.fp_src})
 
 

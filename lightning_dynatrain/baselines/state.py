@@ -3,19 +3,17 @@
 ``BenchSetup`` says which model and how it is trained (one step with a tiny batch, so the Adam
 moments are real, non-zero state). ``build_trained_state`` builds it at a layout and runs that
 step; ``build_empty_state`` builds a layout's model, DDP buffers and optimizer *without* weight init
-and with empty Adam state at a given step (what a checkpoint load or a switch fills);
-``release`` drops a state so its memory goes back before the next method runs.
+and with empty Adam state at a given step (what a checkpoint load or a switch fills).
 
 Example (every rank of a 4-rank gloo world)::
 
     setup = BenchSetup(shape=GPTShape(...))
-    state = build_trained_state(setup, ParallelConfig.parse("dp2-tp2-pp1"))
+    state = build_trained_state(setup, ParallelConfig.parse("dp2-tp2-pp1"), rank)
     store = store_of(state, setup.spec, rank)        # (tensor, kind, stack) -> live local tensor
 """
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -96,10 +94,4 @@ def store_of(state: MegatronTrainingState, spec: ModelSpec, rank: int) -> dict:
     return megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
 
 
-def release(*objects: object) -> None:
-    """Forget the caller's references first (``del``); this collects the cycles megatron builds."""
-    del objects
-    gc.collect()
-
-
-__all__ = ["BenchSetup", "build_empty_state", "build_trained_state", "release", "step_of", "store_of"]
+__all__ = ["BenchSetup", "build_empty_state", "build_trained_state", "step_of", "store_of"]
