@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.engine.staging import format_bytes
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -71,14 +73,6 @@ def figures_from_engine_report(report: Any, *, seconds: float | None = None,
         retained_bytes=int(report.retained_bytes),
         peak_staging_bytes=int(report.peak_staging_bytes),
     )
-
-
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,8 +149,8 @@ class ReconfigReport:
             return f"[dynatrain] step {self.step}: already at {self.dst}, nothing to do"
         note = " (deferred to the step boundary)" if self.deferred else ""
         return (f"[dynatrain] step {self.step}: {self.src} -> {self.dst} in {self.seconds:.3f} s, moved "
-                f"{_format_bytes(self.moved_bytes)}, retained {_format_bytes(self.retained_bytes)}, peak staging "
-                f"{_format_bytes(self.peak_staging_bytes)}{note}")
+                f"{format_bytes(self.moved_bytes)}, retained {format_bytes(self.retained_bytes)}, peak staging "
+                f"{format_bytes(self.peak_staging_bytes)}{note}")
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
