@@ -64,6 +64,36 @@ def summarize(src: str, dst: str, ranks: list[dict], restart: list[dict] | None)
     return out
 
 
+def compact(row: dict) -> dict:
+    """The JSON of one pair without the per-method detail records (``--json-full`` keeps them)."""
+    keep = ("pair", "seconds", "checks", "all_checks_passed", "skipped", "peak_staging_bytes", "wall_seconds",
+            "load_average_before")
+    out = {k: row[k] for k in keep if k in row}
+    out.update({k: v for k, v in row.items() if k.startswith(("speedup_", "engine_speedup_", "time_over", "engine_time"))})
+    out["errors"] = {m: e.strip().splitlines()[-1] for m, e in row.get("errors", {}).items()}
+    floor = row["floor"]
+    out["bytes"] = dict(moved=floor["recv_bytes_total"], kept=floor["retained_bytes_total"])
+    out["speeds"] = row["speeds"]
+    hot = row["methods"].get("hot_switch")
+    if hot:
+        out["hot_switch"] = {k: hot[k] for k in ("plan_seconds", "rebuild_seconds", "engine_seconds", "release_seconds")}
+        out["hot_switch"]["rebuild_steps"] = {k.strip("_"): round(v, 4) for k, v in hot["steps"].items()
+                                              if k != "execute_switch"}
+    out["peak_rss_sum"] = {m: r["peak_rss_sum"] for m, r in row["methods"].items() if "peak_rss_sum" in r}
+    return out
+
+
+def rounded(value, digits: int = 4):
+    """Floats to ``digits`` significant digits, recursively (a shorter JSON line, same information)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
 def geomean(values: list[float]) -> float | None:
     values = [v for v in values if v is not None and v > 0]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None

@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default="/tmp", help="checkpoints go to a fresh directory under it")
     p.add_argument("--list-pairs", action="store_true", help="print the default pairs and exit")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    p.add_argument("--json-full", action="store_true", help="with --json: every method's detail records too")
     args = p.parse_args(argv)
     if args.quick:
         for k, v in QUICK_SHAPE.items():
@@ -203,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - started
     print(f"wall time of the whole run: {wall:.0f} s")
     if args.json:
-        print(json.dumps(dict(config=config, pairs={r["pair"]: r for r in rows},
-                              failed={r["pair"]: r["failed"] for r in failed}, geomean=means, goals=goals,
-                              all_checks_passed=all(r["all_checks_passed"] for r in rows) and not failed,
-                              wall_seconds=wall), default=str))
+        view = (lambda r: r) if args.json_full else report.compact
+        print(json.dumps(report.rounded(dict(
+            config=config, pairs={r["pair"]: view(r) for r in rows}, failed={r["pair"]: r["failed"] for r in failed},
+            geomean=means, goals=goals, all_checks_passed=all(r["all_checks_passed"] for r in rows) and not failed,
+            wall_seconds=wall)), default=str))
     return 0
 
 

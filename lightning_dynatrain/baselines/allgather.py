@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning_dynatrain.baselines.pieces import LayoutPieces, Piece, layout_pieces
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.spec import ModelSpec, Precision
+from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 CHUNK_ELEMENTS = 1 << 23  # 32 MiB of fp32 per gathered slice
 
@@ -92,8 +92,7 @@ def allgather_switch(source: dict, dest: dict, spec: ModelSpec, src: ParallelCon
             sizes = [sum(b.numel for _, b in ps) for ps in parts]
             if not any(sizes):
                 continue
-            dtype = next(source[p.key].dtype for p, _ in parts[rank]) if parts[rank] else torch.float32
-            send = torch.empty(max(sizes), dtype=dtype)
+            send = torch.empty(max(sizes), dtype=_dtype(precision, tk[1]))
             offset = 0
             for p, b in parts[rank]:
                 send[offset:offset + b.numel].view(b.shape).copy_(_sub(p.view(source), p, b))
@@ -109,6 +108,11 @@ def allgather_switch(source: dict, dest: dict, spec: ModelSpec, src: ParallelCon
                 _sub(p.view(dest), p, b).copy_(full[b.relative_to(slice_box.lo)])
             del send, received, full
     return GatherStats(collectives, recv_bytes, gather_s, time.perf_counter() - start)
+
+
+def _dtype(precision: Precision, kind: StateKind) -> torch.dtype:
+    """Every rank must gather the same dtype, also ranks that hold nothing of the slice."""
+    return torch.bfloat16 if precision is Precision.BF16 and kind is StateKind.PARAM else torch.float32
 
 
 def _assemble(old: LayoutPieces, tk, slice_box: Box, parts: list, received: list[torch.Tensor]) -> torch.Tensor:
