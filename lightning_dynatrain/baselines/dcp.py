@@ -28,7 +28,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-from lightning_dynatrain.baselines.pieces import LayoutPieces, Piece, TensorKind, layout_pieces
+from lightning_dynatrain.engine.pieces import LayoutPieces, Piece, TensorKind, layout_pieces
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
 

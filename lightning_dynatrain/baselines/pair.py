@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lightning_dynatrain.baselines import dcp, megatron_ckpt
 from lightning_dynatrain.baselines.allgather import CHUNK_ELEMENTS, allgather_switch
-from lightning_dynatrain.baselines.fingerprint import Fingerprint, diff, logical_fingerprint
+from lightning_dynatrain.engine.fingerprint import Fingerprint, diff, logical_fingerprint
 from lightning_dynatrain.baselines.floor import measure_speeds, switch_floor
 from lightning_dynatrain.baselines.memory import (
     GiB,

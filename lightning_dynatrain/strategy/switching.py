@@ -131,7 +131,7 @@ class LayoutSwitching:
         if before is not None:
             after = self._fingerprint(result.state)
             if after != before:
-                from lightning_dynatrain.baselines.fingerprint import diff
+                from lightning_dynatrain.engine.fingerprint import diff
 
                 raise SwitchVerificationError(
                     f"the logical state changed in the switch to {target}: {'; '.join(diff(before, after))}",
@@ -144,7 +144,7 @@ class LayoutSwitching:
         """Layout-independent fingerprint of the full logical state (collective)."""
         import torch.distributed as dist
 
-        from lightning_dynatrain.baselines.fingerprint import logical_fingerprint
+        from lightning_dynatrain.engine.fingerprint import logical_fingerprint
         from lightning_dynatrain.megatron.gpt import logical_spec
         from lightning_dynatrain.megatron.state_bridge import adam_step, materialize_adam_state, megatron_store
 

@@ -28,7 +28,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.baselines.pieces import layout_pieces
+from lightning_dynatrain.engine.pieces import layout_pieces
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
