@@ -76,7 +76,8 @@ def compact(row: dict) -> dict:
     out["speeds"] = row["speeds"]
     hot = row["methods"].get("hot_switch")
     if hot:
-        out["hot_switch"] = {k: hot[k] for k in ("plan_seconds", "rebuild_seconds", "engine_seconds", "release_seconds")}
+        out["hot_switch"] = {k: hot[k] for k in ("plan_seconds", "rebuild_seconds", "engine_seconds", "release_seconds",
+                                                 "in_place_bytes", "p2p_direct_bytes", "old_freed_bytes") if k in hot}
         out["hot_switch"]["rebuild_steps"] = {k.strip("_"): round(v, 4) for k, v in hot["steps"].items()
                                               if k != "execute_switch"}
     out["peak_rss_sum"] = {m: r["peak_rss_sum"] for m, r in row["methods"].items() if "peak_rss_sum" in r}
@@ -176,7 +177,10 @@ def profile(rows: list[dict]) -> str:
             lines.append(f"    hot switch {h['seconds']:.3f} = plan+prep {h['plan_seconds']:.3f} + rebuild "
                          f"{h['rebuild_seconds']:.3f} + engine {h['engine_seconds']:.3f} ({phases}) + drop old "
                          f"{h['release_seconds']:.3f} (+ waiting for the slowest rank); recv {h['recv_bytes'] / GB:.2f} GB, kept "
-                         f"{h['retained_bytes'] / GB:.2f} GB, peak staging {h['peak_staging_bytes'] / 2**20:.0f} MiB")
+                         f"{h['retained_bytes'] / GB:.2f} GB ({h.get('in_place_bytes', 0) / GB:.2f} GB of it in place), "
+                         f"{h.get('p2p_direct_bytes', 0) / GB:.2f} GB of p2p straight from/into storage, old state freed "
+                         f"during the switch {h.get('old_freed_bytes', 0) / GB:.2f} GB, peak staging "
+                         f"{h['peak_staging_bytes'] / 2**20:.0f} MiB")
             lines.append("      rebuild + engine steps: " + _steps(h["steps"]))
         for name in ("dcp", "megatron", "allgather"):
             if name in m:
@@ -198,10 +202,13 @@ def profile(rows: list[dict]) -> str:
                          f"{c['exit_and_spawn_seconds']:.3f} + start-up {c['startup_seconds']:.3f} + init/build "
                          f"{c['build_seconds']:.3f} + load {c['load_seconds']:.3f}")
         sp = r["speeds"]
-        lines.append(f"    floor {r['floor']['seconds']:.3f} = {r['floor']['recv_bytes_total'] / GB:.2f} GB at "
-                     f"{sp['p2p_aggregate_bytes_per_s'] / GB:.2f} GB/s aggregate p2p ("
-                     f"{sp['p2p_pair_bytes_per_s'] / GB:.2f} GB/s per rank) + {r['floor']['retained_bytes_max'] / GB:.2f}"
-                     f" GB kept at {sp['copy_bytes_per_s'] / GB:.2f} GB/s copy_")
+        f = r["floor"]
+        lines.append(f"    floor {f['seconds']:.3f} (slowest rank) = {f['transfer_seconds']:.3f} receiving at "
+                     f"{sp['p2p_pair_bytes_per_s'] / GB:.2f} GB/s p2p + {f['copy_seconds']:.3f} copying at "
+                     f"{sp['copy_bytes_per_s'] / GB:.2f} GB/s copy_ (most a rank receives {f['recv_bytes_max'] / GB:.2f}"
+                     f" GB, keeps {f['retained_bytes_max'] / GB:.2f} GB); all ranks' {f['recv_bytes_total'] / GB:.2f} GB"
+                     f" at the {sp['p2p_aggregate_bytes_per_s'] / GB:.2f} GB/s aggregate would take "
+                     f"{f['aggregate_seconds']:.3f}")
         peaks = " ".join(f"{k} {v['peak_rss_sum'] / GB:.1f}" for k, v in m.items() if "peak_rss_sum" in v)
         if peaks:
             lines.append(f"    peak RSS, sum over ranks (GB): {peaks}")

@@ -164,12 +164,17 @@ def config_record(setup, args: argparse.Namespace) -> dict:
                 state_bytes_one_copy=spec.parameters * 12, world=WORLD, dtype="fp32",
                 staging_budget=setup.staging_budget, train_step=dict(global_batch=setup.global_batch,
                                                                      seq=setup.train_seq),
-                mem_margin_gb=args.mem_margin_gb)
+                mem_margin_gb=args.mem_margin_gb, thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE"))
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
+    # Every method's processes (spawned below, they inherit it) back large tensors with transparent
+    # huge pages where the kernel allows it (madvise): fresh memory then costs a fault per 2 MiB,
+    # not per 4 KiB, for the switch and the checkpoint baselines alike. THP_MEM_ALLOC_ENABLE=0 turns
+    # it off. (On GPUs the caching allocator reuses memory and this does not matter.)
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     pairs = select_pairs(args.pairs)
     if args.list_pairs:
         for i, (src, dst) in enumerate(DEFAULT_PAIRS, 1):

@@ -1,12 +1,17 @@
 """The floor: the least time any switch could take on this machine, from the plans and measured speeds.
 
-    floor = (bytes all ranks receive from other processes) / (aggregate pairwise link bandwidth)
-          + max over ranks of (bytes the rank keeps) / (its Tensor.copy_ speed)
+    floor = max over ranks of ( (bytes the rank receives from other processes) / (its p2p receive rate)
+                              + (bytes the rank keeps) / (its Tensor.copy_ speed) )
 
-Both speeds are measured in the same run and with every rank busy at once, as in a switch: pairs
-``(i, i ^ 1)`` exchange ``nbytes`` both ways with ``isend``/``irecv``, and every rank copies a
-``copy_bytes`` tensor into another, already touched one. The aggregate bandwidth is the bytes all
-ranks received divided by the slowest rank's time; best of ``repeats``.
+i.e. the plan's cross-process bytes at the gloo point-to-point bandwidth plus its retained bytes at
+the memcpy speed, per rank, and the slowest rank bounds the switch. Both speeds are measured in the
+same run and with every rank busy at once, as in a switch: pairs ``(i, i ^ 1)`` exchange ``nbytes``
+both ways with ``isend``/``irecv`` (one rank's receive rate), and every rank copies a ``copy_bytes``
+tensor into another, already touched one; best of ``repeats``.
+
+``aggregate_seconds`` is a stricter, unreachable figure kept for reference: *all* ranks' received
+bytes over the aggregate rate of all pairs at once, as if a plan could spread its traffic evenly
+over every rank (a plan where two ranks receive everything cannot).
 
 Example (every rank)::
 
@@ -44,10 +49,14 @@ class Speeds:
 @dataclass(frozen=True, slots=True)
 class Floor:
     recv_bytes_total: int
+    recv_bytes_max: int
     retained_bytes_max: int
     retained_bytes_total: int
     transfer_seconds: float
+    """Of the slowest rank (the one that bounds the floor)."""
     copy_seconds: float
+    """Of the slowest rank."""
+    aggregate_seconds: float
 
     @property
     def seconds(self) -> float:
@@ -104,10 +113,12 @@ def switch_floor(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank
     mine = torch.tensor([plan.bytes(plan.recvs, precision), plan.bytes(plan.retains, precision)], dtype=torch.int64)
     table = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(table, mine, group=group)
-    recv = sum(int(t[0]) for t in table)
+    recv = [int(t[0]) for t in table]
     kept = [int(t[1]) for t in table]
-    return Floor(recv, max(kept), sum(kept), recv / speeds.p2p_aggregate_bytes_per_s,
-                 max(kept) / speeds.copy_bytes_per_s)
+    per_rank = [(r / speeds.p2p_pair_bytes_per_s, k / speeds.copy_bytes_per_s) for r, k in zip(recv, kept)]
+    transfer, copy = max(per_rank, key=sum)
+    aggregate = sum(recv) / speeds.p2p_aggregate_bytes_per_s + max(kept) / speeds.copy_bytes_per_s
+    return Floor(sum(recv), max(recv), max(kept), sum(kept), transfer, copy, aggregate)
 
 
 __all__ = ["Floor", "Speeds", "measure_speeds", "switch_floor"]

@@ -39,6 +39,26 @@ def world_state_bytes(spec: ModelSpec, layout: ParallelConfig) -> int:
     return sum(state_bytes(spec, layout, r) for r in range(layout.world_size))
 
 
+def hot_switch_extra_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, staging_bytes: int) -> int:
+    """Memory a hot switch needs beyond the state at ``src`` (fp32, world totals).
+
+    The old gradient buffers go first and the new model's buffers (gradients; params too under
+    zero1, where DDP allocates a zeroed flat param buffer) take their place; after that old params
+    and moments are freed as the engine finishes with them while the new ones fill, so the state
+    grows by what the new layout holds more; plus every rank's staging budget.
+    """
+    def totals(layout: ParallelConfig) -> tuple[int, int]:
+        n = [local_numels(spec, layout, r) for r in range(layout.world_size)]
+        params = 4 * sum(x[StateKind.PARAM] for x in n)
+        moments = 4 * sum(x[StateKind.EXP_AVG] + x[StateKind.EXP_AVG_SQ] for x in n)
+        return params, moments
+
+    (a_params, a_moments), (b_params, b_moments) = totals(src), totals(dst)
+    buffers = max(0, b_params * (2 if dst.zero else 1) - a_params)  # gradients are as big as params
+    growth = max(0, b_params + b_moments - a_params - a_moments)
+    return buffers + growth + dst.world_size * staging_bytes
+
+
 def unsharded_optimizer_bytes(spec: ModelSpec, layout: ParallelConfig, *, dp_rank0_only: bool = False) -> int:
     """Megatron's ``fully_reshardable`` format materialises param + both moments of every local
     (TP/PP) parameter, unsharded: on every rank when loading, on DP rank 0 only when saving with its

@@ -36,6 +36,7 @@ from lightning_dynatrain.baselines.floor import measure_speeds, switch_floor
 from lightning_dynatrain.baselines.memory import (
     GiB,
     fmt_gb,
+    hot_switch_extra_bytes,
     mem_available,
     peak_rss,
     reset_peak_rss,
@@ -187,7 +188,8 @@ class PairBench:
     def back_to_src(self, after: str) -> None:
         """Bring the state back to A: hot switch back when it fits, else rebuild A (deterministic)."""
         how = "hot_switch_back"
-        if self.fits(world_state_bytes(self.spec, self.src), "the switch back") is None:
+        back = hot_switch_extra_bytes(self.spec, self.dst, self.src, parse_bytes(self.setup.staging_budget))
+        if self.fits(back, "the switch back") is None:
             t0 = self.timed_barrier()
             result = self.switch(self.src)
             self.state = result.state
@@ -214,7 +216,7 @@ class PairBench:
             result = self.switch(self.dst)
         t1 = time.perf_counter()
         self.state = result.state  # the old state had no other reference: it goes now
-        report, rebuild, inner = result.report, result.rebuild_seconds, result.seconds
+        report, rebuild, inner, freed = result.report, result.rebuild_seconds, result.seconds, result.old_freed_bytes
         del result
         gc.collect()
         t2 = time.perf_counter()
@@ -223,10 +225,12 @@ class PairBench:
         total, switch_s, release, engine, rebuild_max, prep_max, peak = _max(
             t3 - t0, t1 - t0, t2 - t1, report.total_seconds, rebuild, prep, report.peak_staging_bytes)
         phases = _max(*report.seconds.values())
-        recv, retained = _sum(report.recv_bytes, report.retained_bytes)
+        recv, retained, in_place, direct, freed = _sum(report.recv_bytes, report.retained_bytes, report.in_place.bytes,
+                                                       report.p2p_direct.bytes, freed)
         return dict(seconds=total, switch_seconds=switch_s, release_seconds=release, engine_seconds=engine,
                     rebuild_seconds=rebuild_max, plan_seconds=prep_max, steps=self.slowest_steps(steps),
                     phases=dict(zip(report.seconds, phases)), recv_bytes=int(recv), retained_bytes=int(retained),
+                    in_place_bytes=int(in_place), p2p_direct_bytes=int(direct), old_freed_bytes=int(freed),
                     peak_staging_bytes=int(peak))
 
     def slowest_steps(self, steps: dict[str, float]) -> dict[str, float]:
@@ -312,7 +316,8 @@ class PairBench:
         a, b = world_state_bytes(self.spec, self.src), world_state_bytes(self.spec, self.dst)
         world = self.src.world_size
         if method == "hot_switch":
-            return b + world * parse_bytes(self.setup.staging_budget), "the new state beside the old"
+            return (hot_switch_extra_bytes(self.spec, self.src, self.dst, parse_bytes(self.setup.staging_budget)),
+                    "the new buffers and what the new state holds more (the old is freed as it is read)")
         if method == "allgather":
             return b + world * (world + 2) * CHUNK_ELEMENTS * 4, "the new state beside the old"
         if method == "dcp":

@@ -6,11 +6,16 @@ which is what keeps it free of deadlocks):
 1. **plan**: index regions, check the state and agree over the group (``preflight``: one small
    all-reduce; a too-small budget or a bad store raises on every rank before anything moves),
    create promoted broadcasts' subgroups, cut every exchange into stages.
-2. **retain**: copy the boxes this rank keeps from old to new storage (``Tensor.copy_``), and zero
-   the plan's ``fills`` (vocabulary padding rows only the new layout has).
+2. **fill**: zero the plan's ``fills`` (vocabulary padding rows only the new layout has).
 3. **broadcast**: the promoted broadcasts, in the plan's global order (``collectives.py``).
 4. **XOR steps**: in step ``s`` exchange with rank ``rank ^ s``, stage by stage: pack the sends into
-   one buffer, ``batch_isend_irecv`` both ways, unpack the receives straight into new storage.
+   one buffer, ``batch_isend_irecv`` both ways, unpack the receives straight into new storage. A
+   chunk of at least ``direct_min_bytes`` travels as its own message, straight from old storage or
+   into new storage where it is contiguous there (no pack or unpack copy); smaller chunks coalesce.
+5. **retain**: keep in place the local tensors the plan retains whole with an unchanged local
+   layout (``adoption.py``: the new store takes the old tensor, no copy), copy the other boxes this
+   rank keeps from old to new storage (``Tensor.copy_``). Last, so that a rank done with its peers
+   copies while other pairs still exchange.
 
 A destination local tensor is allocated (``allocate``) just before its first write; a source local
 tensor is dropped from ``source_store`` right after its last read (send packed or retain copied),
@@ -34,14 +39,15 @@ from collections.abc import Callable, MutableMapping
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.engine.adoption import Adopter, adoptable_keys, owns_storage, take_over
 from lightning_dynatrain.engine.collectives import BroadcastJob, BroadcastPlan, SubgroupCache
 from lightning_dynatrain.engine.comm import GroupComm
 from lightning_dynatrain.engine.errors import StateStoreError
-from lightning_dynatrain.engine.packing import StagingArena, buffer_view, copy_box, pack_box, unpack_box
+from lightning_dynatrain.engine.packing import StagingArena, buffer_view, pack_box, unpack_box
 from lightning_dynatrain.engine.preflight import Agreement, preflight
 from lightning_dynatrain.engine.report import SwitchRecorder, SwitchReport
 from lightning_dynatrain.engine.schedule import active_steps
-from lightning_dynatrain.engine.staging import Slot, Stage, high_offset, parse_bytes, plan_stages
+from lightning_dynatrain.engine.staging import Chunk, Slot, Stage, high_offset, parse_bytes, plan_stages
 from lightning_dynatrain.engine.store import (
     LocalStore,
     RegionIndex,
@@ -51,6 +57,9 @@ from lightning_dynatrain.engine.store import (
     box_view,
     check_local,
     local_numel,
+    stack_axes,
+    stack_indices,
+    with_stack,
 )
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -58,6 +67,10 @@ from lightning_dynatrain.vps.plan import RankPlan, Transfer
 from lightning_dynatrain.vps.spec import StateKind
 
 Allocator = Callable[[StoreKey, int, torch.dtype], torch.Tensor]
+
+#: Chunks from this size on skip the pack buffer where their storage is contiguous: at 1 MiB the
+#: per-message cost is well below the cost of copying the chunk twice (pack and unpack).
+DIRECT_MIN_BYTES = 2**20
 
 
 def execute_switch(
@@ -67,7 +80,10 @@ def execute_switch(
     dest_regions: RegionMap,
     allocate: Allocator | None = None,
     *,
+    adopt: Adopter | None = None,
+    release: Callable[[StoreKey, torch.Tensor], None] | None = None,
     staging_budget: int | str,
+    direct_min_bytes: int | None = DIRECT_MIN_BYTES,
     group: dist.ProcessGroup | None = None,
     broadcasts: BroadcastPlan | None = None,
     subgroups: SubgroupCache | None = None,
@@ -83,7 +99,18 @@ def execute_switch(
         allocate: ``allocate(key, numel, dtype)`` returns a contiguous tensor of ``numel`` elements for
             a destination local tensor (or zero1 shard), e.g. preallocated Megatron storage; default
             ``torch.empty`` on the state's device.
+        adopt: ``adopt(key, source_tensor) -> bool`` makes a destination local tensor that the plan
+            retains whole, at the same local layout, *be* the source tensor (no copy, no allocation);
+            ``False`` declines and the engine allocates and copies. Default: without ``allocate`` the
+            engine's store takes such tensors over; with ``allocate``, nothing is adopted.
+        release: ``release(key, source_tensor)`` is called once the switch no longer needs a source
+            tensor (after its last read; at once for one nothing reads), never for one kept in place:
+            where other objects still hold the old tensors (a megatron model), this is where their
+            memory can go. Never called before the preflight has agreed on every rank.
         staging_budget: bytes of pack/unpack buffers alive at once (``"256MiB"``, an int).
+        direct_min_bytes: a chunk this big or bigger travels as its own message, straight from the
+            old storage and into the new where it is contiguous there; ``None``: every chunk of a
+            stage is packed into one buffer per direction.
         group: the process group holding the union of both worlds; default the global group.
         broadcasts: promoted broadcasts (``plan_broadcasts``), the same on every rank; ``None``: none.
         subgroups: where the broadcasts' subgroups are created and kept; needed with ``broadcasts``.
@@ -109,7 +136,10 @@ def execute_switch(
         src_index, dst_index = RegionIndex(source_regions), RegionIndex(dest_regions)
         world = max(ParallelConfig.parse(plan.src).world_size, ParallelConfig.parse(plan.dst).world_size)
         agreement = preflight(plan, comm, world, source_store, src_index, dst_index, budget)
-        run = _Switch(plan, source_store, comm, allocate, rec, agreement, src_index, dst_index)
+        if adopt is None and allocate is None:
+            adopt = take_over
+        run = _Switch(plan, source_store, comm, allocate, rec, agreement, src_index, dst_index, adopt,
+                      direct_min_bytes, release)
         if broadcasts.jobs:
             subgroups.ensure(broadcasts.member_sets(), comm)  # type: ignore[union-attr]
         promoted = broadcasts.promoted(plan.rank)
@@ -123,11 +153,8 @@ def execute_switch(
                       default=0)
         arena = StagingArena(largest, comm.device, rec)
     run.free_unread()
-    for t in plan.retains:
-        run.retain(t)
     for t in plan.fills:
         run.fill(t)
-    rec.settle("copy")
     for job, stages in jobs:  # the broadcast phase, before any XOR step on every rank
         group_of_job = subgroups.get(job.members, comm)  # type: ignore[union-attr]
         for stage in stages:
@@ -136,6 +163,11 @@ def execute_switch(
         for stage in stages:
             run.exchange(peer, mine, theirs, stage, arena)
     arena.release()
+    # retains last: a rank with no more peers copies while the others still exchange, instead of
+    # keeping its first peer waiting for its copies
+    for t in plan.retains:
+        run.retain(t)
+    rec.settle("copy")
     run.finish()
     return run.dest, rec.report(src=plan.src, dst=plan.dst, budget=budget)
 
@@ -181,7 +213,9 @@ class _Switch:
     """The mutable state of one running switch on one rank: stores, read counts, the recorder."""
 
     def __init__(self, plan: RankPlan, source: LocalStore, comm: GroupComm, allocate: Allocator | None,
-                 rec: SwitchRecorder, agreement: Agreement, src: RegionIndex, dst: RegionIndex) -> None:
+                 rec: SwitchRecorder, agreement: Agreement, src: RegionIndex, dst: RegionIndex,
+                 adopt: Adopter | None, direct_min: int | None,
+                 release: Callable[[StoreKey, torch.Tensor], None] | None) -> None:
         self.plan = plan
         self.source: MutableMapping[StoreKey, torch.Tensor] = source
         self.comm = comm
@@ -193,6 +227,11 @@ class _Switch:
         self.dest_locals = dst.local_tensors()
         self.dest: dict[StoreKey, torch.Tensor] = {}
         self.reads: Counter[StoreKey] = Counter()
+        self.adopt = adopt
+        self.direct_min = direct_min
+        self.release = release
+        self.adoptable = adoptable_keys(plan.retains, src, dst) if adopt is not None else frozenset()
+        self.adopted: set[StoreKey] = set()
 
     def itemsize(self, kind: StateKind) -> int:
         return self.agreement.dtypes[kind].itemsize
@@ -208,7 +247,12 @@ class _Switch:
     def free_unread(self) -> None:
         with self.rec.phase("free", sync=False):
             for key in [k for k in self.source if self.reads[k] == 0]:
-                del self.source[key]
+                self._drop(key)
+
+    def _drop(self, key: StoreKey) -> None:
+        tensor = self.source.pop(key)
+        if self.release is not None and key not in self.adopted:
+            self.release(key, tensor)
 
     def read(self, key: StoreKey) -> torch.Tensor:
         return self.source[key]
@@ -220,7 +264,7 @@ class _Switch:
             for key in keys:
                 self.reads[key] -= 1
                 if self.reads[key] == 0:
-                    del self.source[key]
+                    self._drop(key)
 
     def write(self, key: StoreKey) -> torch.Tensor:
         found = self.dest.get(key)
@@ -245,18 +289,35 @@ class _Switch:
         return tensor
 
     # -------------------------------------------------------------- movement
+    def _kept_in_place(self, key: StoreKey) -> bool:
+        """Whether ``key``'s destination is its source tensor (adopting it at the first retain)."""
+        if key in self.adopted:
+            return True
+        if key not in self.adoptable or key in self.dest:
+            return False
+        tensor = self.source[key]
+        if not owns_storage(tensor) or not self.adopt(key, tensor):  # type: ignore[misc]
+            return False
+        self.dest[key] = tensor
+        self.adopted.add(key)
+        return True
+
     def retain(self, t: Transfer) -> None:
         src_region = self.src.find(t.tensor, t.kind, t.box)
         dst_region = self.dst.find(t.tensor, t.kind, t.box)
-        keys = [k for k, _ in box_pieces(t.tensor, t.kind, src_region, t.box)]
-        for key in keys:  # allocate outside the copy timer
+        pieces = list(box_pieces(t.tensor, t.kind, dst_region, t.box))
+        itemsize = self.itemsize(t.kind)
+        copied = [(key, sub) for key, sub in pieces if not self._kept_in_place(key)]
+        for key, _ in copied:  # allocate outside the copy timer
             self.write(key)
         with self.rec.phase("copy", sync=False):
-            pieces = copy_box(self.read, src_region, self.write, dst_region, t.tensor, t.kind, t.box)
-        nbytes = t.box.numel * self.itemsize(t.kind)
-        self.rec.retained += nbytes
-        self.rec.primitive("local_copy", pieces, nbytes)
-        self.done_reading(keys)
+            for key, sub in copied:
+                box_view(self.write(key), dst_region, sub).copy_(box_view(self.read(key), src_region, sub))
+        copied_bytes = sum(sub.numel for _, sub in copied) * itemsize
+        self.rec.retained += t.box.numel * itemsize
+        self.rec.primitive("local_copy", len(copied), copied_bytes)
+        self.rec.primitive("in_place", len(pieces) - len(copied), t.box.numel * itemsize - copied_bytes)
+        self.done_reading([key for key, _ in pieces])
 
     def fill(self, t: Transfer) -> None:
         """Zero a destination box no source holds (vocabulary padding only the new layout has)."""
@@ -289,29 +350,103 @@ class _Switch:
                 view = buffer_view(buf, base + offset, chunk.box, self.agreement.dtypes[t.kind])
                 unpack_box(self.write, region, t.tensor, t.kind, chunk.box, view)
 
+    def _parts(self, transfers: list[Transfer], slots: tuple[Slot, ...], index: RegionIndex) -> tuple[Slot, ...]:
+        """``slots`` with each chunk of ``direct_min`` bytes or more cut into its local tensors (one
+        layer, one expert each), at their offsets in the chunk's packed bytes. Both sides cut alike:
+        the stack axes are the logical tensor's, the same in both layouts."""
+        if self.direct_min is None:
+            return slots
+        out: list[Slot] = []
+        for slot in slots:
+            chunk = slot.chunk
+            if chunk.nbytes < self.direct_min:
+                out.append(slot)
+                continue
+            t = transfers[chunk.item]
+            n = stack_axes(index.find(t.tensor, t.kind, chunk.box))
+            subs = [with_stack(chunk.box, s) for s in stack_indices(chunk.box, n)] if n else [chunk.box]
+            size = subs[0].numel * chunk.itemsize
+            out.extend(Slot(Chunk(chunk.item, sub, chunk.itemsize), slot.offset + i * size) for i, sub in enumerate(subs))
+        return tuple(out)
+
+    def _messages(self, slots: tuple[Slot, ...]) -> list[tuple[Slot, ...]]:
+        """A stage side (``_parts``) cut into messages: each part of ``direct_min`` bytes or more
+        alone, runs of smaller ones together. Both sides cut alike: it depends on the parts only."""
+        out: list[tuple[Slot, ...]] = []
+        run: list[Slot] = []
+        for slot in slots:
+            if self.direct_min is not None and slot.chunk.nbytes >= self.direct_min:
+                if run:
+                    out.append(tuple(run))
+                    run = []
+                out.append((slot,))
+            else:
+                run.append(slot)
+        if run:
+            out.append(tuple(run))
+        return out
+
+    def _storage_bytes(self, transfers: list[Transfer], message: tuple[Slot, ...], *, source: bool
+                       ) -> tuple[torch.Tensor, StoreKey] | None:
+        """A lone big chunk's bytes in old (``source``) or new storage, when contiguous there."""
+        if len(message) != 1 or self.direct_min is None or message[0].chunk.nbytes < self.direct_min:
+            return None
+        t, box = transfers[message[0].chunk.item], message[0].chunk.box
+        index = self.src if source else self.dst
+        region = index.find(t.tensor, t.kind, box)
+        pieces = list(box_pieces(t.tensor, t.kind, region, box))
+        if len(pieces) != 1:
+            return None
+        key, sub = pieces[0]
+        view = box_view(self.read(key) if source else self.write(key), region, sub)
+        if not view.is_contiguous():
+            return None
+        return view.reshape(-1).view(torch.uint8), key
+
     def exchange(self, peer: int, mine: list[Transfer], theirs: list[Transfer], stage: Stage,
                  arena: StagingArena) -> None:
-        """One stage with one peer: pack, send and receive at once, unpack."""
+        """One stage with one peer: pack, send and receive at once, unpack.
+
+        Each message (``_messages``) is one ``isend``/``irecv``; a lone big part goes straight from
+        or into state storage when it is contiguous there, everything else through the stage buffer.
+        """
         low = self.plan.rank < peer
         send_slots, recv_slots = (stage.low, stage.high) if low else (stage.high, stage.low)
-        send_bytes, recv_bytes = (stage.low_bytes, stage.high_bytes) if low else (stage.high_bytes, stage.low_bytes)
         send_base, recv_base = (0, high_offset(stage.low_bytes)) if low else (high_offset(stage.low_bytes), 0)
-        buf = arena.get()
-        keys = self._pack(mine, send_slots, buf, send_base)
-        ops = []
-        if send_bytes:
-            ops.append(dist.P2POp(dist.isend, buf[send_base:send_base + send_bytes], group=self.comm.group,
-                                  group_peer=peer))
-        if recv_bytes:
-            ops.append(dist.P2POp(dist.irecv, buf[recv_base:recv_base + recv_bytes], group=self.comm.group,
-                                  group_peer=peer))
+
+        def span(base: int, message: tuple[Slot, ...]) -> torch.Tensor:  # the buffer only when used
+            return arena.get()[base + message[0].offset:base + message[-1].offset + message[-1].chunk.nbytes]
+
+        ops, keys, to_unpack = [], [], []
+        direct = [0, 0]  # ops, bytes
+        for message in self._messages(self._parts(mine, send_slots, self.src)):
+            found = self._storage_bytes(mine, message, source=True)
+            if found is None:
+                keys += self._pack(mine, message, arena.get(), send_base)
+                payload = span(send_base, message)
+            else:
+                payload, key = found
+                keys.append(key)
+                direct[0], direct[1] = direct[0] + 1, direct[1] + payload.numel()
+            ops.append(dist.P2POp(dist.isend, payload, group=self.comm.group, group_peer=peer))
+        for message in self._messages(self._parts(theirs, recv_slots, self.dst)):
+            found = self._storage_bytes(theirs, message, source=False)
+            if found is None:
+                to_unpack.extend(message)
+                payload = span(recv_base, message)
+            else:
+                payload = found[0]
+                direct[0], direct[1] = direct[0] + 1, direct[1] + payload.numel()
+            ops.append(dist.P2POp(dist.irecv, payload, group=self.comm.group, group_peer=peer))
         with self.rec.phase("transfer"):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         self.done_reading(keys)
-        self._unpack(theirs, recv_slots, buf, recv_base)
+        if to_unpack:
+            self._unpack(theirs, tuple(to_unpack), arena.get(), recv_base)
         self.rec.stages += 1
-        self.rec.primitive("p2p", len(ops), send_bytes + recv_bytes)
+        self.rec.primitive("p2p", len(ops), sum(op.tensor.numel() for op in ops))
+        self.rec.primitive("p2p_direct", *direct)
         self.rec.delivered(peer, sum(s.chunk.nbytes for s in send_slots))
         self.rec.received(peer, sum(s.chunk.nbytes for s in recv_slots))
 

@@ -51,16 +51,6 @@ def unpack_box(dest: TensorOf, region: Region, tensor: str, kind: StateKind, box
         box_view(dest(key), region, sub).copy_(_slab(packed, box, sub, n))
 
 
-def copy_box(source: TensorOf, src_region: Region, dest: TensorOf, dst_region: Region,
-             tensor: str, kind: StateKind, box: Box) -> int:
-    """Copy a retained ``box`` from old storage to new with ``Tensor.copy_``; returns the pieces copied."""
-    count = 0
-    for key, sub in box_pieces(tensor, kind, dst_region, box):
-        box_view(dest(key), dst_region, sub).copy_(box_view(source(key), src_region, sub))
-        count += 1
-    return count
-
-
 class StagingArena:
     """One ``uint8`` buffer reused by every stage of a switch, sized for the largest stage.
 
@@ -86,4 +76,4 @@ class StagingArena:
             self._buf = None
 
 
-__all__ = ["StagingArena", "buffer_view", "copy_box", "pack_box", "unpack_box"]
+__all__ = ["StagingArena", "buffer_view", "pack_box", "unpack_box"]

@@ -6,9 +6,10 @@
       sent 1.0 MiB (intra 1.0 MiB, inter 0 B) recv ... retained ... stages 3 peak 2.0 MiB/4.0 MiB ...
 
 Bytes are *logical*: a box delivered to a peer counts once per peer, whatever primitive carried it.
-``p2p``, ``broadcast`` and ``local_copy`` count what each primitive handled on this rank: operations
-posted (an ``isend`` and an ``irecv`` are two) and payload bytes (a broadcast of B bytes counts B on
-every member that joined it).
+``p2p``, ``broadcast``, ``local_copy`` and ``in_place`` count what each primitive handled on this
+rank: operations posted (an ``isend`` and an ``irecv`` are two; a local tensor kept in place is one)
+and payload bytes (a broadcast of B bytes counts B on every member that joined it). Retained bytes
+are ``local_copy`` plus ``in_place`` bytes.
 
 ``SwitchRecorder`` is the mutable accumulator the engine fills while it runs; it lives for one
 switch only and produces the frozen report at the end.
@@ -52,11 +53,14 @@ class SwitchReport:
         sent_intra_node_bytes / sent_inter_node_bytes: bytes this rank delivered to peers on its
             node / on other nodes (node = rank // gpus_per_node).
         recv_intra_node_bytes / recv_inter_node_bytes: bytes this rank received, by the sender's node.
-        retained_bytes: bytes copied locally from the old layout's storage to the new one.
+        retained_bytes: bytes this rank keeps: copied from the old storage to the new, or kept in place.
         stages: pack buffers exchanged (p2p stages with a peer, plus broadcast stages joined).
         peak_staging_bytes: most bytes of pack/unpack buffers alive at once (measured).
         staging_budget_bytes: the budget the switch ran under.
-        p2p, broadcast, local_copy: operations and bytes per primitive.
+        p2p, broadcast, local_copy, in_place: operations and bytes per primitive (``in_place``: local
+            tensors the new layout took over from the old one, no copy).
+        p2p_direct: the part of ``p2p`` sent from or received into state storage directly (no
+            pack or unpack copy on this rank).
     """
 
     rank: int
@@ -79,8 +83,10 @@ class SwitchReport:
     peak_staging_bytes: int
     staging_budget_bytes: int
     p2p: PrimitiveStats
+    p2p_direct: PrimitiveStats
     broadcast: PrimitiveStats
     local_copy: PrimitiveStats
+    in_place: PrimitiveStats
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -106,7 +112,7 @@ class SwitchReport:
             f" retained {format_bytes(self.retained_bytes)}"
             f" | stages {self.stages} peak {format_bytes(self.peak_staging_bytes)}"
             f"/{format_bytes(self.staging_budget_bytes)}"
-            f" | p2p {self.p2p} bcast {self.broadcast} copy {self.local_copy}"
+            f" | p2p {self.p2p} (direct {self.p2p_direct}) bcast {self.broadcast} copy {self.local_copy} in place {self.in_place}"
         )
 
 
@@ -124,7 +130,7 @@ class SwitchRecorder:
         self.stages = 0
         self.live_staging = 0
         self.peak_staging = 0
-        self.ops = {"p2p": [0, 0], "broadcast": [0, 0], "local_copy": [0, 0]}
+        self.ops = {"p2p": [0, 0], "p2p_direct": [0, 0], "broadcast": [0, 0], "local_copy": [0, 0], "in_place": [0, 0]}
         self._start = time.perf_counter()
 
     @contextmanager
@@ -185,8 +191,10 @@ class SwitchRecorder:
             peak_staging_bytes=self.peak_staging,
             staging_budget_bytes=budget,
             p2p=PrimitiveStats(*self.ops["p2p"]),
+            p2p_direct=PrimitiveStats(*self.ops["p2p_direct"]),
             broadcast=PrimitiveStats(*self.ops["broadcast"]),
             local_copy=PrimitiveStats(*self.ops["local_copy"]),
+            in_place=PrimitiveStats(*self.ops["in_place"]),
         )
 
 

@@ -145,6 +145,9 @@ class ParamStateView:
             ``shard_range[1] - shard_range[0]`` under zero1; ``None`` before the first step, or when
             this rank's shard holds no element of the param.
         step: Adam's step count for this param (``None`` before the first step).
+        state: the torch optimizer's state dict for it (where ``exp_avg`` / ``exp_avg_sq`` live), or
+            ``None`` before the optimizer has state for it (or when this rank's optimizer does not
+            update it).
         shard_range: ``(start, end)`` into ``param.view(-1)`` that this rank's optimizer owns under
             zero1 (``None`` when it owns none of it); ``(0, numel)`` under zero0.
         buffer_range: ``(start, end, bucket_id)`` of the param in the grad buffer
@@ -158,6 +161,7 @@ class ParamStateView:
     exp_avg: torch.Tensor | None
     exp_avg_sq: torch.Tensor | None
     step: float | None
+    state: dict | None
     shard_range: tuple[int, int] | None
     buffer_range: tuple[int, int, int]
     buffer: BufferInfo
@@ -230,7 +234,8 @@ def optimizer_state_views(
     for name, param in ddp_model.module.named_parameters():
         buffer, buffer_range = where[param]
         inner, updated, main, shard_range = owned.get(param, (None, None, None, None))
-        state = inner.state.get(updated, {}) if inner is not None else {}
+        held = inner.state.get(updated) if inner is not None else None
+        state = held if held is not None else {}
         step = state.get("step")
         views[name] = ParamStateView(
             name=name,
@@ -239,6 +244,7 @@ def optimizer_state_views(
             exp_avg=state.get("exp_avg"),
             exp_avg_sq=state.get("exp_avg_sq"),
             step=float(step) if step is not None else None,
+            state=held,
             shard_range=shard_range,
             buffer_range=buffer_range,
             buffer=buffer,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
+from lightning_dynatrain.engine.adoption import owns_storage
 from lightning_dynatrain.engine.store import RegionIndex, StoreKey
 from lightning_dynatrain.megatron.optimizer import optimizer_state_views
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -34,19 +35,22 @@ def _inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimize
     return [sub.optimizer for sub in subs if getattr(sub, "optimizer", None) is not None]
 
 
-def materialize_adam_state(optimizer: MegatronOptimizer, step: int) -> None:
-    """Give every parameter Adam state (zero moments, ``step``) so a new optimizer can be filled.
+def materialize_adam_state(optimizer: MegatronOptimizer, step: int, *, zero: bool = True) -> None:
+    """Give every parameter Adam state (moments, ``step``) so a new optimizer can be filled.
 
     A freshly built torch Adam creates its state lazily at the first step; the switch writes the
     moved moments into it before that, so it must exist (and have the right shapes) first.
+    ``zero=False`` leaves the moments uninitialised (``torch.empty_like``: no page is touched): for
+    a switch, whose plan writes every element of them.
     """
+    new = torch.zeros_like if zero else torch.empty_like
     for inner in _inner_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
                 state = inner.state[p]
                 if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = new(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = new(p, memory_format=torch.preserve_format)
                 state["step"] = torch.tensor(float(step))
 
 
@@ -65,6 +69,22 @@ def set_adam_step(optimizer: MegatronOptimizer, step: int) -> None:
             state["step"] = torch.tensor(float(step))
 
 
+def _local_views(ddp_model: torch.nn.Module, optimizer: MegatronOptimizer, spec: ModelSpec,
+                 layout: ParallelConfig, rank: int):
+    """The local tensors of ``rank`` at ``layout`` (the store's keys), and for those megatron has a
+    parameter of: ``key -> (the parameter's state view, state kind)``."""
+    views = optimizer_state_views(ddp_model, optimizer)
+    precision = precision_of(ddp_model.module)
+    wanted = set(RegionIndex(rank_regions(spec, layout, rank, precision)).local_tensors())
+    found = {}
+    for name, local in local_parameters(spec, layout, rank).items():
+        for kind in StateKind:
+            key = (local.tensor, kind, local.stack)
+            if key in wanted:
+                found[key] = (views[name], kind)
+    return wanted, found
+
+
 def megatron_store(
     ddp_model: torch.nn.Module,
     optimizer: MegatronOptimizer,
@@ -78,27 +98,52 @@ def megatron_store(
         KeyError: the model does not have the parameters the VPS says ``rank`` holds at ``layout``
             (a model built for another layout or shape).
     """
-    precision = precision_of(ddp_model.module)
-    views = optimizer_state_views(ddp_model, optimizer)
-    wanted = set(RegionIndex(rank_regions(spec, layout, rank, precision)).local_tensors())
     store: dict[StoreKey, torch.Tensor] = {}
-    for name, local in local_parameters(spec, layout, rank).items():
-        view = views[name]
-        candidates = {
-            StateKind.PARAM: view.param.data,
-            StateKind.MAIN_PARAM: view.main_param,
-            StateKind.EXP_AVG: view.exp_avg,
-            StateKind.EXP_AVG_SQ: view.exp_avg_sq,
-        }
-        for kind, tensor in candidates.items():
-            key = (local.tensor, kind, local.stack)
-            if key in wanted:
-                if tensor is None:
-                    raise KeyError(f"{name}: no {kind.value} on rank {rank}; call materialize_adam_state first")
-                store[key] = tensor.detach()
+    wanted, found = _local_views(ddp_model, optimizer, spec, layout, rank)
+    for key, (view, kind) in found.items():
+        tensor = _tensor_of(view, kind)
+        if tensor is None:
+            raise KeyError(f"{view.name}: no {kind.value} on rank {rank}; call materialize_adam_state first")
+        store[key] = tensor.detach()
     missing = wanted - set(store)
     if missing:
         raise KeyError(f"rank {rank}: the model lacks {len(missing)} local tensors of layout {layout}, "
                        f"e.g. {sorted(missing, key=str)[:3]}")
     return store
 
+
+
+def _tensor_of(view, kind: StateKind) -> torch.Tensor | None:
+    if kind is StateKind.PARAM:
+        return view.param.data
+    if kind is StateKind.MAIN_PARAM:
+        return view.main_param
+    return view.state.get(kind.value) if view.state is not None else None
+
+
+def megatron_adopter(ddp_model: torch.nn.Module, optimizer: MegatronOptimizer, spec: ModelSpec,
+                     layout: ParallelConfig, rank: int):
+    """An ``Adopter`` for the engine: rebinds a new model's tensor to a retained source tensor.
+
+    A parameter, or an fp32 main param, takes the tensor as its ``.data`` when it owns its storage
+    (zero0: megatron maps params into DDP's flat buffer only under the distributed optimizer, and
+    a view into that buffer cannot be rebound); an Adam moment is replaced in the optimizer's state
+    dict. Anything else declines and is copied into.
+    """
+    _, targets = _local_views(ddp_model, optimizer, spec, layout, rank)
+
+    def adopt(key: StoreKey, tensor: torch.Tensor) -> bool:
+        view, kind = targets[key]
+        current = _tensor_of(view, kind)
+        if current is None or current.numel() != tensor.numel() or current.dtype != tensor.dtype:
+            return False
+        if kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+            view.state[kind.value] = tensor.view(current.shape)
+            return True
+        owner = view.param if kind is StateKind.PARAM else view.main_param
+        if not owns_storage(owner.data):  # a view into megatron's flat buffer (distributed optimizer)
+            return False
+        owner.data = tensor.view(current.shape)
+        return True
+
+    return adopt

@@ -2,8 +2,8 @@
 
 For every destination region of a rank and every source *atom* overlapping it (``mapping.py``):
 if the rank holds the atom in the source layout it retains the overlap; otherwise it receives it
-from one holder, chosen by ``choose_source``: a holder on the same node if there is one, then the
-holders spread evenly over the destination's replicas. A send list is the mirror image: for each
+from one holder, chosen by ``choose_source``: a holder on the same node if there is one, the one
+the engine's XOR schedule meets first. A send list is the mirror image: for each
 atom a rank holds and each destination rank that chose it. No rank talks to another to plan.
 
 Exactness: atoms are held whole, so a destination element is retained iff its rank already held
@@ -31,13 +31,19 @@ from lightning_dynatrain.vps.spec import VOCAB, ModelSpec, Precision, StateKind
 
 
 def choose_source(holders: tuple[int, ...], dest: int, replica: int, gpus_per_node: int) -> int:
-    """The holder ``dest`` reads an atom from. Same node first, then spread by ``replica``.
+    """The holder ``dest`` reads an atom from: same node first, then the nearest in XOR distance.
 
-    ``replica`` is ``dest``'s position among the ranks that hold the same destination atom, so the
-    replicas of one destination atom read from different holders where there are several.
+    The engine pairs ``dest`` with holder ``h`` in XOR step ``dest ^ h``, so the nearest holder is
+    the one met first. Different destinations have different nearest holders (``h ^ dest`` is
+    distinct for distinct ``dest``), which spreads the replicas of one atom over its holders, and
+    the traffic lands in as few, as early and as parallel steps as the holders allow: in
+    ``dp2-tp2 -> dp1-tp4`` ranks 1 and 2 read from ranks 0 and 3 at once in step 1, instead of rank
+    2 waiting for rank 1 to finish its own receive first. ``replica`` (``dest``'s position among
+    the ranks that hold the same destination atom) breaks no ties today; it is kept in the signature
+    so the rule may use it.
     """
     candidates = _candidates(holders, dest // gpus_per_node, gpus_per_node)
-    return candidates[replica % len(candidates)]
+    return min(candidates, key=lambda h: h ^ dest)
 
 
 @lru_cache(maxsize=65536)

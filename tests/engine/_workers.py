@@ -20,6 +20,8 @@ from lightning_dynatrain.engine import (
     measure_link_costs,
     plan_broadcasts,
 )
+from lightning_dynatrain.engine.adoption import take_over
+from lightning_dynatrain.engine.engine import DIRECT_MIN_BYTES
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.planner import plan_all, plan_rank
@@ -36,8 +38,8 @@ def summary(case: Case, report: SwitchReport) -> dict:
         "case": str(case), "rank": report.rank, "peak": report.peak_staging_bytes,
         "budget": report.staging_budget_bytes, "stages": report.stages, "sent": report.sent_bytes,
         "recv": report.recv_bytes, "retained": report.retained_bytes, "p2p_ops": report.p2p.ops,
-        "p2p_bytes": report.p2p.bytes, "bcast_ops": report.broadcast.ops, "bcast_bytes": report.broadcast.bytes,
-        "copy_bytes": report.local_copy.bytes, "inter": report.sent_inter_node_bytes + report.recv_inter_node_bytes,
+        "p2p_bytes": report.p2p.bytes, "direct_bytes": report.p2p_direct.bytes, "bcast_ops": report.broadcast.ops, "bcast_bytes": report.broadcast.bytes,
+        "copy_bytes": report.local_copy.bytes, "in_place_bytes": report.in_place.bytes, "inter": report.sent_inter_node_bytes + report.recv_inter_node_bytes,
         "line": str(report),
     }
 
@@ -71,16 +73,34 @@ def _round_trip_expectation(case: Case, store: dict, rank: int) -> dict:
             local_state(spec, a, rank, case.precision, filled_from=spec.padded_vocab(b.tp)).items()}
 
 
-def run_cases(rank: int, world: int, cases: list[Case], device: str = "cpu") -> list[dict]:
+def run_cases(rank: int, world: int, cases: list[Case], device: str = "cpu",
+              direct_min_bytes: int | None = DIRECT_MIN_BYTES) -> list[dict]:
     """Every case there and back: exact after the first switch, bit-identical after the second."""
     out = []
     for case in cases:
         store = {k: v.to(device) for k, v in local_state(case.spec(), case.src, rank, case.precision).items()}
         original = _round_trip_expectation(case, store, rank)
-        new, report = switch_and_check(rank, case, store, case.src, case.dst, device=device)
-        back, _ = switch_and_check(rank, case, new, case.dst, case.src, device=device)
+        new, report = switch_and_check(rank, case, store, case.src, case.dst, device=device,
+                                       direct_min_bytes=direct_min_bytes)
+        back, _ = switch_and_check(rank, case, new, case.dst, case.src, device=device, direct_min_bytes=direct_min_bytes)
         compare(back, original, f"rank {rank} round trip {case}")
         out.append(summary(case, report))
+    return out
+
+
+def run_in_place(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    """Cases where whole local tensors are retained at the same local layout, with ``adopt``: those
+    destination tensors must *be* the source tensors (same storage), and every element still exact."""
+    out = []
+    for case in cases:
+        store = local_state(case.spec(), case.src, rank, case.precision)
+        original = _round_trip_expectation(case, store, rank)
+        storage = {k: v.data_ptr() for k, v in store.items()}
+        new, report = switch_and_check(rank, case, store, case.src, case.dst, adopt=take_over)
+        kept = sorted(str(k) for k, v in new.items() if storage.get(k) == v.data_ptr())
+        back, _ = switch_and_check(rank, case, new, case.dst, case.src, adopt=take_over)
+        compare(back, original, f"rank {rank} round trip {case}")
+        out.append({**summary(case, report), "kept_tensors": kept, "in_place_ops": report.in_place.ops})
     return out
 
 

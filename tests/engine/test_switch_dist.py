@@ -76,12 +76,20 @@ BROADCAST = [
     Case(MOE, "dp1-tp2", "dp4-ep2-zero1", BF16),
 ]
 
+# whole local tensors retained at the same local layout: kept in place with ``adopt``
+IN_PLACE = [
+    Case(DENSE, "dp2", "pp2", BF16),          # each rank keeps its layers, takes the others' moments
+    Case(DENSE, "dp2", "dp2-zero1", FP32),    # every param kept; moments resharded
+    Case(WIDE, "dp2-zero1", "dp1-pp2-zero1", FP32),
+]
+
 TOO_SMALL = Case(DENSE, "dp2-tp2", "dp4-zero1", FP32, budget=8)
 
 
 @pytest.fixture(scope="module")
 def world2():
-    parts = {"cases": ("run_cases", (WORLD2,)), "bad_inputs": ("run_bad_inputs", (Case(DENSE, "dp2", "tp2"),))}
+    parts = {"cases": ("run_cases", (WORLD2,)), "bad_inputs": ("run_bad_inputs", (Case(DENSE, "dp2", "tp2"),)),
+             "in_place": ("run_in_place", (IN_PLACE,))}
     return run_distributed(run_suite, 2, parts, timeout_s=120)
 
 
@@ -93,6 +101,8 @@ def world4():
         "broadcast": ("run_broadcast", (BROADCAST, FAVOUR_BROADCAST)),
         "no_promotion": ("run_broadcast", (BROADCAST[:1], None)),
         "measure": ("run_measure", ()),
+        # every chunk of 16 bytes or more as its own message, from and into storage where contiguous
+        "direct": ("run_cases", (WORLD4[:9], "cpu", 16)),
     }
     return run_distributed(run_suite, 4, parts, timeout_s=240)
 
@@ -113,6 +123,8 @@ def _check_reports(per_rank: list[list[dict]]) -> None:
             assert row["peak"] <= row["budget"], f"{case}: rank {row['rank']} staged {row['peak']} bytes"
         assert sum(r["sent"] for r in rows) == sum(r["recv"] for r in rows), f"{case}: bytes sent != received"
         assert sum(r["p2p_bytes"] for r in rows) % 2 == 0, f"{case}: p2p bytes are not paired"
+        for row in rows:
+            assert row["copy_bytes"] + row["in_place_bytes"] == row["retained"], f"{case}: retained bytes split"
 
 
 def test_world2_switches_are_exact_and_round_trip(world2):
@@ -121,6 +133,22 @@ def test_world2_switches_are_exact_and_round_trip(world2):
     rows = {r["case"]: r for r in reports[0]}
     assert rows[str(WORLD2[0])]["sent"] == 0, "dp2 -> tp2 keeps everything locally"
     assert rows[str(WORLD2[2])]["stages"] > 1, "a 256-byte budget needs several stages"
+
+
+def test_whole_retained_tensors_are_kept_in_place(world2):
+    per_rank = _part(world2, "in_place")
+    _check_reports(per_rank)
+    for rows in zip(*per_rank):
+        case = rows[0]["case"]
+        assert any(r["in_place_bytes"] for r in rows), f"{case}: nothing kept in place"
+        for r in rows:  # a tensor kept in place is the very source tensor, and only those are
+            assert len(r["kept_tensors"]) == r["in_place_ops"] or "zero1" in case, (case, r["kept_tensors"])
+            assert bool(r["kept_tensors"]) == bool(r["in_place_bytes"]), (case, r)
+
+
+def test_without_an_adopter_preallocated_storage_is_copied_into(world2):
+    for row in _part(world2, "cases")[0]:
+        assert row["in_place_bytes"] == 0, row["case"]
 
 
 def test_bad_state_is_refused_on_every_rank(world2):
@@ -135,6 +163,16 @@ def test_world4_switches_are_exact_and_round_trip(world4):
     _check_reports(reports)
     inter = sum(row["inter"] for per_rank in reports for row in per_rank)
     assert inter > 0, "with 2 ranks per node some bytes cross nodes"
+
+
+def test_big_chunks_travel_straight_from_and_into_storage(world4):
+    per_rank = _part(world4, "direct")
+    _check_reports(per_rank)  # and every element was checked bit for bit, there and back, in the children
+    for rows in zip(*per_rank):
+        if sum(r["p2p_bytes"] for r in rows):
+            assert sum(r["direct_bytes"] for r in rows) > 0, f"{rows[0]['case']}: nothing went direct"
+    coalesced = _part(world4, "cases")
+    assert all(r["direct_bytes"] == 0 for rows in coalesced for r in rows)  # tiny chunks: one buffer per stage
 
 
 def test_world_changes_leave_only_sends_or_only_receives(world4):

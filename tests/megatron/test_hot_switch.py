@@ -21,9 +21,12 @@ from tests.dist import run_distributed
 from tests.megatron.jobs import DENSE, GLOBAL_BATCH, MICROBATCHES, MOE, SEED
 
 CHAINS = {
-    "dense": (DENSE, ["dp2-tp2-pp1", "dp1-tp2-pp2-zero1", "dp4-tp1-pp1-zero1", "dp2-tp1-pp2", "dp2-tp2-pp1"]),
+    "dense": (DENSE, ["dp2-tp2-pp1", "dp1-tp2-pp2-zero1", "dp4-tp1-pp1-zero1", "dp2-tp1-pp2", "dp2-tp2-pp1",
+                        "dp1-tp2-pp2"]),  # the last keeps whole layers in place
     "moe": (MOE, ["dp2-tp2-pp1-ep2", "dp4-tp1-pp1-ep4-etp1-zero1", "dp2-tp2-pp1-ep2"]),
 }
+# a target that moves bytes from each chain's first layout: asked with a budget below a row, refused
+REFUSED = {"dense": "dp4-tp1-pp1", "moe": "dp4-tp1-pp1-ep4-etp1-zero1"}
 # clip_grad: the gradient norm must see every TP shard after a switch (see test on tags)
 OPTIMIZER = dict(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 
@@ -35,7 +38,8 @@ def _snapshot(state, spec, layout, rank):
             megatron_store(state.ddp, state.optimizer, spec, layout, rank).items()}
 
 
-def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], staging_budget: str) -> dict:
+def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], staging_budget: str,
+           refused_target: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -63,6 +67,14 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     state = MegatronTrainingState(layout=first, **dict(zip(("ddp", "optimizer"),
                                   build_ddp_and_optimizer(model, first, **OPTIMIZER))))
     out = {"losses": train(state, 2), "switches": []}
+    # a switch refused before anything moves (budget below a row, on every rank) leaves the state
+    # whole: gradient buffers and megatron's groups come back, and training goes on (losses below)
+    from lightning_dynatrain.engine.errors import StagingBudgetError
+    try:
+        hot_switch(state, ParallelConfig.parse(refused_target), shape=shape, seed=SEED, staging_budget=8,
+                   optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2)
+    except StagingBudgetError as err:
+        out["refused"] = str(err)
     for text in chain[1:]:
         target = ParallelConfig.parse(text)
         before = _snapshot(state, spec, state.layout, rank)
@@ -71,7 +83,8 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
         state = result.state
         after = _snapshot(state, spec, target, rank)
         out["switches"].append(dict(src=result.report.src, dst=result.report.dst, before=before, after=after,
-                                    report=str(result.report), peak=result.report.peak_staging_bytes))
+                                    report=str(result.report), peak=result.report.peak_staging_bytes,
+                                    in_place=result.report.in_place.bytes, freed=result.old_freed_bytes))
         out["losses"] += train(state, 1)
     # A -> B -> A with no training in between must give back every local tensor bit for bit
     home, away = state.layout, ParallelConfig.parse(chain[1])
@@ -121,7 +134,7 @@ def _assemble(spec, layout: ParallelConfig, per_rank: list[dict]) -> dict:
 @pytest.fixture(scope="module", params=sorted(CHAINS))
 def chain_run(request):
     shape_kwargs, chain = CHAINS[request.param]
-    runs = run_distributed(_chain, 4, shape_kwargs, chain, "64KiB", timeout_s=240)
+    runs = run_distributed(_chain, 4, shape_kwargs, chain, "64KiB", REFUSED[request.param], timeout_s=240)
     return request.param, shape_kwargs, chain, runs
 
 
@@ -145,6 +158,21 @@ def test_a_to_b_to_a_gives_back_identical_local_tensors(chain_run):
             assert np.array_equal(start[key], end[key]), f"{name} rank {rank}: {key} changed over {chain[0]} -> {chain[1]} -> {chain[0]}"
 
 
+def test_a_refused_switch_leaves_a_state_that_trains_on(chain_run):
+    _, _, _, runs = chain_run
+    assert all("staging budget" in r.get("refused", "").lower() for r in runs), [r.get("refused") for r in runs]
+    # and the losses after it match the run that never switched: test_training_after_switches_...
+
+
+def test_the_old_state_is_given_back_during_the_switch(chain_run):
+    """Every byte of old params and moments is freed by the time the switch returns, or kept in place."""
+    name, _, _, runs = chain_run
+    for r in runs:
+        for s in r["switches"]:
+            old = sum(v.nbytes for v in s["before"].values())
+            assert s["freed"] + s["in_place"] >= old, (name, s["src"], s["dst"], s["freed"], s["in_place"], old)
+
+
 def test_uninitialised_models_carry_megatrons_tensor_parallel_tags(chain_run):
     _, _, _, runs = chain_run
     for r in runs:
@@ -160,6 +188,19 @@ def test_peak_staging_stays_within_the_budget(chain_run):
         for s in r["switches"]:
             assert s["peak"] <= 64 * 1024 + max(v.nbytes for v in s["after"].values()), s["report"]
     assert max(peaks) > 0, "no switch staged anything: the chain moved no bytes"
+
+
+def test_whole_retained_tensors_are_kept_in_place(chain_run):
+    """zero0 -> zero0 keeps the retained params and moments (rebound, not copied); a zero1 model's
+    params are views into DDP's buffer and are copied into, yet every switch above stays exact."""
+    name, _, chain, runs = chain_run
+    if name != "dense":
+        pytest.skip("the dense chain ends with the switch that keeps whole layers")
+    # dp2-tp2-pp1 -> dp1-tp2-pp2: each stage's layers stay on the ranks that hold them
+    last = [r["switches"][-1] for r in runs]
+    assert sum(s["in_place"] for s in last) > 0.5 * sum(v.nbytes for s in last for v in s["after"].values())
+    into_zero1 = [r["switches"][0] for r in runs]  # dp2-tp2-pp1 -> dp1-tp2-pp2-zero1: buffer views, copied
+    assert all(s["in_place"] == 0 for s in into_zero1)
 
 
 def test_training_after_switches_tracks_a_run_that_never_switched(chain_run):

@@ -97,8 +97,8 @@ def _engine_report() -> SwitchReport:
                         pack_s=0.0, transfer_s=0.1, unpack_s=0.0, free_s=0.0, total_seconds=0.2,
                         sent_intra_node_bytes=3000, sent_inter_node_bytes=1000, recv_intra_node_bytes=0,
                         recv_inter_node_bytes=0, retained_bytes=500, stages=2, peak_staging_bytes=4096,
-                        staging_budget_bytes=1 << 20, p2p=PrimitiveStats(), broadcast=PrimitiveStats(),
-                        local_copy=PrimitiveStats())
+                        staging_budget_bytes=1 << 20, p2p=PrimitiveStats(), p2p_direct=PrimitiveStats(),
+                        broadcast=PrimitiveStats(), local_copy=PrimitiveStats(), in_place=PrimitiveStats())
 
 
 def test_reports_follow_the_protocol_and_log_their_figures(capsys) -> None:
