@@ -12,9 +12,11 @@ no model needs to be built to know it.
 
 from __future__ import annotations
 
+from lightning_dynatrain.engine.memory_plan import switch_peak_bytes
 from lightning_dynatrain.engine.store import RegionIndex, local_numel
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
+from lightning_dynatrain.vps.planner import plan_rank_cached
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 GiB = 2**30
@@ -39,25 +41,30 @@ def world_state_bytes(spec: ModelSpec, layout: ParallelConfig) -> int:
     return sum(state_bytes(spec, layout, r) for r in range(layout.world_size))
 
 
-def hot_switch_extra_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, staging_bytes: int) -> int:
-    """Memory a hot switch needs beyond the state at ``src`` (fp32, world totals).
+def hot_switch_extra_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, staging_bytes: int,
+                           gpus_per_node: int = 8) -> int:
+    """Memory a megatron hot switch needs beyond the state at ``src`` (fp32, world total, upper bound).
 
-    The old gradient buffers go first and the new model's buffers (gradients; params too under
-    zero1, where DDP allocates a zeroed flat param buffer) take their place; after that old params
-    and moments are freed as the engine finishes with them while the new ones fill, so the state
-    grows by what the new layout holds more; plus every rank's staging budget.
+    The old gradient buffers go first and the new model's buffers take their place (gradients;
+    params too under zero1, where DDP allocates a zeroed flat param buffer); then the engine takes
+    and gives back memory as ``switch_peak_bytes`` replays from each rank's plan (old zero1 params,
+    views into one buffer, give nothing back until the end); plus every rank's staging budget.
+    Each rank's peak is added as if all came at once.
     """
-    def totals(layout: ParallelConfig) -> tuple[int, int]:
-        n = [local_numels(spec, layout, r) for r in range(layout.world_size)]
-        params = 4 * sum(x[StateKind.PARAM] for x in n)
-        moments = 4 * sum(x[StateKind.EXP_AVG] + x[StateKind.EXP_AVG_SQ] for x in n)
-        return params, moments
-
-    (a_params, a_moments), (b_params, b_moments) = totals(src), totals(dst)
-    buffers = max(0, b_params * (2 if dst.zero else 1) - a_params)  # gradients are as big as params
-    growth = max(0, b_params + b_moments - a_params - a_moments)
-    return buffers + growth + dst.world_size * staging_bytes
-
+    world = max(src.world_size, dst.world_size)
+    kinds = {kind: 4 for kind in StateKind}
+    engine = 0
+    for rank in range(world):
+        plan = plan_rank_cached(spec, src, dst, rank, Precision.FP32, gpus_per_node)
+        src_regions = rank_regions(spec, src, rank) if rank < src.world_size else {}
+        dst_regions = rank_regions(spec, dst, rank) if rank < dst.world_size else {}
+        engine += switch_peak_bytes(plan, src_regions, dst_regions, itemsizes=kinds, staging_budget=staging_bytes,
+                                    shared_source_kinds=[StateKind.PARAM] if src.zero else [],
+                                    preallocated_kinds=[StateKind.PARAM] if dst.zero else [])
+    params = [4 * sum(local_numels(spec, layout, r)[StateKind.PARAM] for r in range(layout.world_size))
+              for layout in (src, dst)]
+    buffers = max(0, params[1] * (2 if dst.zero else 1) - params[0])  # gradients are as big as params
+    return buffers + engine + dst.world_size * staging_bytes
 
 def unsharded_optimizer_bytes(spec: ModelSpec, layout: ParallelConfig, *, dp_rank0_only: bool = False) -> int:
     """Megatron's ``fully_reshardable`` format materialises param + both moments of every local
@@ -126,6 +133,7 @@ __all__ = [
     "reset_peak_rss",
     "rss",
     "state_bytes",
+    "hot_switch_extra_bytes",
     "unsharded_optimizer_bytes",
     "world_state_bytes",
 ]

@@ -188,7 +188,8 @@ class PairBench:
     def back_to_src(self, after: str) -> None:
         """Bring the state back to A: hot switch back when it fits, else rebuild A (deterministic)."""
         how = "hot_switch_back"
-        back = hot_switch_extra_bytes(self.spec, self.dst, self.src, parse_bytes(self.setup.staging_budget))
+        back = hot_switch_extra_bytes(self.spec, self.dst, self.src, parse_bytes(self.setup.staging_budget),
+                                      self.cfg.gpus_per_node)
         if self.fits(back, "the switch back") is None:
             t0 = self.timed_barrier()
             result = self.switch(self.src)
@@ -316,8 +317,9 @@ class PairBench:
         a, b = world_state_bytes(self.spec, self.src), world_state_bytes(self.spec, self.dst)
         world = self.src.world_size
         if method == "hot_switch":
-            return (hot_switch_extra_bytes(self.spec, self.src, self.dst, parse_bytes(self.setup.staging_budget)),
-                    "the new buffers and what the new state holds more (the old is freed as it is read)")
+            return (hot_switch_extra_bytes(self.spec, self.src, self.dst, parse_bytes(self.setup.staging_budget),
+                                           self.cfg.gpus_per_node),
+                    "the new buffers and the switch's peak (the old state is freed as it is read)")
         if method == "allgather":
             return b + world * (world + 2) * CHUNK_ELEMENTS * 4, "the new state beside the old"
         if method == "dcp":
