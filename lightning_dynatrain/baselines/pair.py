@@ -51,7 +51,7 @@ from lightning_dynatrain.baselines.state import BenchSetup, build_empty_state, b
 from lightning_dynatrain.engine.staging import parse_bytes
 from lightning_dynatrain.megatron import hot_switch as hot_switch_module
 from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
-from lightning_dynatrain.megatron.parallel_state_adapter import destroy
+from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy
 from lightning_dynatrain.megatron.state_bridge import set_adam_step
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -117,6 +117,9 @@ class PairBench:
         self.fp_src: Fingerprint = {}
         self.step = 0
         self.out: dict = {"methods": {}, "skipped": {}, "errors": {}, "checks": {}, "restores": []}
+        # megatron's groups of both layouts, kept for the whole job: every in-process method
+        # (the hot switch and the checkpoint baselines' rebuilds) finds them made, none tears them down
+        self.groups = ProcessGroupCache()
 
     # ------------------------------------------------------------------ helpers
     def fits(self, extra: int, what: str) -> str | None:
@@ -163,7 +166,7 @@ class PairBench:
     def switch(self, target: ParallelConfig):
         return hot_switch(self.state, target, shape=self.setup.shape, seed=self.setup.seed,
                           staging_budget=self.setup.staging_budget, optimizer_kwargs=self.setup.optimizer,
-                          spec=self.spec, gpus_per_node=self.cfg.gpus_per_node)
+                          spec=self.spec, gpus_per_node=self.cfg.gpus_per_node, groups=self.groups)
 
     # ---------------------------------------------------------------- set up
     def start(self) -> None:
@@ -174,7 +177,7 @@ class PairBench:
         if "megatron" in self.cfg.methods and megatron_skip_reason(self.src, self.dst) is None:
             megatron_ckpt.warm_up()
         t0 = self.timed_barrier()
-        self.state = build_trained_state(self.setup, self.src, self.rank)
+        self.state = build_trained_state(self.setup, self.src, self.rank, self.groups)
         self.out["build_trained_seconds"] = _max(time.perf_counter() - t0)[0]
         trim_heap()  # the training step's temporaries: about 1 GB per rank at 270M, dp4
         self.step = step_of(self.state)
@@ -202,7 +205,7 @@ class PairBench:
             self.drop_state()
             trim_heap()
             t0 = self.timed_barrier()
-            self.state = build_trained_state(self.setup, self.src, self.rank)
+            self.state = build_trained_state(self.setup, self.src, self.rank, self.groups)
             seconds = _max(time.perf_counter() - t0)[0]
             trim_heap()
         passed = self.fingerprint() == self.fp_src
@@ -241,7 +244,7 @@ class PairBench:
     def build_empty(self) -> tuple[MegatronTrainingState, dict[str, float]]:
         """The checkpoint baselines' rebuild, with the same step timings as the hot switch's."""
         with profiled(state_module) as steps:
-            new = build_empty_state(self.setup, self.dst, self.step)
+            new = build_empty_state(self.setup, self.dst, self.step, self.groups)
         return new, steps
 
     def allgather(self) -> dict:
@@ -357,7 +360,7 @@ class PairBench:
         dist.barrier()
         self.drop_state()
         trim_heap()
-        self.state = build_trained_state(self.setup, self.src, self.rank)
+        self.state = build_trained_state(self.setup, self.src, self.rank, self.groups)
         trim_heap()
         self.out["restores"].append({"after": method, "how": "rebuild after error", "passed": self.fingerprint() == self.fp_src})
 
@@ -392,6 +395,7 @@ def pair_job(rank: int, world: int, cfg: PairConfig) -> dict:
     bench.out["fp_src"] = bench.fp_src
     bench.out["step"] = bench.step
     destroy()
+    bench.groups.close()
     return bench.out
 
 

@@ -22,7 +22,7 @@ import torch
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
 from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
-from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
+from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
 from lightning_dynatrain.megatron.state_bridge import adam_step, materialize_adam_state, megatron_store
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec
@@ -59,7 +59,8 @@ def _batch(setup: BenchSetup, layout: ParallelConfig, rank: int) -> dict[str, to
     return {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous()}
 
 
-def build_trained_state(setup: BenchSetup, layout: ParallelConfig, rank: int) -> MegatronTrainingState:
+def build_trained_state(setup: BenchSetup, layout: ParallelConfig, rank: int,
+                        groups: ProcessGroupCache | None = None) -> MegatronTrainingState:
     """Build the model at ``layout`` (layout-independent init) and run one optimizer step.
 
     Deterministic: the same setup and layout give the same state bit for bit, so a state can be
@@ -67,7 +68,7 @@ def build_trained_state(setup: BenchSetup, layout: ParallelConfig, rank: int) ->
     """
     if setup.global_batch % layout.dp:
         raise ValueError(f"global_batch={setup.global_batch} is not a multiple of dp={layout.dp}")
-    initialize_for_layout(layout, seed=setup.seed)
+    initialize_for_layout(layout, seed=setup.seed, groups=groups)
     model = build_gpt_model(setup.shape, layout, seed=setup.seed)
     ddp, optimizer = build_ddp_and_optimizer(model, layout, **setup.optimizer)
     batch = _batch(setup, layout, rank)
@@ -75,10 +76,11 @@ def build_trained_state(setup: BenchSetup, layout: ParallelConfig, rank: int) ->
     return MegatronTrainingState(layout=layout, ddp=ddp, optimizer=optimizer)
 
 
-def build_empty_state(setup: BenchSetup, layout: ParallelConfig, step: int) -> MegatronTrainingState:
+def build_empty_state(setup: BenchSetup, layout: ParallelConfig, step: int,
+                      groups: ProcessGroupCache | None = None) -> MegatronTrainingState:
     """Megatron groups, model, DDP and optimizer for ``layout``, weights not initialised, Adam state
     allocated (zeros) at ``step``: what a checkpoint load or an in-memory switch then fills."""
-    initialize_for_layout(layout, seed=setup.seed)
+    initialize_for_layout(layout, seed=setup.seed, groups=groups)
     model = build_gpt_model(setup.shape, layout, seed=setup.seed, initialize=False)
     ddp, optimizer = build_ddp_and_optimizer(model, layout, **setup.optimizer)
     materialize_adam_state(optimizer, step)

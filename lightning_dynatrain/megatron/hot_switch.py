@@ -34,7 +34,7 @@ from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
 from lightning_dynatrain.megatron.old_state import OldStateMemory
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
-from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
+from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
 from lightning_dynatrain.megatron.state_bridge import (
     adam_step,
     materialize_adam_state,
@@ -81,11 +81,14 @@ def hot_switch(
     spec: ModelSpec | None = None,
     gpus_per_node: int = 8,
     group: dist.ProcessGroup | None = None,
+    groups: ProcessGroupCache | None = None,
 ) -> HotSwitchResult:
     """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over the world.
 
     ``optimizer_kwargs`` are ``build_ddp_and_optimizer``'s keyword arguments (lr, weight decay,
-    betas, ...): the new optimizer must be configured like the old one.
+    betas, ...): the new optimizer must be configured like the old one. ``groups`` keeps megatron's
+    process groups across layouts (``ProcessGroupCache``): none is torn down, a layout seen before
+    costs no group creation.
     """
     start = time.perf_counter()
     spec = spec or logical_spec(shape)
@@ -101,7 +104,7 @@ def hot_switch(
     old_memory.free_gradients()  # before the new buffers are allocated: they take their place
     try:
         t0 = time.perf_counter()
-        initialize_for_layout(target, seed=seed)
+        initialize_for_layout(target, seed=seed, groups=groups)
         old_param = next(current.ddp.module.parameters())
         model = build_gpt_model(shape, target, seed=seed, params_dtype=old_param.dtype, initialize=False)
         if old_param.device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
@@ -131,7 +134,7 @@ def hot_switch(
     except BaseException:
         if not old_memory.started:  # refused before anything moved: training can go on at ``src``
             old_memory.restore_gradients()
-            initialize_for_layout(src, seed=seed)
+            initialize_for_layout(src, seed=seed, groups=groups)
         raise
     return HotSwitchResult(
         state=MegatronTrainingState(layout=target, ddp=ddp, optimizer=optimizer),

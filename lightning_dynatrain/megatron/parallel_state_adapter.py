@@ -17,6 +17,9 @@ Example, 4 ranks::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -30,13 +33,60 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 RANK_ORDER = "tp-cp-ep-dp-pp"
 
 
-def initialize_for_layout(layout: ParallelConfig, *, seed: int) -> ProcessGroupCollection:
+class ProcessGroupCache:
+    """Process groups kept across layouts, keyed by members and megatron's role for them.
+
+    Creating a group is collective and a gloo/NCCL group's teardown is not free (about 0.2 s for
+    a layout's groups on gloo here, paid when the last module holding them is collected). With a
+    cache, ``initialize_for_layout`` reuses the groups of any layout seen before and ``destroy``
+    leaves cached groups alone, so switching back to a layout costs no group work at all. Every
+    rank must use one cache the same way (ranks create groups in the same order, hits included).
+    ``close()`` destroys them.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, group: object) -> bool:
+        return any(g is group for g in self._groups.values())
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Inside: ``torch.distributed.new_group`` answers from the cache (megatron calls it)."""
+        create = dist.new_group
+
+        def cached(ranks=None, *args, **kwargs):
+            key = (tuple(ranks) if ranks is not None else None, kwargs.get("group_desc"), kwargs.get("backend"))
+            if key not in self._groups:
+                self._groups[key] = create(ranks, *args, **kwargs)
+            return self._groups[key]
+
+        dist.new_group = cached
+        try:
+            yield
+        finally:
+            dist.new_group = create
+
+    def close(self) -> None:
+        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+        for group in self._groups.values():
+            if group in registered and group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+        self._groups.clear()
+
+
+def initialize_for_layout(layout: ParallelConfig, *, seed: int,
+                          groups: ProcessGroupCache | None = None) -> ProcessGroupCollection:
     """(Re)build megatron's process groups for ``layout`` on the current WORLD and seed its RNGs.
 
     Runs ``destroy()`` first if groups exist, then ``initialize_model_parallel`` with the layout's
     tp/pp/cp/ep/etp sizes (data parallel is what remains) in order ``tp-cp-ep-dp-pp``, then
     ``model_parallel_cuda_manual_seed(seed)`` (on CPU through the CPU RNG tracker of
     ``cpu_patches``). Collective: every rank of WORLD must call it with the same arguments.
+    With ``groups``, groups come from (and stay in) that cache.
 
     Returns:
         The groups of this rank as megatron's ``ProcessGroupCollection``, to be passed to modules.
@@ -56,8 +106,8 @@ def initialize_for_layout(layout: ParallelConfig, *, seed: int) -> ProcessGroupC
             f"layout {layout} needs {layout.world_size} ranks (dp*tp*pp*cp) but the world has {world}",
             hint=f"choose sizes whose product dp*tp*pp*cp is {world}",
         )
-    destroy()
-    with megatron_on_cpu():
+    destroy(keep=groups)
+    with megatron_on_cpu(), (groups.serving() if groups is not None else nullcontext()):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
@@ -93,14 +143,14 @@ def is_initialized() -> bool:
     return parallel_state.model_parallel_is_initialized()
 
 
-def destroy() -> None:
+def destroy(keep: ProcessGroupCache | None = None) -> None:
     """Forget megatron's groups and release the ones this rank belongs to.
 
     ``parallel_state.destroy_model_parallel`` only drops its references (and the gloo side groups);
     the groups themselves stay registered with c10d and keep their sockets. Across many switches
     that leaks file descriptors, so they are destroyed here too (local, about 0.05 ms per group on
     gloo). Modules built for the old layout must not communicate afterwards. No-op when nothing is
-    initialised; WORLD is never destroyed.
+    initialised; WORLD and the groups of ``keep`` are never destroyed.
     """
     groups = [g for g in (parallel_state._global_process_group_list or []) if g is not None]
     parallel_state.destroy_model_parallel()
@@ -109,13 +159,14 @@ def destroy() -> None:
     world = dist.GroupMember.WORLD
     seen: set[int] = set()
     for group in groups:
-        if id(group) in seen or group is world or group not in registered:
+        if id(group) in seen or group is world or group not in registered or (keep is not None and group in keep):
             continue
         seen.add(id(group))
         dist.destroy_process_group(group)
 
 
 __all__ = [
+    "ProcessGroupCache",
     "RANK_ORDER",
     "current_process_groups",
     "destroy",

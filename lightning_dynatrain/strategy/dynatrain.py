@@ -129,6 +129,9 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         self._timeout = timeout
         self._layout: ParallelConfig | None = None
         self._owns_process_group = False
+        # megatron's process groups of every layout this run has used (a ``ProcessGroupCache``, made
+        # at setup: megatron is imported only then); switching back to a layout costs no group work
+        self._groups: Any = None
         self._recipe: MegatronRecipe | None = None
         self._adam: AdamSettings | None = None
         self._gpt_model: torch.nn.Module | None = None
@@ -214,9 +217,12 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         requested = self._requested_layout
         layout = ParallelConfig(dp=self.world_size) if requested == "auto" else requested
         self._layout = validate_target(layout, world_size=self.world_size)
+        from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
         from lightning_dynatrain.strategy.megatron_step import init_groups
 
-        init_groups(self._layout, seed=self.seed)
+        if self._groups is None:
+            self._groups = ProcessGroupCache()
+        init_groups(self._layout, seed=self.seed, groups=self._groups)
         rank_zero_info(f"[dynatrain] layout {self._layout} on {self.world_size} processes "
                        f"({self.process_group_backend}, {self.cluster_environment.__class__.__name__})")
 
@@ -329,7 +335,7 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
             from lightning_dynatrain.strategy.megatron_step import teardown_state
 
             if dist.is_available() and dist.is_initialized():
-                teardown_state()
+                teardown_state(self._groups)
         self._megatron = None
         self._pending = None
         if self._owns_process_group and dist.is_available() and dist.is_initialized():

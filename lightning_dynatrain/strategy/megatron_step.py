@@ -28,7 +28,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from lightning_dynatrain.data.sampler import dp_share_bounds
 from lightning_dynatrain.megatron.gpt import build_gpt_model
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
-from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups, destroy, initialize_for_layout
+from lightning_dynatrain.megatron.parallel_state_adapter import (
+    ProcessGroupCache,
+    current_process_groups,
+    destroy,
+    initialize_for_layout,
+)
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.validation import BatchSizeError, num_microbatches
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -60,9 +65,9 @@ class MegatronState:
         return self.groups.dp.size()
 
 
-def init_groups(layout: ParallelConfig, *, seed: int) -> ProcessGroupCollection:
+def init_groups(layout: ParallelConfig, *, seed: int, groups: ProcessGroupCache | None = None) -> ProcessGroupCollection:
     """Megatron's groups for ``layout`` on the current WORLD (collective; replaces the previous ones)."""
-    return initialize_for_layout(layout, seed=seed)
+    return initialize_for_layout(layout, seed=seed, groups=groups)
 
 
 def build_model(recipe: MegatronRecipe, layout: ParallelConfig, *, device: torch.device | None = None) -> torch.nn.Module:
@@ -95,9 +100,11 @@ def attach_optimizer(model: torch.nn.Module, recipe: MegatronRecipe, layout: Par
     return state_of(layout, ddp, optimizer, recipe)
 
 
-def teardown_state() -> None:
-    """Release megatron's groups (the modules of the old state must not communicate afterwards)."""
+def teardown_state(groups: ProcessGroupCache | None = None) -> None:
+    """Release megatron's groups, cached ones too (the modules must not communicate afterwards)."""
     destroy()
+    if groups is not None:
+        groups.close()
 
 
 def set_lr_and_wd(optimizer: MegatronOptimizer, *, lr: float, weight_decay: float) -> None:

@@ -29,6 +29,7 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
     from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
     from lightning_dynatrain.strategy.megatron_step import MegatronState
 
@@ -41,6 +42,7 @@ class LayoutSwitching:
     _adam: "AdamSettings | None"
     _step_in_progress: bool
     _pending: ParallelConfig | None
+    _groups: "ProcessGroupCache | None"
     switch_history: list[ReconfigReport]
     staging_budget: int
     world_size: int
@@ -126,7 +128,8 @@ class LayoutSwitching:
         current = MegatronTrainingState(layout=old.layout, ddp=old.ddp, optimizer=old.optimizer)
         before = self._fingerprint(current) if self.verify else None
         result = hot_switch(current, target, shape=self.recipe.shape, seed=self.recipe.seed,
-                            staging_budget=self.staging_budget, optimizer_kwargs=optimizer_kwargs(self._adam))
+                            staging_budget=self.staging_budget, optimizer_kwargs=optimizer_kwargs(self._adam),
+                            groups=self._groups)
         del current, old
         if before is not None:
             after = self._fingerprint(result.state)

@@ -87,12 +87,18 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
                                     in_place=result.report.in_place.bytes, freed=result.old_freed_bytes))
         out["losses"] += train(state, 1)
     # A -> B -> A with no training in between must give back every local tensor bit for bit
+    # (twice, with a process group cache: the second round trip creates no group)
+    from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
+
     home, away = state.layout, ParallelConfig.parse(chain[1])
     start = _snapshot(state, spec, home, rank)
-    for target in (away, home):
+    cache, cached = ProcessGroupCache(), []
+    for target in (away, home, away, home):
         state = hot_switch(state, target, shape=shape, seed=SEED, staging_budget=staging_budget,
-                           optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2).state
+                           optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2, groups=cache).state
+        cached.append(len(cache))
     out["round_trip"] = (start, _snapshot(state, spec, home, rank))
+    out["cached_groups"] = cached
     # a model built without init for a switch carries the tensor-parallel tags megatron's init sets
     # (clip_grad_norm leaves untagged TP-split weights of tp ranks > 0 out of the norm)
     def tags(m):
@@ -171,6 +177,13 @@ def test_the_old_state_is_given_back_during_the_switch(chain_run):
         for s in r["switches"]:
             old = sum(v.nbytes for v in s["before"].values())
             assert s["freed"] + s["in_place"] >= old, (name, s["src"], s["dst"], s["freed"], s["in_place"], old)
+
+
+def test_switching_back_reuses_cached_process_groups(chain_run):
+    _, _, _, runs = chain_run
+    for r in runs:
+        first_away, first_home, second_away, second_home = r["cached_groups"]
+        assert 0 < first_away <= first_home == second_away == second_home, r["cached_groups"]
 
 
 def test_uninitialised_models_carry_megatrons_tensor_parallel_tags(chain_run):
