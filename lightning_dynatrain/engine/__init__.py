@@ -5,9 +5,10 @@ engine only moves bytes: local copies for what stays, promoted broadcasts where 
 pairwise schedule of staged point-to-point exchanges for the rest, within a byte budget.
 
 Files, one concept each: ``store`` (local tensors and box views), ``schedule`` (XOR steps),
-``staging`` (byte budget and stages), ``packing`` (pack/unpack/copy), ``collectives`` (broadcast
-promotion and link costs), ``preflight`` (checks agreed before anything moves), ``report``
-(``SwitchReport``), ``engine`` (``execute_switch``).
+``staging`` (byte budget and stages), ``packing`` (pack/unpack), ``adoption`` (tensors kept in
+place), ``collectives`` (broadcast promotion and link costs), ``preflight`` (checks agreed before
+anything moves), ``report`` (``SwitchReport``), ``engine`` (``execute_switch``), ``memory_plan``
+(the memory a switch takes, replayed from the plan).
 """
 
 from lightning_dynatrain.engine.collectives import (
@@ -18,19 +19,25 @@ from lightning_dynatrain.engine.collectives import (
     measure_link_costs,
     plan_broadcasts,
 )
-from lightning_dynatrain.engine.engine import Allocator, execute_switch
+from lightning_dynatrain.engine.adoption import Adopter, adoptable_keys
+from lightning_dynatrain.engine.engine import DIRECT_MIN_BYTES, Allocator, execute_switch
 from lightning_dynatrain.engine.errors import (
     EngineInternalError,
     StagingBudgetError,
     StateStoreError,
     SwitchAbortedError,
 )
+from lightning_dynatrain.engine.memory_plan import switch_peak_bytes
 from lightning_dynatrain.engine.report import PrimitiveStats, SwitchReport
 from lightning_dynatrain.engine.schedule import Step, active_steps, next_pow2, xor_schedule
 from lightning_dynatrain.engine.staging import format_bytes, parse_bytes, plan_stages, split_box
 from lightning_dynatrain.engine.store import LocalStore, RegionIndex, StoreKey, box_view
 
 __all__ = [
+    "Adopter",
+    "DIRECT_MIN_BYTES",
+    "adoptable_keys",
+    "switch_peak_bytes",
     "Allocator",
     "BroadcastJob",
     "BroadcastPlan",
