@@ -90,12 +90,20 @@ def trim_heap() -> None:
         pass
 
 
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
+def _proc_kib(path: str, field: str) -> int | None:
+    """Bytes of a ``Field:  N kB`` line of a ``/proc`` file, or ``None`` without that line."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return None
+
+
+def mem_available() -> int:
+    found = _proc_kib("/proc/meminfo", "MemAvailable")
+    if found is None:
+        raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return found
 
 
 def reset_peak_rss() -> None:
@@ -107,19 +115,11 @@ def reset_peak_rss() -> None:
 
 
 def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _proc_kib("/proc/self/status", "VmHWM") or 0
 
 
 def rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _proc_kib("/proc/self/status", "VmRSS") or 0
 
 
 def fmt_gb(nbytes: float) -> str:

@@ -263,43 +263,41 @@ class PairBench:
         return dict(seconds=total, rebuild_seconds=rebuild, gather_seconds=gather, steps=self.slowest_steps(steps),
                     collective_seconds=in_collectives, collectives=stats.collectives, recv_bytes=int(recv))
 
-    def dcp(self) -> dict:
-        path = self.fresh_dir("dcp")
+    def through_checkpoint(self, name: str, save, load) -> tuple[dict, object]:
+        """Save A with ``save(path)``, drop it, build B empty, ``load(path)`` into it; timed between
+        barriers. Returns the record and what ``load`` returned."""
+        path = self.fresh_dir(name)
         t0 = self.timed_barrier()
-        saved = dcp.save(store_of(self.state, self.spec, self.rank), self.spec, self.src, self.rank, path, step=self.step)
+        saved = save(path)
         t1 = time.perf_counter()
         self.drop_state()
         t2 = time.perf_counter()
         self.state, steps = self.build_empty()
         t3 = time.perf_counter()
-        loaded = dcp.load(store_of(self.state, self.spec, self.rank), self.spec, self.dst, self.rank, path)
-        set_adam_step(self.state.optimizer, loaded.step)
+        loaded = load(path)
         t4 = self.timed_barrier()
         total, save_s, free_s, build_s, load_s = _max(t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
         size = _dir_bytes(path) if self.rank == 0 else 0
         self.remove_dir(path)
         return dict(seconds=total, save_seconds=save_s, free_seconds=free_s, build_seconds=build_s,
                     load_seconds=load_s, save_prepare_seconds=saved.prepare, load_prepare_seconds=loaded.prepare,
-                    checkpoint_bytes=_agree(size), step=loaded.step, steps=self.slowest_steps(steps))
+                    checkpoint_bytes=_agree(size), steps=self.slowest_steps(steps)), loaded
+
+    def dcp(self) -> dict:
+        def load(path: str):
+            loaded = dcp.load(store_of(self.state, self.spec, self.rank), self.spec, self.dst, self.rank, path)
+            set_adam_step(self.state.optimizer, loaded.step)
+            return loaded
+
+        record, loaded = self.through_checkpoint(
+            "dcp", lambda path: dcp.save(store_of(self.state, self.spec, self.rank), self.spec, self.src, self.rank,
+                                         path, step=self.step), load)
+        return dict(record, step=loaded.step)
 
     def megatron(self) -> dict:
-        path = self.fresh_dir("megatron")
-        t0 = self.timed_barrier()
-        saved = megatron_ckpt.save(self.state, path)
-        t1 = time.perf_counter()
-        self.drop_state()
-        t2 = time.perf_counter()
-        self.state, steps = self.build_empty()
-        t3 = time.perf_counter()
-        loaded = megatron_ckpt.load(self.state, path)
-        t4 = self.timed_barrier()
-        total, save_s, free_s, build_s, load_s = _max(t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
-        size = _dir_bytes(path) if self.rank == 0 else 0
-        self.remove_dir(path)
-        return dict(seconds=total, save_seconds=save_s, free_seconds=free_s, build_seconds=build_s,
-                    load_seconds=load_s, save_prepare_seconds=saved.prepare, load_prepare_seconds=loaded.prepare,
-                    load_apply_seconds=loaded.apply, checkpoint_bytes=_agree(size), step=step_of(self.state),
-                    steps=self.slowest_steps(steps))
+        record, loaded = self.through_checkpoint("megatron", lambda path: megatron_ckpt.save(self.state, path),
+                                                 lambda path: megatron_ckpt.load(self.state, path))
+        return dict(record, load_apply_seconds=loaded.apply, step=step_of(self.state))
 
     def restart_save(self) -> dict:
         """The first half of checkpoint-and-restart: the decision, the save; then the job exits."""

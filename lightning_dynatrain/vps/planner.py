@@ -30,7 +30,7 @@ from lightning_dynatrain.vps.plan import RankPlan, Transfer
 from lightning_dynatrain.vps.spec import VOCAB, ModelSpec, Precision, StateKind
 
 
-def choose_source(holders: tuple[int, ...], dest: int, replica: int, gpus_per_node: int) -> int:
+def choose_source(holders: tuple[int, ...], dest: int, gpus_per_node: int) -> int:
     """The holder ``dest`` reads an atom from: same node first, then the nearest in XOR distance.
 
     The engine pairs ``dest`` with holder ``h`` in XOR step ``dest ^ h``, so the nearest holder is
@@ -38,9 +38,7 @@ def choose_source(holders: tuple[int, ...], dest: int, replica: int, gpus_per_no
     distinct for distinct ``dest``), which spreads the replicas of one atom over its holders, and
     the traffic lands in as few, as early and as parallel steps as the holders allow: in
     ``dp2-tp2 -> dp1-tp4`` ranks 1 and 2 read from ranks 0 and 3 at once in step 1, instead of rank
-    2 waiting for rank 1 to finish its own receive first. ``replica`` (``dest``'s position among
-    the ranks that hold the same destination atom) breaks no ties today; it is kept in the signature
-    so the rule may use it.
+    2 waiting for rank 1 to finish its own receive first.
     """
     candidates = _candidates(holders, dest // gpus_per_node, gpus_per_node)
     return min(candidates, key=lambda h: h ^ dest)
@@ -117,23 +115,22 @@ def _plan_rank(
                         fill = _beyond(region.box, vocab_axis, source.grid.limits[vocab_axis])
                         if fill is not None:
                             fills.extend(Transfer(rank, tensor.name, k, fill) for k in kinds)
-                    for dbox, dholders in target.pieces(region.box):
-                        replica = dholders.index(rank)
+                    for dbox, _ in target.pieces(region.box):
                         for box, holders in source.pieces(dbox):
                             if rank in holders:
                                 retains.extend(Transfer(rank, tensor.name, k, box) for k in kinds)
                             else:
-                                peer = choose_source(holders, rank, replica, gpus_per_node)
+                                peer = choose_source(holders, rank, gpus_per_node)
                                 recvs.extend(Transfer(peer, tensor.name, k, box) for k in kinds)
             if in_src:
                 for region in source.regions(rank):
                     for abox, holders in source.pieces(region.box):
                         held = frozenset(holders)
                         for box, dholders in target.pieces(abox):
-                            for replica, dest in enumerate(dholders):
+                            for dest in dholders:
                                 if dest in held:
                                     continue
-                                if choose_source(holders, dest, replica, gpus_per_node) == rank:
+                                if choose_source(holders, dest, gpus_per_node) == rank:
                                     sends.extend(Transfer(dest, tensor.name, k, box) for k in kinds)
 
     def key(t: Transfer) -> tuple:
