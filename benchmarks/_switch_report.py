@@ -35,7 +35,8 @@ def summarize(src: str, dst: str, ranks: list[dict], restart: list[dict] | None)
     first = ranks[0]
     methods = dict(first["methods"])
     for name in methods:
-        methods[name] = dict(methods[name], peak_rss_sum=sum(r["methods"][name]["peak_rss"] for r in ranks))
+        methods[name] = dict(methods[name], peak_rss_sum=sum(r["methods"][name]["peak_rss"] for r in ranks),
+                             rss_before_sum=sum(r["methods"][name]["rss_before"] for r in ranks))
     checks = {m: c["passed"] for m, c in first["checks"].items()}
     restarted = _restart(first, restart)
     if restarted is not None:
@@ -49,6 +50,10 @@ def summarize(src: str, dst: str, ranks: list[dict], restart: list[dict] | None)
                speeds=first["speeds"], checks=checks, all_checks_passed=all(checks.values()) and bool(checks),
                restores=first["restores"], skipped=first["skipped"], errors=first["errors"],
                base_rss_sum=sum(r["base_rss"] for r in ranks), build_trained_seconds=first["build_trained_seconds"])
+    if floor["seconds"] > 0:  # what a switch running exactly at the floor would give against each baseline
+        for method, key in BASELINES.items():
+            if method in seconds:
+                out["at_floor_" + key] = seconds[method] / floor["seconds"]
     if hot is not None:
         engine = hot["engine_seconds"]
         seconds["hot_switch_engine"] = engine
@@ -69,7 +74,8 @@ def compact(row: dict) -> dict:
     keep = ("pair", "seconds", "checks", "all_checks_passed", "skipped", "peak_staging_bytes", "wall_seconds",
             "load_average_before")
     out = {k: row[k] for k in keep if k in row}
-    out.update({k: v for k, v in row.items() if k.startswith(("speedup_", "engine_speedup_", "time_over", "engine_time"))})
+    out.update({k: v for k, v in row.items()
+                if k.startswith(("speedup_", "engine_speedup_", "time_over", "engine_time", "at_floor_"))})
     out["errors"] = {m: e.strip().splitlines()[-1] for m, e in row.get("errors", {}).items()}
     floor = row["floor"]
     out["bytes"] = dict(moved=floor["recv_bytes_total"], kept=floor["retained_bytes_total"])
@@ -77,7 +83,8 @@ def compact(row: dict) -> dict:
     hot = row["methods"].get("hot_switch")
     if hot:
         out["hot_switch"] = {k: hot[k] for k in ("plan_seconds", "rebuild_seconds", "engine_seconds", "release_seconds",
-                                                 "in_place_bytes", "p2p_direct_bytes", "old_freed_bytes") if k in hot}
+                                                 "in_place_bytes", "p2p_direct_bytes", "old_freed_bytes",
+                                                 "need_bytes", "recycled_bytes") if k in hot}
         out["hot_switch"]["rebuild_steps"] = {k.strip("_"): round(v, 4) for k, v in hot["steps"].items()
                                               if k != "execute_switch"}
     out["peak_rss_sum"] = {m: r["peak_rss_sum"] for m, r in row["methods"].items() if "peak_rss_sum" in r}
@@ -101,7 +108,8 @@ def geomean(values: list[float]) -> float | None:
 
 
 def geomeans(rows: list[dict]) -> dict:
-    keys = list(GOALS) + ["engine_" + k for k in GOALS] + ["peak_staging_bytes"]
+    keys = (list(GOALS) + ["engine_" + k for k in GOALS] + ["at_floor_" + k for k in BASELINES.values()]
+            + ["peak_staging_bytes"])
     out: dict = {}
     for key in keys:
         values = [r[key] for r in rows if r.get(key)]
@@ -111,11 +119,18 @@ def geomeans(rows: list[dict]) -> dict:
 
 
 def goals(means: dict) -> dict:
+    """Each goal, its value and whether it is met; for a speedup, also what a switch running exactly
+    at the floor would reach (``at_floor``): a goal above that asks for more than this machine's
+    links and memory copies give, unless the switch keeps state in place (which the floor counts
+    as copied)."""
     out = {}
     for key, (goal, better) in GOALS.items():
         value = means.get(key)
         met = value is not None and (value >= goal if better == "higher" else value <= goal)
         out[key] = dict(goal=goal, better=better, value=value, met=met)
+        if "at_floor_" + key in means:
+            bound = means["at_floor_" + key]
+            out[key].update(at_floor=bound, reachable_at_floor=bound is not None and bound >= goal)
     return out
 
 
@@ -158,6 +173,11 @@ def table(rows: list[dict], means: dict) -> str:
         f"{_x(means['engine_speedup_vs_dcp']):>6} {_x(means['engine_speedup_vs_megatron_ckpt']):>6} "
         f"{_x(means['engine_speedup_vs_restart']):>6} {_x(means['engine_speedup_vs_allgather']):>6} "
         f"{_s(means['engine_time_over_floor']):>6}")
+    lines.append(
+        f"{'geomean (a switch exactly at the floor)':<40} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} {'':>7} "
+        f"{'':>7} {'':>7} {'':>7} {_x(means['at_floor_speedup_vs_dcp']):>6} "
+        f"{_x(means['at_floor_speedup_vs_megatron_ckpt']):>6} {_x(means['at_floor_speedup_vs_restart']):>6} "
+        f"{_x(means['at_floor_speedup_vs_allgather']):>6} {_s(1.0):>6}")
     return "\n".join(lines)
 
 
@@ -179,9 +199,14 @@ def profile(rows: list[dict]) -> str:
                          f"{h['release_seconds']:.3f} (+ waiting for the slowest rank); recv {h['recv_bytes'] / GB:.2f} GB, kept "
                          f"{h['retained_bytes'] / GB:.2f} GB ({h.get('in_place_bytes', 0) / GB:.2f} GB of it in place), "
                          f"{h.get('p2p_direct_bytes', 0) / GB:.2f} GB of p2p straight from/into storage, old state freed "
-                         f"during the switch {h.get('old_freed_bytes', 0) / GB:.2f} GB, peak staging "
+                         f"during the switch {h.get('old_freed_bytes', 0) / GB:.2f} GB (new state written into "
+                         f"{h.get('recycled_bytes', 0) / GB:.2f} GB of it), peak staging "
                          f"{h['peak_staging_bytes'] / 2**20:.0f} MiB")
             lines.append("      rebuild + engine steps: " + _steps(h["steps"]))
+            if h.get("need_bytes") is not None and "rss_before_sum" in h:
+                lines.append(f"      memory beyond the state at the start, sum over ranks: measured peak "
+                             f"{(h['peak_rss_sum'] - h['rss_before_sum']) / GB:.2f} GB, checked bound "
+                             f"{h['need_bytes'] / GB:.2f} GB (memory_check.switch_need_bytes)")
         for name in ("dcp", "megatron", "allgather"):
             if name in m:
                 lines.append(f"      {name}'s rebuild steps: " + _steps(m[name]["steps"]))

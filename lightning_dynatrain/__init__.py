@@ -28,6 +28,7 @@ _EXPORTS = {
     "StdlibBytes": "lightning_dynatrain.data.stdlib_text",
     "StdlibTextDataModule": "lightning_dynatrain.data.datamodule",
     "ParallelConfig": "lightning_dynatrain.vps.layout",
+    "SwitchMemoryError": "lightning_dynatrain.megatron.memory_check",
 }
 _STRATEGY_MODULE = "lightning_dynatrain.strategy.dynatrain"  # registers the strategy at its end
 

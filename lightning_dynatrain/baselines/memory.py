@@ -12,23 +12,16 @@ no model needs to be built to know it.
 
 from __future__ import annotations
 
-from lightning_dynatrain.engine.memory_plan import switch_peak_bytes
-from lightning_dynatrain.engine.store import RegionIndex, local_numel
+from lightning_dynatrain.megatron.memory_check import (
+    host_available_bytes,
+    local_numels,
+    proc_field_bytes,
+    switch_need_bytes,
+)
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.mapping import rank_regions
-from lightning_dynatrain.vps.planner import plan_rank_cached
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 GiB = 2**30
-
-
-def local_numels(spec: ModelSpec, layout: ParallelConfig, rank: int,
-                 precision: Precision = Precision.FP32) -> dict[StateKind, int]:
-    """Elements of each state kind the rank stores (padding rows included)."""
-    out: dict[StateKind, int] = {kind: 0 for kind, _ in precision.kinds}
-    for key, region in RegionIndex(rank_regions(spec, layout, rank, precision)).local_tensors().items():
-        out[key[1]] += local_numel(region)
-    return out
 
 
 def state_bytes(spec: ModelSpec, layout: ParallelConfig, rank: int, precision: Precision = Precision.FP32) -> int:
@@ -42,29 +35,14 @@ def world_state_bytes(spec: ModelSpec, layout: ParallelConfig) -> int:
 
 
 def hot_switch_extra_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, staging_bytes: int,
-                           gpus_per_node: int = 8) -> int:
-    """Memory a megatron hot switch needs beyond the state at ``src`` (fp32, world total, upper bound).
+                           gpus_per_node: int = 8, recycle: bool = True) -> int:
+    """Memory a megatron hot switch needs beyond the state at ``src`` (fp32, world total, upper bound):
+    every rank's ``switch_need_bytes`` (what the switch itself checks), added as if all came at once.
+    ``recycle``: the switch's ``StorageRecycler`` may hold up to ``staging_bytes`` of old storage."""
+    return sum(switch_need_bytes(spec, src, dst, rank, precision=Precision.FP32, staging_bytes=staging_bytes,
+                                 recycler_idle_bytes=staging_bytes if recycle else 0, gpus_per_node=gpus_per_node)
+               for rank in range(max(src.world_size, dst.world_size)))
 
-    The old gradient buffers go first and the new model's buffers take their place (gradients;
-    params too under zero1, where DDP allocates a zeroed flat param buffer); then the engine takes
-    and gives back memory as ``switch_peak_bytes`` replays from each rank's plan (old zero1 params,
-    views into one buffer, give nothing back until the end); plus every rank's staging budget.
-    Each rank's peak is added as if all came at once.
-    """
-    world = max(src.world_size, dst.world_size)
-    kinds = {kind: 4 for kind in StateKind}
-    engine = 0
-    for rank in range(world):
-        plan = plan_rank_cached(spec, src, dst, rank, Precision.FP32, gpus_per_node)
-        src_regions = rank_regions(spec, src, rank) if rank < src.world_size else {}
-        dst_regions = rank_regions(spec, dst, rank) if rank < dst.world_size else {}
-        engine += switch_peak_bytes(plan, src_regions, dst_regions, itemsizes=kinds, staging_budget=staging_bytes,
-                                    shared_source_kinds=[StateKind.PARAM] if src.zero else [],
-                                    preallocated_kinds=[StateKind.PARAM] if dst.zero else [])
-    params = [4 * sum(local_numels(spec, layout, r)[StateKind.PARAM] for r in range(layout.world_size))
-              for layout in (src, dst)]
-    buffers = max(0, params[1] * (2 if dst.zero else 1) - params[0])  # gradients are as big as params
-    return buffers + engine + dst.world_size * staging_bytes
 
 def unsharded_optimizer_bytes(spec: ModelSpec, layout: ParallelConfig, *, dp_rank0_only: bool = False) -> int:
     """Megatron's ``fully_reshardable`` format materialises param + both moments of every local
@@ -90,17 +68,8 @@ def trim_heap() -> None:
         pass
 
 
-def _proc_kib(path: str, field: str) -> int | None:
-    """Bytes of a ``Field:  N kB`` line of a ``/proc`` file, or ``None`` without that line."""
-    with open(path) as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
 def mem_available() -> int:
-    found = _proc_kib("/proc/meminfo", "MemAvailable")
+    found = host_available_bytes()
     if found is None:
         raise RuntimeError("no MemAvailable in /proc/meminfo")
     return found
@@ -115,11 +84,11 @@ def reset_peak_rss() -> None:
 
 
 def peak_rss() -> int:
-    return _proc_kib("/proc/self/status", "VmHWM") or 0
+    return proc_field_bytes("/proc/self/status", "VmHWM") or 0
 
 
 def rss() -> int:
-    return _proc_kib("/proc/self/status", "VmRSS") or 0
+    return proc_field_bytes("/proc/self/status", "VmRSS") or 0
 
 
 def fmt_gb(nbytes: float) -> str:

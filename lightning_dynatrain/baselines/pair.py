@@ -166,6 +166,7 @@ class PairBench:
     def switch(self, target: ParallelConfig):
         return hot_switch(self.state, target, shape=self.setup.shape, seed=self.setup.seed,
                           staging_budget=self.setup.staging_budget, optimizer_kwargs=self.setup.optimizer,
+                          recycle=self.setup.recycle,
                           spec=self.spec, gpus_per_node=self.cfg.gpus_per_node, groups=self.groups)
 
     # ---------------------------------------------------------------- set up
@@ -192,7 +193,7 @@ class PairBench:
         """Bring the state back to A: hot switch back when it fits, else rebuild A (deterministic)."""
         how = "hot_switch_back"
         back = hot_switch_extra_bytes(self.spec, self.dst, self.src, parse_bytes(self.setup.staging_budget),
-                                      self.cfg.gpus_per_node)
+                                      self.cfg.gpus_per_node, recycle=self.setup.recycle)
         if self.fits(back, "the switch back") is None:
             t0 = self.timed_barrier()
             result = self.switch(self.src)
@@ -221,6 +222,7 @@ class PairBench:
         t1 = time.perf_counter()
         self.state = result.state  # the old state had no other reference: it goes now
         report, rebuild, inner, freed = result.report, result.rebuild_seconds, result.seconds, result.old_freed_bytes
+        need, recycled = result.need_bytes, result.recycled_bytes
         del result
         gc.collect()
         t2 = time.perf_counter()
@@ -229,13 +231,14 @@ class PairBench:
         total, switch_s, release, engine, rebuild_max, prep_max, peak = _max(
             t3 - t0, t1 - t0, t2 - t1, report.total_seconds, rebuild, prep, report.peak_staging_bytes)
         phases = _max(*report.seconds.values())
-        recv, retained, in_place, direct, freed = _sum(report.recv_bytes, report.retained_bytes, report.in_place.bytes,
-                                                       report.p2p_direct.bytes, freed)
+        recv, retained, in_place, direct, freed, need, recycled = _sum(
+            report.recv_bytes, report.retained_bytes, report.in_place.bytes, report.p2p_direct.bytes, freed,
+            need or 0, recycled)
         return dict(seconds=total, switch_seconds=switch_s, release_seconds=release, engine_seconds=engine,
                     rebuild_seconds=rebuild_max, plan_seconds=prep_max, steps=self.slowest_steps(steps),
                     phases=dict(zip(report.seconds, phases)), recv_bytes=int(recv), retained_bytes=int(retained),
                     in_place_bytes=int(in_place), p2p_direct_bytes=int(direct), old_freed_bytes=int(freed),
-                    peak_staging_bytes=int(peak))
+                    peak_staging_bytes=int(peak), need_bytes=int(need), recycled_bytes=int(recycled))
 
     def slowest_steps(self, steps: dict[str, float]) -> dict[str, float]:
         """Seconds per profiled step (``profile.STEPS``), slowest rank; collective."""
@@ -319,7 +322,7 @@ class PairBench:
         world = self.src.world_size
         if method == "hot_switch":
             return (hot_switch_extra_bytes(self.spec, self.src, self.dst, parse_bytes(self.setup.staging_budget),
-                                           self.cfg.gpus_per_node),
+                                           self.cfg.gpus_per_node, recycle=self.setup.recycle),
                     "the new buffers and the switch's peak (the old state is freed as it is read)")
         if method == "allgather":
             return b + world * (world + 2) * CHUNK_ELEMENTS * 4, "the new state beside the old"
@@ -339,6 +342,7 @@ class PairBench:
         if (reason := self.fits(need, what)) is not None:
             self.out["skipped"][method] = reason
             return
+        before = rss()
         reset_peak_rss()
         try:
             record = getattr(self, method)()
@@ -347,6 +351,7 @@ class PairBench:
             self.recover(method)
             return
         record["peak_rss"] = peak_rss()
+        record["rss_before"] = before
         self.out["methods"][method] = record
         trim_heap()  # outside the timed window: every method starts from a trimmed heap
         self.check(method)

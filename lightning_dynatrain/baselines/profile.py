@@ -1,6 +1,7 @@
 """Where a hot switch's rebuild time goes: time the steps ``hot_switch`` calls, without changing it.
 
-``hot_switch`` rebuilds the new layout's megatron objects between its plan and the engine:
+``hot_switch`` checks memory (``switch_need_bytes``, ``check_switch_memory``) and rebuilds the new
+layout's megatron objects between its plan and the engine:
 ``initialize_for_layout`` (process groups), ``build_gpt_model`` (parameters, no init),
 ``build_ddp_and_optimizer`` (DDP's contiguous buffers, the optimizer, an all_gather_object),
 ``materialize_adam_state`` (moments: uninitialised for the switch, zeroed for the checkpoint
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 from functools import wraps
 from types import ModuleType
 
-STEPS = ("plan_rank_cached", "initialize_for_layout", "build_gpt_model", "build_ddp_and_optimizer",
+STEPS = ("plan_rank_cached", "switch_need_bytes", "check_switch_memory", "initialize_for_layout", "build_gpt_model", "build_ddp_and_optimizer",
          "materialize_adam_state", "megatron_store", "megatron_adopter", "execute_switch")
 
 

@@ -44,6 +44,8 @@ class BenchSetup:
     """Tokens per sequence of that step (the model's ``seq_length`` is only its maximum)."""
     staging_budget: str = "256MiB"
     """The hot switch's staging budget."""
+    recycle: bool = True
+    """Whether the hot switch writes new state into old storages (``engine.recycling``)."""
 
     @cached_property
     def spec(self) -> ModelSpec:

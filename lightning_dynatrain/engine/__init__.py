@@ -8,7 +8,8 @@ Files, one concept each: ``store`` (local tensors and box views), ``schedule`` (
 ``staging`` (byte budget and stages), ``packing`` (pack/unpack), ``adoption`` (tensors kept in
 place), ``collectives`` (broadcast promotion and link costs), ``preflight`` (checks agreed before
 anything moves), ``report`` (``SwitchReport``), ``engine`` (``execute_switch``), ``memory_plan``
-(the memory a switch takes, replayed from the plan).
+(the memory a switch takes, replayed from the plan), ``recycling`` (new state carved out of old
+storages, for CPU memory).
 """
 
 from lightning_dynatrain.engine.collectives import (
@@ -28,6 +29,7 @@ from lightning_dynatrain.engine.errors import (
     SwitchAbortedError,
 )
 from lightning_dynatrain.engine.memory_plan import switch_peak_bytes
+from lightning_dynatrain.engine.recycling import StorageRecycler
 from lightning_dynatrain.engine.report import PrimitiveStats, SwitchReport
 from lightning_dynatrain.engine.schedule import Step, active_steps, next_pow2, xor_schedule
 from lightning_dynatrain.engine.staging import format_bytes, parse_bytes, plan_stages, split_box
@@ -37,6 +39,7 @@ __all__ = [
     "Adopter",
     "DIRECT_MIN_BYTES",
     "adoptable_keys",
+    "StorageRecycler",
     "switch_peak_bytes",
     "Allocator",
     "BroadcastJob",

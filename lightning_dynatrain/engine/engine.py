@@ -81,6 +81,7 @@ def execute_switch(
     allocate: Allocator | None = None,
     *,
     adopt: Adopter | None = None,
+    adopt_views: bool = False,
     release: Callable[[StoreKey, torch.Tensor], None] | None = None,
     staging_budget: int | str,
     direct_min_bytes: int | None = DIRECT_MIN_BYTES,
@@ -102,7 +103,12 @@ def execute_switch(
         adopt: ``adopt(key, source_tensor) -> bool`` makes a destination local tensor that the plan
             retains whole, at the same local layout, *be* the source tensor (no copy, no allocation);
             ``False`` declines and the engine allocates and copies. Default: without ``allocate`` the
-            engine's store takes such tensors over; with ``allocate``, nothing is adopted.
+            engine's store takes such tensors over; with ``allocate``, nothing is adopted. A source
+            tensor that is a view into a storage shared with others is offered only when every
+            tensor in that storage can be kept, or with ``adopt_views``.
+        adopt_views: offer views into shared storages to ``adopt`` as well; the caller then gives
+            back the memory of the other tensors in such a storage as they are released (e.g.
+            ``OldStateMemory.kept``), or it stays alive with the kept tensor.
         release: ``release(key, source_tensor)`` is called once the switch no longer needs a source
             tensor (after its last read; at once for one nothing reads), never for one kept in place:
             where other objects still hold the old tensors (a megatron model), this is where their
@@ -139,7 +145,7 @@ def execute_switch(
         if adopt is None and allocate is None:
             adopt = take_over
         run = _Switch(plan, source_store, comm, allocate, rec, agreement, src_index, dst_index, adopt,
-                      direct_min_bytes, release)
+                      direct_min_bytes, release, adopt_views)
         if broadcasts.jobs:
             subgroups.ensure(broadcasts.member_sets(), comm)  # type: ignore[union-attr]
         promoted = broadcasts.promoted(plan.rank)
@@ -215,7 +221,7 @@ class _Switch:
     def __init__(self, plan: RankPlan, source: LocalStore, comm: GroupComm, allocate: Allocator | None,
                  rec: SwitchRecorder, agreement: Agreement, src: RegionIndex, dst: RegionIndex,
                  adopt: Adopter | None, direct_min: int | None,
-                 release: Callable[[StoreKey, torch.Tensor], None] | None) -> None:
+                 release: Callable[[StoreKey, torch.Tensor], None] | None, adopt_views: bool = False) -> None:
         self.plan = plan
         self.source: MutableMapping[StoreKey, torch.Tensor] = source
         self.comm = comm
@@ -232,6 +238,11 @@ class _Switch:
         self.release = release
         self.adoptable = adoptable_keys(plan.retains, src, dst) if adopt is not None else frozenset()
         self.adopted: set[StoreKey] = set()
+        self.adopt_views = adopt_views
+        self._sharing: dict[int, set[StoreKey]] = {}  # storage -> every source key in it, before any is dropped
+        if self.adoptable:
+            for key, tensor in source.items():
+                self._sharing.setdefault(tensor.untyped_storage().data_ptr(), set()).add(key)
 
     def itemsize(self, kind: StateKind) -> int:
         return self.agreement.dtypes[kind].itemsize
@@ -296,28 +307,39 @@ class _Switch:
         if key not in self.adoptable or key in self.dest:
             return False
         tensor = self.source[key]
-        if not owns_storage(tensor) or not self.adopt(key, tensor):  # type: ignore[misc]
+        if not self._storage_kept_whole(tensor) or not self.adopt(key, tensor):  # type: ignore[misc]
             return False
         self.dest[key] = tensor
         self.adopted.add(key)
         return True
+
+    def _storage_kept_whole(self, tensor: torch.Tensor) -> bool:
+        """Keeping ``tensor`` keeps its whole storage alive: only when it is all of it, or when every
+        source tensor in that storage can be kept in place too (e.g. tensors a previous switch
+        carved out of one recycled storage), so no part of an old buffer stays alive unused."""
+        if owns_storage(tensor):
+            return True
+        if not tensor.is_contiguous():
+            return False
+        return self.adopt_views or self._sharing.get(tensor.untyped_storage().data_ptr(), {None}) <= self.adoptable
 
     def retain(self, t: Transfer) -> None:
         src_region = self.src.find(t.tensor, t.kind, t.box)
         dst_region = self.dst.find(t.tensor, t.kind, t.box)
         pieces = list(box_pieces(t.tensor, t.kind, dst_region, t.box))
         itemsize = self.itemsize(t.kind)
-        copied = [(key, sub) for key, sub in pieces if not self._kept_in_place(key)]
-        for key, _ in copied:  # allocate outside the copy timer
-            self.write(key)
-        with self.rec.phase("copy", sync=False):
-            for key, sub in copied:
-                box_view(self.write(key), dst_region, sub).copy_(box_view(self.read(key), src_region, sub))
-        copied_bytes = sum(sub.numel for _, sub in copied) * itemsize
+        copied = copied_bytes = 0
+        for key, sub in pieces:  # piece by piece: each old local tensor goes as soon as it is copied
+            if not self._kept_in_place(key):
+                dest = self.write(key)  # allocated outside the copy timer
+                with self.rec.phase("copy", sync=False):
+                    box_view(dest, dst_region, sub).copy_(box_view(self.read(key), src_region, sub))
+                copied += 1
+                copied_bytes += sub.numel * itemsize
+            self.done_reading([key])
         self.rec.retained += t.box.numel * itemsize
-        self.rec.primitive("local_copy", len(copied), copied_bytes)
-        self.rec.primitive("in_place", len(pieces) - len(copied), t.box.numel * itemsize - copied_bytes)
-        self.done_reading([key for key, _ in pieces])
+        self.rec.primitive("local_copy", copied, copied_bytes)
+        self.rec.primitive("in_place", len(pieces) - copied, t.box.numel * itemsize - copied_bytes)
 
     def fill(self, t: Transfer) -> None:
         """Zero a destination box no source holds (vocabulary padding only the new layout has)."""

@@ -2,20 +2,27 @@
 
 On every rank, between two optimizer steps:
 
-1. plan this rank's sends, receives and retains (``vps.planner``: pure, no communication);
+1. plan this rank's sends, receives and retains (``vps.planner``: pure, no communication), and
+   check that every rank's memory can take the switch (``memory_check``: one small all-gather; a
+   switch that does not fit raises ``SwitchMemoryError`` on every rank, with nothing moved);
 2. re-initialise megatron's process groups for the new layout (``parallel_state_adapter``);
 3. build the new layout's model, DDP buffers and optimizer *without* initialising weights, and give
    the optimizer uninitialised Adam state at the current step (``torch.empty``: the plan writes
    every element, vocabulary padding rows only the new layout has included);
 4. let the engine move every box from the old model/optimizer tensors into the new ones
    (``engine.execute_switch``): a local tensor retained whole at the same local layout is kept in
-   place (the new parameter or Adam state is rebound to the old tensor, ``megatron_adopter``),
+   place (the new parameter or Adam state is rebound to the old tensor, ``megatron_adopter``; when
+   that tensor shares its storage with others, the rest of the storage is given back as the engine
+   releases it, ``OldStateMemory.kept``),
    other retained boxes are copied locally, the rest exchanged pairwise;
 5. drop the old model and optimizer.
 
 Memory: the old gradient buffers are freed before the new model is built (``old_state.py``), and
 each old tensor's storage as soon as the engine has read it for the last time, while the new
-tensors (allocated untouched) take memory as they are written. So old and new state overlap only
+tensors (allocated untouched) take memory as they are written. On CPU the storages the engine is
+done with are not handed back to the OS but carved into the new params and moments that come next
+(``engine.recycling``): new state is written into memory the old state already touched, which
+saves faulting in (and the kernel zeroing) fresh pages. So old and new state overlap only
 as far as the plan's order makes them; the engine's staging budget bounds what comes on top. A
 switch refused before anything moved (a bad budget, on every rank) leaves the old state whole.
 """
@@ -30,8 +37,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.engine.engine import execute_switch
+from lightning_dynatrain.engine.recycling import StorageRecycler, state_group
 from lightning_dynatrain.engine.report import SwitchReport
+from lightning_dynatrain.engine.staging import parse_bytes
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
+from lightning_dynatrain.megatron.memory_check import check_switch_memory, switch_need_bytes
 from lightning_dynatrain.megatron.old_state import OldStateMemory
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
@@ -68,6 +78,11 @@ class HotSwitchResult:
     old_freed_bytes: int
     """Memory of the old state given back during the switch (gradient buffers, then each storage
     the engine was done with); what the new layout kept in place is in ``report.in_place``."""
+    recycled_bytes: int = 0
+    """New state written into old storages instead of fresh memory (``engine.recycling``)."""
+    need_bytes: int | None = None
+    """The bound on this rank's extra memory the switch was checked against (``memory_check``);
+    ``None`` when it was not checked."""
 
 
 def hot_switch(
@@ -82,13 +97,20 @@ def hot_switch(
     gpus_per_node: int = 8,
     group: dist.ProcessGroup | None = None,
     groups: ProcessGroupCache | None = None,
+    check_memory: bool = True,
+    memory_limit: int | str | None = None,
+    recycle: bool | None = None,
 ) -> HotSwitchResult:
     """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over the world.
 
     ``optimizer_kwargs`` are ``build_ddp_and_optimizer``'s keyword arguments (lr, weight decay,
     betas, ...): the new optimizer must be configured like the old one. ``groups`` keeps megatron's
     process groups across layouts (``ProcessGroupCache``): none is torn down, a layout seen before
-    costs no group creation.
+    costs no group creation. ``check_memory`` checks first that the switch fits in every rank's
+    memory (``memory_check``), and ``memory_limit`` caps what one rank's switch may take beyond its
+    state; either failing raises ``SwitchMemoryError`` on every rank before anything is freed.
+    ``recycle`` (default: on CPU) writes new params and moments into old storages the engine is
+    done with (``engine.recycling``) instead of fresh memory.
     """
     start = time.perf_counter()
     spec = spec or logical_spec(shape)
@@ -100,23 +122,47 @@ def hot_switch(
     if step == 0:
         materialize_adam_state(current.optimizer, 0)
     source = megatron_store(current.ddp, current.optimizer, spec, src, rank)
-    old_memory = OldStateMemory(current.ddp, source)
+    device = next(current.ddp.module.parameters()).device
+    if recycle is None:
+        recycle = device.type == "cpu"  # an accelerator's caching allocator reuses memory by itself
+    recycler = StorageRecycler(idle_cap=parse_bytes(staging_budget)) if recycle else None
+    old_memory = OldStateMemory(current.ddp, source, recycler)
+    need = None
+    if check_memory or memory_limit is not None:
+        need = switch_need_bytes(spec, src, target, rank, precision=precision, gpus_per_node=gpus_per_node,
+                                 staging_bytes=parse_bytes(staging_budget), old_grad_bytes=old_memory.gradient_bytes,
+                                 recycler_idle_bytes=recycler.idle_cap if recycler is not None else 0)
+        check_switch_memory(need, device=device, what=f"{src} -> {target}",
+                            limit_bytes=None if memory_limit is None else parse_bytes(memory_limit), group=group,
+                            read_free=check_memory)
     old_memory.free_gradients()  # before the new buffers are allocated: they take their place
     try:
         t0 = time.perf_counter()
         initialize_for_layout(target, seed=seed, groups=groups)
         old_param = next(current.ddp.module.parameters())
         model = build_gpt_model(shape, target, seed=seed, params_dtype=old_param.dtype, initialize=False)
-        if old_param.device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
-            model = model.to(old_param.device)
+        if device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
+            model = model.to(device)
         ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
         materialize_adam_state(optimizer, step, zero=False)
         dest = megatron_store(ddp, optimizer, spec, target, rank)
         rebuild = time.perf_counter() - t0
 
-        def allocate(key, numel, dtype):  # the new model's own storage: filled in place
+        rebind = megatron_adopter(ddp, optimizer, spec, target, rank)
+
+        def adopt(key, tensor):  # kept in place: the old storage stays, minus what nobody keeps
+            if not rebind(key, tensor):
+                return False
+            old_memory.kept(key, tensor)
+            return True
+
+        def allocate(key, numel, dtype):  # an old storage the engine is done with, or the new model's own
             tensor = dest[key]
             assert tensor.numel() == numel and tensor.dtype == dtype, (key, tensor.shape, numel, dtype)
+            if recycler is not None and rebind.can_rebind(key):
+                carved = recycler.take(key, numel, dtype, state_group(key[1]))
+                if carved is not None and rebind(key, carved):
+                    return carved
             return tensor
 
         _, report = execute_switch(
@@ -125,12 +171,15 @@ def hot_switch(
             rank_regions(spec, src, rank, precision),
             rank_regions(spec, target, rank, precision),
             allocate,
-            adopt=megatron_adopter(ddp, optimizer, spec, target, rank),
+            adopt=adopt,
+            adopt_views=old_memory.gives_pages_back,
             release=old_memory.release,
             staging_budget=staging_budget,
             group=group,
             gpus_per_node=gpus_per_node,
         )
+        if recycler is not None:
+            recycler.close(rebind)
     except BaseException:
         if not old_memory.started:  # refused before anything moved: training can go on at ``src``
             old_memory.restore_gradients()
@@ -142,5 +191,7 @@ def hot_switch(
         rebuild_seconds=rebuild,
         seconds=time.perf_counter() - start,
         old_freed_bytes=old_memory.freed_bytes,
+        need_bytes=need,
+        recycled_bytes=recycler.reused_bytes if recycler is not None else 0,
     )
 

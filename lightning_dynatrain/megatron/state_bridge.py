@@ -122,7 +122,7 @@ def _tensor_of(view, kind: StateKind) -> torch.Tensor | None:
 
 
 def megatron_adopter(ddp_model: torch.nn.Module, optimizer: MegatronOptimizer, spec: ModelSpec,
-                     layout: ParallelConfig, rank: int):
+                     layout: ParallelConfig, rank: int) -> "MegatronRebinder":
     """An ``Adopter`` for the engine: rebinds a new model's tensor to a retained source tensor.
 
     A parameter, or an fp32 main param, takes the tensor as its ``.data`` when it owns its storage
@@ -130,20 +130,42 @@ def megatron_adopter(ddp_model: torch.nn.Module, optimizer: MegatronOptimizer, s
     a view into that buffer cannot be rebound); an Adam moment is replaced in the optimizer's state
     dict. Anything else declines and is copied into.
     """
-    _, targets = _local_views(ddp_model, optimizer, spec, layout, rank)
+    return MegatronRebinder(_local_views(ddp_model, optimizer, spec, layout, rank)[1])
 
-    def adopt(key: StoreKey, tensor: torch.Tensor) -> bool:
-        view, kind = targets[key]
+
+class MegatronRebinder:
+    """Points a new model's parameter, fp32 main param or Adam moment at a given tensor (an ``Adopter``).
+
+    ``rebinder(key, tensor) -> bool`` rebinds, or declines where megatron's tensor cannot be
+    replaced (``can_rebind``): a parameter or main param that is a view into DDP's flat buffer."""
+
+    def __init__(self, targets: dict) -> None:
+        self._targets = targets
+        self._rebindable: dict[StoreKey, bool] = {}  # decided on the model as built, before any rebinding
+
+    def can_rebind(self, key: StoreKey) -> bool:
+        found = self._rebindable.get(key)
+        if found is None:
+            view, kind = self._targets[key]
+            if _tensor_of(view, kind) is None:
+                found = False
+            elif kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+                found = True
+            else:  # not a view into megatron's flat buffer (distributed optimizer)
+                found = owns_storage((view.param if kind is StateKind.PARAM else view.main_param).data)
+            self._rebindable[key] = found
+        return found
+
+    def __call__(self, key: StoreKey, tensor: torch.Tensor) -> bool:
+        if not self.can_rebind(key):
+            return False
+        view, kind = self._targets[key]
         current = _tensor_of(view, kind)
-        if current is None or current.numel() != tensor.numel() or current.dtype != tensor.dtype:
+        if current.numel() != tensor.numel() or current.dtype != tensor.dtype:
             return False
         if kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
             view.state[kind.value] = tensor.view(current.shape)
-            return True
-        owner = view.param if kind is StateKind.PARAM else view.main_param
-        if not owns_storage(owner.data):  # a view into megatron's flat buffer (distributed optimizer)
-            return False
-        owner.data = tensor.view(current.shape)
+        else:
+            owner = view.param if kind is StateKind.PARAM else view.main_param
+            owner.data = tensor.view(current.shape)
         return True
-
-    return adopt

@@ -87,6 +87,9 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         layout: the starting layout, e.g. ``"dp2-tp2-pp1"`` or a ``ParallelConfig``; ``"auto"`` is pure
             data parallelism over every process (``dp{world}-tp1-pp1``).
         staging_budget: bytes of in-flight buffers a switch may use (``"256MiB"``, an int, ...).
+        switch_memory_limit: at most this many bytes a switch may take on one rank beyond the state
+            (``"4GiB"``, an int, ...); ``None``: no limit of its own. Either way every switch first
+            checks that it fits in each host's (or device's) free memory.
         backend: process-group backend; ``None`` picks nccl on CUDA devices and gloo otherwise.
         verify: after each switch, gather and compare the full logical state (slow; for tests).
         timeout: timeout of collectives (``init_process_group``).
@@ -98,7 +101,9 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
     Raises:
         LayoutError: ``layout`` cannot be parsed (at construction) or does not fit the world or the
             model (at ``setup_environment`` / ``configure_model``).
-        StagingBudgetError: ``staging_budget`` is not a byte count.
+        StagingBudgetError: ``staging_budget`` or ``switch_memory_limit`` is not a byte count.
+        SwitchMemoryError: (at a switch) it would not fit in memory, or exceed ``switch_memory_limit``;
+            nothing was moved and training can go on at the old layout.
     """
 
     strategy_name = "dynatrain"
@@ -108,6 +113,7 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         layout: str | ParallelConfig = "auto",
         *,
         staging_budget: int | str = "256MiB",
+        switch_memory_limit: int | str | None = None,
         backend: str | None = None,
         verify: bool = False,
         timeout: timedelta = timedelta(minutes=30),
@@ -122,6 +128,7 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         self._requested_layout: ParallelConfig | Literal["auto"] = (
             "auto" if isinstance(layout, str) and layout.strip().lower() == "auto" else ParallelConfig.parse(layout))
         self.staging_budget = _parse_budget(staging_budget)
+        self.switch_memory_limit = None if switch_memory_limit is None else _parse_budget(switch_memory_limit)
         self.verify = verify
         self.seed = seed
         self.num_nodes = 1

@@ -45,6 +45,7 @@ class LayoutSwitching:
     _groups: "ProcessGroupCache | None"
     switch_history: list[ReconfigReport]
     staging_budget: int
+    switch_memory_limit: int | None
     world_size: int
     is_global_zero: bool
     layout: ParallelConfig
@@ -129,7 +130,7 @@ class LayoutSwitching:
         before = self._fingerprint(current) if self.verify else None
         result = hot_switch(current, target, shape=self.recipe.shape, seed=self.recipe.seed,
                             staging_budget=self.staging_budget, optimizer_kwargs=optimizer_kwargs(self._adam),
-                            groups=self._groups)
+                            groups=self._groups, memory_limit=self.switch_memory_limit)
         del current, old
         if before is not None:
             after = self._fingerprint(result.state)

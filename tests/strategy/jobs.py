@@ -6,6 +6,7 @@ sets up and tears down megatron's groups; the gloo WORLD belongs to the harness 
 1. loss parity: 5 steps at each of ``PARITY_LAYOUTS`` from the same seed and the same global batches;
 2. resume: 3 steps at dp2-pp2-zero1 with a checkpoint, then a resumed fit to step 5;
 3. schedule validation: a bad layout at step 5000 and a layout of another world size, both refused at setup;
+   a scheduled switch over ``switch_memory_limit``, refused when it comes, before anything moved;
 4. switching: 30 steps with real hot switches (a request made inside step 2 is deferred to its end,
    schedule entries fire at the step boundary), ``verify=True`` fingerprinting the full logical state
    around each switch, against 30 steps at the first layout without any switch.
@@ -127,6 +128,20 @@ def _validation(results: dict) -> None:
                                       trainer.global_step, module.model is None)
 
 
+def _memory_refusal(results: dict) -> None:
+    """A scheduled switch over ``switch_memory_limit`` stops fit with SwitchMemoryError before anything
+    moved: the strategy still runs the old layout, and its state still trains."""
+    from lightning_dynatrain.callbacks import ScheduledReconfig
+    from lightning_dynatrain.strategy import DynaTrainStrategy
+
+    module = _module()
+    strategy = DynaTrainStrategy("dp2-tp2-pp1", switch_memory_limit=1024)
+    trainer = _trainer(strategy, STEPS, callbacks=[ScheduledReconfig({2: "dp4-tp1-pp1"})])
+    kind, text = _error_of(lambda: trainer.fit(module, datamodule=_data()))
+    results["memory_refusal"] = dict(kind=kind, text=text, global_step=trainer.global_step, layout=str(strategy.layout),
+                                     history=len(strategy.switch_history), losses=[l for _, l in module.losses])
+
+
 def _switching(results: dict, tmp: Path) -> None:
     """Real hot switches inside fit (``verify=True`` fingerprints the logical state around each), and
     the same training at the first layout without switches, for the loss comparison."""
@@ -190,6 +205,7 @@ def _world4_job(rank: int, world_size: int, tmp: str) -> dict:
     results: dict = {}
     _parity(results)
     _validation(results)
+    _memory_refusal(results)
     _resume(results, Path(tmp) / "ckpt")
     _switching(results, Path(tmp) / "logs")
     return results

@@ -53,6 +53,10 @@ def test_construction_checks_layout_and_budget() -> None:
         DynaTrainStrategy("dp2-xp2")
     with pytest.raises(StagingBudgetError):
         DynaTrainStrategy("dp2", staging_budget="lots")
+    with pytest.raises(StagingBudgetError):
+        DynaTrainStrategy("dp2", switch_memory_limit="lots")
+    assert DynaTrainStrategy("dp2", switch_memory_limit="4GiB").switch_memory_limit == 4 * 2**30
+    assert DynaTrainStrategy("dp2").switch_memory_limit is None
     assert repr(DynaTrainStrategy()) == "DynaTrainStrategy(layout='auto', staging_budget=268435456)"
 
 

@@ -69,6 +69,17 @@ def test_schedule_refused_at_setup(world4: list[dict], case: str, words: list[st
             assert word in text
 
 
+def test_a_switch_over_the_memory_limit_is_refused_before_anything_moves(world4: list[dict]) -> None:
+    for results in world4:
+        run = results["memory_refusal"]
+        assert run["kind"] == "SwitchMemoryError", run
+        assert "dp2-tp2-pp1 -> dp4-tp1-pp1" in run["text"] and "switch_memory_limit" in run["text"]
+        assert "nothing was moved" in run["text"] and "HINT" in run["text"]
+        assert run["global_step"] == 2 and run["layout"] == "dp2-tp2-pp1" and run["history"] == 0
+        assert len(run["losses"]) == 2
+    assert world4[0]["memory_refusal"]["losses"] == world4[0][("parity", "dp2-tp2-pp1")]["losses"][:2]
+
+
 def test_mid_step_request_is_deferred_and_switches_are_logged(world4: list[dict]) -> None:
     """reconfigure() inside step 2 returns None and runs when the step returns; schedule entries fire at
     the step boundary (a repeated entry is a no-op); every switch's real figures reach the logger."""

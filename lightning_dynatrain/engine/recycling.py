@@ -1,0 +1,183 @@
+"""Writing a switch's new state into memory its old state already touched (for CPU memory).
+
+On CPU, the first write to a fresh tensor faults its pages in and the kernel zeroes each one. Here
+that makes writing new state into fresh memory about twice as slow as writing into touched memory.
+An accelerator's caching allocator reuses freed blocks by itself. PyTorch's CPU allocator hands
+large blocks back to the OS, so ``StorageRecycler`` keeps the storages the switch is done with
+(``give``) and carves new local tensors out of them (``take``).
+
+Rules that keep memory bounded:
+
+- An arena serves one group of state kinds (``"param"`` or ``"moment"``), so a later switch that
+  keeps one arena's tensors in place keeps all of them or none.
+- Requests below ``min_bytes`` are not recycled: the heap serves small tensors without page faults.
+- The arena space nobody has carved from ("idle") never exceeds ``idle_cap`` bytes while fully
+  idle arenas remain: they are freed, oldest first.
+- ``close`` frees arenas never carved from, and gives the unused tail of the others back to the OS
+  (``madvise(MADV_DONTNEED)`` on its whole pages: the carved tensors stay where they are). Where
+  that call is not available, tensors are moved out of arenas left with more than 1/16 of their
+  space unused (a copy into fresh memory, rebound through the callback). Either way no arena
+  outlives the switch holding memory nobody uses.
+
+Example::
+
+    recycler = StorageRecycler(idle_cap=256 * 2**20)
+    recycler.give(old_tensor.untyped_storage(), "moment")   # the engine is done with it
+    new = recycler.take(key, numel, torch.float32, "moment")  # a view into it, or None
+    recycler.close(rebind)                                    # at the end of the switch
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_dynatrain.engine.store import StoreKey
+
+MiB = 2**20
+#: carved tensors start at a multiple of this many bytes (any dtype can view them; cache lines stay whole)
+ALIGNMENT = 64
+
+
+@dataclass(eq=False)
+class _Arena:
+    storage: torch.UntypedStorage
+    group: str
+    used: int = 0
+    carved: list[tuple[StoreKey, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.storage.nbytes()
+
+    @property
+    def room(self) -> int:
+        return self.size - self.used
+
+
+def _free(storage: torch.UntypedStorage) -> None:
+    """Give the memory back now (the old state's tensors that still view it are never read again)."""
+    storage.resize_(0)
+
+
+def _madvise_dontneed() -> Callable[[int, int], int] | None:
+    """libc's ``madvise(addr, length, MADV_DONTNEED)`` (Linux), or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lambda addr, length: fn(addr, length, 4)  # MADV_DONTNEED
+
+
+_DONTNEED = _madvise_dontneed()
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def can_release_pages() -> bool:
+    """Whether ``release_pages`` can give CPU memory back here (Linux ``madvise``)."""
+    return _DONTNEED is not None
+
+
+def release_pages(device: torch.device, start: int, end: int) -> int:
+    """Hand the whole pages between addresses ``start`` and ``end`` of CPU memory back to the OS;
+    the bytes released (0 where not possible). The memory stays mapped: a later write there gets
+    fresh zeroed pages. Only for memory nothing will read again."""
+    if _DONTNEED is None or device.type != "cpu":
+        return 0
+    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    if hi <= lo or _DONTNEED(lo, hi - lo) != 0:
+        return 0
+    return hi - lo
+
+
+def release_tail(storage: torch.UntypedStorage, start: int) -> int:
+    """``release_pages`` of ``storage`` from byte ``start`` to its end."""
+    return release_pages(storage.device, storage.data_ptr() + start, storage.data_ptr() + storage.nbytes())
+
+
+class StorageRecycler:
+    """Old storages given back during one switch, carved into its new local tensors. One per switch."""
+
+    def __init__(self, *, idle_cap: int, min_bytes: int = MiB) -> None:
+        self.idle_cap = idle_cap
+        self.min_bytes = min_bytes
+        self._arenas: dict[str, list[_Arena]] = {}  # per group, oldest first
+        self._idle_order: list[_Arena] = []  # arenas given, oldest first (those carved from are skipped)
+        self.idle_bytes = 0
+        self.given_bytes = 0
+        self.reused_bytes = 0
+        self.tail_released_bytes = 0
+        self.moved_out_bytes = 0
+
+    def give(self, storage: torch.UntypedStorage, group: str) -> None:
+        """Take over an old storage the switch no longer reads."""
+        self.given_bytes += storage.nbytes()
+        if storage.nbytes() < self.min_bytes or storage.device.type != "cpu":
+            _free(storage)
+            return
+        arena = _Arena(storage, group)
+        self._arenas.setdefault(group, []).append(arena)
+        self._idle_order.append(arena)
+        self.idle_bytes += storage.nbytes()
+        while self.idle_bytes > self.idle_cap and self._idle_order:  # free untouched arenas, oldest first
+            oldest = self._idle_order.pop(0)
+            if oldest.used == 0:
+                self._arenas[oldest.group].remove(oldest)
+                self.idle_bytes -= oldest.size
+                _free(oldest.storage)
+
+    def take(self, key: StoreKey, numel: int, dtype: torch.dtype, group: str) -> torch.Tensor | None:
+        """A contiguous ``numel``-element tensor carved from an old storage of ``group``, or ``None``."""
+        nbytes = numel * dtype.itemsize
+        if nbytes < self.min_bytes:
+            return None
+        fits = [a for a in self._arenas.get(group, ()) if a.room >= nbytes]
+        if not fits:
+            return None
+        # fill arenas already in use first, then the smallest idle one that fits
+        arena = min(fits, key=lambda a: (a.used == 0, a.room))
+        offset = arena.used
+        tensor = torch.empty(0, dtype=dtype, device=arena.storage.device)
+        tensor.set_(arena.storage, offset // dtype.itemsize, (numel,))
+        end = min(arena.size, offset + -(-nbytes // ALIGNMENT) * ALIGNMENT)
+        self.idle_bytes -= end - offset
+        arena.used = end
+        arena.carved.append((key, tensor))
+        self.reused_bytes += nbytes
+        return tensor
+
+    def close(self, rebind: Callable[[StoreKey, torch.Tensor], None]) -> None:
+        """End of the switch: free idle arenas, and the unused tails of the others (see the module)."""
+        for arena in (a for arenas in self._arenas.values() for a in arenas):
+            if not arena.carved:
+                _free(arena.storage)
+            elif arena.room > 0 and (released := release_tail(arena.storage, arena.used)):
+                self.tail_released_bytes += released
+            elif arena.room > max(self.min_bytes, arena.size // 16):
+                for key, tensor in arena.carved:
+                    fresh = torch.empty_like(tensor)
+                    fresh.copy_(tensor)
+                    rebind(key, fresh)
+                    self.moved_out_bytes += fresh.nbytes
+                # not freed here: the engine's store may still view it until the switch returns
+        self._arenas.clear()
+        self._idle_order.clear()
+        self.idle_bytes = 0
+
+
+def state_group(kind) -> str:
+    """The arena group of a state kind: params (and fp32 main params) or Adam moments."""
+    return "moment" if kind.value.startswith("exp_avg") else "param"
+
+
+__all__ = ["ALIGNMENT", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]

@@ -1,0 +1,228 @@
+"""Does a megatron hot switch fit in memory? Checked on every rank before anything is freed or moved.
+
+A switch takes memory on top of the state it starts from: the new model's buffers (megatron's
+gradient buffer; under zero1 a flat param buffer too; bf16 main params), whatever the engine's
+order holds of new state before old state is given back (``engine.memory_plan``), and the staging
+buffers. ``switch_need_bytes`` bounds that per rank from the plan alone. Ranks draw on shared
+pools (on CPU every rank of a host shares its RAM; on an accelerator, each device is one pool), so
+``check_switch_memory`` gathers every rank's need and its pool's free bytes (one small
+all-gather) and compares, pool by pool, the sum of the needs with what the pool has free. Every
+rank reaches the same verdict from the same numbers: all go on, or all raise ``SwitchMemoryError``
+with nothing moved, naming the pool, the figures and what to change.
+
+``limit_bytes`` (the strategy's ``switch_memory_limit``) caps what one rank's switch may take, for
+nodes shared with other jobs.
+
+Example::
+
+    need = switch_need_bytes(spec, src, dst, rank, precision=Precision.FP32, staging_bytes=256 * 2**20,
+                             old_grad_bytes=sum(b.grad_data.nbytes for b in ddp.buffers))
+    check_switch_memory(need, device=torch.device("cpu"), what=f"{src} -> {dst}")
+"""
+
+from __future__ import annotations
+
+import socket
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynatrain.engine.comm import default_device
+from lightning_dynatrain.engine.memory_plan import switch_peak_bytes
+from lightning_dynatrain.engine.store import RegionIndex, local_numel
+from lightning_dynatrain.vps.errors import DynaTrainError
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.mapping import rank_regions
+from lightning_dynatrain.vps.planner import plan_rank_cached
+from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
+
+#: megatron's gradient buffer is fp32 here (``grad_reduce_in_fp32=True`` in ``build_ddp_and_optimizer``).
+GRAD_BYTES_PER_ELEMENT = 4
+
+
+class SwitchMemoryError(DynaTrainError):
+    """A switch would take more memory than a rank's pool has free (or than the limit allows); nothing moved."""
+
+
+def local_numels(spec: ModelSpec, layout: ParallelConfig, rank: int,
+                 precision: Precision = Precision.FP32) -> dict[StateKind, int]:
+    """Elements of each state kind the rank stores at ``layout`` (padding rows included; none off the layout)."""
+    out: dict[StateKind, int] = {kind: 0 for kind, _ in precision.kinds}
+    if rank >= layout.world_size:
+        return out
+    for key, region in RegionIndex(rank_regions(spec, layout, rank, precision)).local_tensors().items():
+        out[key[1]] += local_numel(region)
+    return out
+
+
+def new_buffer_bytes(spec: ModelSpec, dst: ParallelConfig, rank: int, precision: Precision) -> int:
+    """What building the new layout's DDP model and optimizer allocates and writes at once (before the engine)."""
+    n = local_numels(spec, dst, rank, precision)
+    params = n[StateKind.PARAM]
+    total = GRAD_BYTES_PER_ELEMENT * params
+    if dst.zero:  # the distributed optimizer's flat param buffer
+        total += precision.element_size(StateKind.PARAM) * params
+    if StateKind.MAIN_PARAM in n:  # bf16: the optimizer's fp32 main params, made at construction
+        total += precision.element_size(StateKind.MAIN_PARAM) * n[StateKind.MAIN_PARAM]
+    return total
+
+
+def switch_need_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, *,
+                      precision: Precision, staging_bytes: int, old_grad_bytes: int | None = None,
+                      recycler_idle_bytes: int = 0, gpus_per_node: int = 8) -> int:
+    """Upper bound on the memory rank ``rank``'s hot switch takes beyond its state at ``src`` (pure).
+
+    The old gradient buffers are freed first (``old_grad_bytes``; ``None`` counts them from the
+    layout), then the new model's buffers are built, then the engine runs (its peak from the plan,
+    ``switch_peak_bytes``) with at most ``staging_bytes`` in flight (and never more than the rank
+    sends and receives). A ``StorageRecycler`` holds up to ``recycler_idle_bytes`` of old storage
+    before new state is carved out of it: that comes on top.
+    """
+    if old_grad_bytes is None:
+        old_grad_bytes = GRAD_BYTES_PER_ELEMENT * local_numels(spec, src, rank, precision)[StateKind.PARAM]
+    if rank >= dst.world_size:  # a rank leaving builds nothing
+        return 0
+    itemsizes = dict(precision.kinds)
+    preallocated = [StateKind.PARAM] if dst.zero else []  # the flat param buffer, zeroed by megatron
+    if StateKind.MAIN_PARAM in itemsizes:  # bf16 main params: cloned from the params at construction
+        preallocated.append(StateKind.MAIN_PARAM)
+    plan = plan_rank_cached(spec, src, dst, rank, precision, gpus_per_node)
+    # the staging buffers never hold more than the rank sends and receives in all
+    staging = min(staging_bytes, plan.bytes(plan.sends, precision) + plan.bytes(plan.recvs, precision))
+    src_regions = rank_regions(spec, src, rank, precision) if rank < src.world_size else {}
+    engine = switch_peak_bytes(
+        plan, src_regions, rank_regions(spec, dst, rank, precision), itemsizes=itemsizes,
+        staging_budget=staging_bytes, preallocated_kinds=preallocated,
+        shared_source_kinds=[StateKind.PARAM] if src.zero else [],  # views into one flat buffer
+    )
+    return max(0, new_buffer_bytes(spec, dst, rank, precision) - old_grad_bytes + engine + staging
+               + recycler_idle_bytes)
+
+
+def proc_field_bytes(path: str, field: str) -> int | None:
+    """Bytes of a ``Field:  N kB`` line of a ``/proc`` file, or ``None`` without that line (or file)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """The host's ``MemAvailable`` (Linux), or ``None`` where the kernel does not say."""
+    return proc_field_bytes("/proc/meminfo", "MemAvailable")
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a switch may still take on ``device``'s pool: the host's RAM for the CPU; for an
+    accelerator, the device's free memory plus what this process's caching allocator holds unused."""
+    if device.type == "cpu":
+        return host_available_bytes()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return None
+
+
+def pool_name(device: torch.device) -> str:
+    """Which memory ``device`` draws on: ``host`` RAM, or ``host/cuda:i``."""
+    host = socket.gethostname()
+    return host if device.type == "cpu" else f"{host}/{device.type}:{device.index or 0}"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReading:
+    """One rank's side of the check: what its switch needs and what its pool has free (-1: unknown)."""
+
+    rank: int
+    pool: int
+    need: int
+    free: int
+
+
+def gather_readings(need: int, device: torch.device, group: dist.ProcessGroup | None = None, *,
+                    read_free: bool = True) -> list[MemoryReading]:
+    """Every rank's reading (collective over ``group``: one all-gather of three integers per rank).
+    ``read_free=False`` reports the free memory as unknown (only a limit is then checked)."""
+    free = free_bytes(device) if read_free else None
+    pool = zlib.crc32(pool_name(device).encode())
+    mine = torch.tensor([need, pool, -1 if free is None else free], dtype=torch.int64,
+                        device=default_device(group))
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [MemoryReading(rank=r, pool=t[1].item(), need=t[0].item(), free=t[2].item()) for r, t in enumerate(out)]
+
+
+def _gb(nbytes: int) -> str:
+    if nbytes >= 10**9:
+        return f"{nbytes / 1e9:.2f} GB"
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 10**6 else f"{nbytes} bytes"
+
+
+def refusal(readings: Sequence[MemoryReading], *, what: str, limit_bytes: int | None = None,
+            pool_names: dict[int, str] | None = None) -> SwitchMemoryError | None:
+    """The error every rank raises for these readings, or ``None`` when the switch fits (pure).
+
+    A pool fits when the sum of its ranks' needs is at most the smallest free figure its ranks read.
+    A pool whose free memory nobody could read is not checked.
+    """
+    names = pool_names or {}
+    hint = ("choose a target that shards more (zero1, tp or pp), lower staging_budget, or free memory "
+            "where it is short")
+    if limit_bytes is not None:
+        over = [r for r in readings if r.need > limit_bytes]
+        if over:
+            worst = max(over, key=lambda r: r.need)
+            return SwitchMemoryError(
+                f"the switch {what} needs up to {_gb(worst.need)} beyond the state on rank {worst.rank} "
+                f"({len(over)} rank(s) over), more than switch_memory_limit {_gb(limit_bytes)}; nothing was moved",
+                hint=f"raise switch_memory_limit, or {hint}")
+    pools: dict[int, list[MemoryReading]] = {}
+    for r in readings:
+        pools.setdefault(r.pool, []).append(r)
+    for pool, members in sorted(pools.items()):
+        known = [r.free for r in members if r.free >= 0]
+        if not known:
+            continue
+        need, free = sum(r.need for r in members), min(known)
+        if need > free:
+            ranks = ", ".join(str(r.rank) for r in members)
+            return SwitchMemoryError(
+                f"the switch {what} needs up to {_gb(need)} more memory on {names.get(pool, f'pool {pool:#x}')} "
+                f"(ranks {ranks}: {', '.join(_gb(r.need) for r in members)}) but {_gb(free)} is free there; "
+                "nothing was moved", hint=hint)
+    return None
+
+
+def check_switch_memory(need: int, *, device: torch.device, what: str, limit_bytes: int | None = None,
+                        group: dist.ProcessGroup | None = None, read_free: bool = True) -> list[MemoryReading]:
+    """Gather every rank's need and free memory, and raise ``SwitchMemoryError`` on every rank if
+    the switch does not fit (collective). Returns the readings when it fits."""
+    readings = gather_readings(need, device, group, read_free=read_free)
+    mine = zlib.crc32(pool_name(device).encode())
+    error = refusal(readings, what=what, limit_bytes=limit_bytes, pool_names={mine: pool_name(device)})
+    if error is not None:
+        raise error
+    return readings
+
+
+__all__ = [
+    "GRAD_BYTES_PER_ELEMENT",
+    "MemoryReading",
+    "SwitchMemoryError",
+    "check_switch_memory",
+    "free_bytes",
+    "gather_readings",
+    "host_available_bytes",
+    "local_numels",
+    "new_buffer_bytes",
+    "proc_field_bytes",
+    "refusal",
+    "switch_need_bytes",
+]

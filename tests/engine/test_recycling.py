@@ -1,0 +1,88 @@
+"""``StorageRecycler``: new tensors carved out of old storages, with bounded idle memory (real tensors)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from lightning_dynatrain.engine.recycling import ALIGNMENT, StorageRecycler, release_tail, state_group
+from lightning_dynatrain.vps.spec import StateKind
+
+MiB = 2**20
+F32 = torch.float32
+
+
+def _storage(mib: int, value: float = 1.0) -> torch.UntypedStorage:
+    return torch.full((mib * MiB // 4,), value).untyped_storage()
+
+
+def _inside(tensor: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+    start = tensor.data_ptr() - storage.data_ptr()
+    return tensor.untyped_storage().data_ptr() == storage.data_ptr() and 0 <= start and \
+        start + tensor.nbytes <= storage.nbytes()
+
+
+def test_two_halves_fill_one_old_storage_without_overlap():
+    recycler = StorageRecycler(idle_cap=64 * MiB)
+    old = _storage(8)
+    recycler.give(old, "moment")
+    a = recycler.take(("w", StateKind.EXP_AVG, ()), 1 * MiB, F32, "moment")
+    b = recycler.take(("w", StateKind.EXP_AVG_SQ, ()), 1 * MiB, F32, "moment")
+    assert a is not None and b is not None and _inside(a, old) and _inside(b, old)
+    assert a.data_ptr() + a.nbytes <= b.data_ptr() and b.data_ptr() % ALIGNMENT == 0
+    a.fill_(2.0), b.fill_(3.0)
+    assert torch.all(a == 2.0) and torch.all(b == 3.0)
+    assert recycler.take(("w", StateKind.EXP_AVG, (1,)), 1, F32, "moment") is None  # full (and below min_bytes)
+    assert recycler.reused_bytes == 8 * MiB and recycler.idle_bytes == 0
+
+
+def test_groups_small_requests_and_sizes_are_respected():
+    recycler = StorageRecycler(idle_cap=64 * MiB)
+    recycler.give(_storage(4), "param")
+    assert recycler.take(("m", StateKind.EXP_AVG, ()), MiB // 4, F32, "moment") is None  # another group
+    assert recycler.take(("p", StateKind.PARAM, ()), 1000, F32, "param") is None  # below min_bytes: the heap serves it
+    assert recycler.take(("p", StateKind.PARAM, ()), 2 * MiB, F32, "param") is None  # 8 MiB > the 4 MiB arena
+    assert recycler.take(("p", StateKind.PARAM, ()), MiB // 2, F32, "param") is not None
+    assert state_group(StateKind.EXP_AVG_SQ) == "moment" and state_group(StateKind.MAIN_PARAM) == "param"
+
+
+def test_untouched_storages_beyond_the_idle_cap_are_freed_oldest_first():
+    recycler = StorageRecycler(idle_cap=10 * MiB)
+    first, second, third = _storage(4), _storage(4), _storage(4)
+    recycler.give(first, "param")
+    recycler.give(second, "param")
+    assert first.nbytes() > 0 and recycler.idle_bytes == 8 * MiB
+    recycler.give(third, "param")  # 12 MiB idle > 10: the oldest goes
+    assert first.nbytes() == 0 and second.nbytes() > 0 and third.nbytes() > 0
+    assert recycler.idle_bytes == 8 * MiB
+
+
+def test_close_frees_untouched_storages_and_keeps_carved_tensors_intact():
+    recycler = StorageRecycler(idle_cap=64 * MiB)
+    big, small = _storage(8), _storage(4)
+    recycler.give(big, "moment")
+    recycler.give(small, "moment")
+    carved = recycler.take(("w", StateKind.EXP_AVG, ()), MiB // 2, F32, "moment")  # the smallest that fits
+    assert _inside(carved, small)
+    carved.copy_(torch.arange(carved.numel(), dtype=F32))
+    rebound = {}
+    recycler.close(lambda key, tensor: rebound.__setitem__(key, tensor))
+    assert big.nbytes() == 0  # never carved from: freed
+    assert torch.equal(carved, torch.arange(carved.numel(), dtype=F32))
+    if sys.platform.startswith("linux"):  # the unused 2 MiB tail went back to the OS, the tensor stayed
+        assert recycler.tail_released_bytes > 0 and not rebound
+    else:  # no madvise: the tensor moved out of the half-empty storage
+        assert torch.equal(rebound[("w", StateKind.EXP_AVG, ())], carved)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_DONTNEED) is Linux")
+def test_a_released_tail_reads_as_zeros_and_the_head_is_kept():
+    storage = _storage(4, value=7.0)
+    released = release_tail(storage, MiB)
+    assert 3 * MiB - 2 * 4096 <= released <= 3 * MiB  # the whole pages from byte 1 MiB on
+    values = torch.empty(0).set_(storage, 0, (storage.nbytes() // 4,))
+    page = 4096 // 4
+    assert torch.all(values[: MiB // 4] == 7.0)  # the head is untouched
+    assert torch.all(values[MiB // 4 + page: -page] == 0.0)  # the released pages read as fresh zeros

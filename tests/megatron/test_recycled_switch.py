@@ -1,0 +1,113 @@
+"""Hot switches that write new state into old storages (``engine.recycling``), on a GPT large enough for
+its tensors to be recycled (4 gloo processes). Through dp2-tp2 -> dp4 -> dp2-tp2 -> dp1-tp2-pp2 ->
+dp2-tp2 the logical state stays bit-identical; dp4 -> dp2-tp2 writes its tensor-parallel halves into
+the old full tensors' memory; the pipeline change after it keeps those recycled tensors in place
+(every tensor the plan allows); the round trip gives back every local tensor; and training goes on
+exactly as in a run that never switched."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
+from lightning_dynatrain.vps.layout import ParallelConfig
+from tests.dist import run_distributed
+from tests.megatron.jobs import SEED
+from tests.megatron.test_memory_check import OPTIMIZER, SIZED
+
+CHAIN = ["dp2-tp2-pp1", "dp4-tp1-pp1", "dp2-tp2-pp1", "dp1-tp2-pp2", "dp2-tp2-pp1"]
+RECYCLE = [True, True, True, False]  # the last switch writes into fresh memory
+
+
+def _walk(rank: int, world_size: int) -> dict:
+    import torch
+
+    from lightning_dynatrain.engine.fingerprint import logical_fingerprint
+    from lightning_dynatrain.megatron.gpt import build_gpt_model
+    from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
+    from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
+    from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
+    from lightning_dynatrain.megatron.state_bridge import megatron_store
+
+    shape = GPTShape(**SIZED)
+    spec = logical_spec(shape)
+    tokens = torch.randint(0, shape.vocab_size, (4, shape.seq_length + 1), generator=torch.Generator().manual_seed(5))
+
+    def batch_for(layout):
+        per = 4 // layout.dp
+        local = tokens[layout.dense_coord(rank).dp * per:][:per]
+        return {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous()}
+
+    def snapshot(state):
+        store = megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
+        return {k: t.detach().clone() for k, t in store.items()}, logical_fingerprint(store, spec, state.layout, rank)
+
+    groups = ProcessGroupCache()
+    first = ParallelConfig.parse(CHAIN[0])
+    initialize_for_layout(first, seed=SEED, groups=groups)
+    ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=SEED), first, **OPTIMIZER)
+    state = MegatronTrainingState(layout=first, ddp=ddp, optimizer=optimizer)
+    run_train_step(ddp, optimizer, batch_for(first), first, 1)
+    start, fingerprint = snapshot(state)
+    out = {"fingerprints_equal": [], "recycled": [], "in_place": []}
+    for text, recycle in zip(CHAIN[1:], RECYCLE):
+        result = hot_switch(state, ParallelConfig.parse(text), shape=shape, seed=SEED, staging_budget="16MiB",
+                            optimizer_kwargs=OPTIMIZER, groups=groups, recycle=recycle)
+        state = result.state
+        out["fingerprints_equal"].append(snapshot(state)[1] == fingerprint)
+        out["recycled"].append(result.recycled_bytes)
+        out["in_place"].append(result.report.in_place.bytes)
+    end, _ = snapshot(state)
+    out["round_trip_exact"] = start.keys() == end.keys() and all(torch.equal(start[k], end[k]) for k in start)
+    out["loss_after"] = run_train_step(state.ddp, state.optimizer, batch_for(state.layout), state.layout, 1)
+    # the same two steps without any switch
+    ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=SEED), first, **OPTIMIZER)
+    out["reference"] = [run_train_step(ddp, optimizer, batch_for(first), first, 1) for _ in range(2)][-1]
+    destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def walk():
+    return run_distributed(_walk, 4, timeout_s=300)
+
+
+def _kept_in_place_bytes(src: str, dst: str, rank: int) -> int:
+    """What the plan lets a rank keep in place (whole local tensors at an unchanged local layout)."""
+    from lightning_dynatrain.engine.adoption import adoptable_keys
+    from lightning_dynatrain.engine.store import RegionIndex, local_numel
+    from lightning_dynatrain.vps.mapping import rank_regions
+    from lightning_dynatrain.vps.planner import plan_rank
+    from lightning_dynatrain.vps.spec import Precision
+
+    spec = logical_spec(GPTShape(**SIZED))
+    a, b = ParallelConfig.parse(src), ParallelConfig.parse(dst)
+    dst_index = RegionIndex(rank_regions(spec, b, rank))
+    plan = plan_rank(spec, a, b, rank, precision=Precision.FP32)
+    kept = adoptable_keys(plan.retains, RegionIndex(rank_regions(spec, a, rank)), dst_index)
+    return sum(4 * local_numel(dst_index.local_tensors()[key]) for key in kept)
+
+
+def test_recycled_switches_keep_the_logical_state_bit_for_bit(walk):
+    for rank, run in enumerate(walk):
+        assert run["fingerprints_equal"] == [True] * len(RECYCLE), rank
+        assert run["round_trip_exact"], f"rank {rank}: {' -> '.join(CHAIN)} changed a local tensor"
+
+
+def test_new_state_is_written_into_old_storages_only_when_asked(walk):
+    for run in walk:
+        assert run["recycled"][1] > 0  # dp4 -> dp2-tp2: the halves go into the old full tensors' memory
+        assert run["recycled"][-1] == 0  # recycle=False
+
+
+def test_recycled_tensors_are_kept_in_place_by_the_next_switch(walk):
+    """dp2-tp2 -> dp1-tp2-pp2 keeps each rank's stage whole. Its tensors live in storages the previous
+    switch recycled (each shared by several tensors), and every one the plan allows is kept in place."""
+    for rank, run in enumerate(walk):
+        expected = _kept_in_place_bytes(CHAIN[2], CHAIN[3], rank)
+        assert expected > 0 and run["in_place"][2] == expected, (rank, run["in_place"], expected)
+
+
+def test_training_goes_on_as_in_a_run_that_never_switched(walk):
+    for run in walk:
+        assert run["loss_after"] == run["reference"]
