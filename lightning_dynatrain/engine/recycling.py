@@ -6,6 +6,10 @@ An accelerator's caching allocator reuses freed blocks by itself. PyTorch's CPU 
 large blocks back to the OS, so ``StorageRecycler`` keeps the storages the switch is done with
 (``give``) and carves new local tensors out of them (``take``).
 
+The same goes for buffers built inside library code: under ``CarveZeros`` a ``torch.zeros`` call
+(megatron's DDP allocating its gradient and zero1 param buffers) takes a whole old storage held for
+it (``give(..., hold=True)``: the old gradient buffers) and zeroes it, with no fresh pages.
+
 Rules that keep memory bounded:
 
 - An arena serves one group of state kinds (``"param"`` or ``"moment"``), so a later switch that
@@ -36,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from lightning_dynatrain.engine.store import StoreKey
 
@@ -119,14 +124,17 @@ class StorageRecycler:
         self.tail_released_bytes = 0
         self.moved_out_bytes = 0
 
-    def give(self, storage: torch.UntypedStorage, group: str) -> None:
-        """Take over an old storage the switch no longer reads."""
+    def give(self, storage: torch.UntypedStorage, group: str, *, hold: bool = False) -> None:
+        """Take over an old storage the switch no longer reads. ``hold``: keep it, outside the idle cap,
+        until ``drop_group`` (memory that is about to be replaced by as much, e.g. gradient buffers)."""
         self.given_bytes += storage.nbytes()
         if storage.nbytes() < self.min_bytes or storage.device.type != "cpu":
             _free(storage)
             return
         arena = _Arena(storage, group)
         self._arenas.setdefault(group, []).append(arena)
+        if hold:
+            return
         self._idle_order.append(arena)
         self.idle_bytes += storage.nbytes()
         while self.idle_bytes > self.idle_cap and self._idle_order:  # free untouched arenas, oldest first
@@ -156,6 +164,36 @@ class StorageRecycler:
         self.reused_bytes += nbytes
         return tensor
 
+    def take_whole(self, numel: int, dtype: torch.dtype, group: str) -> torch.Tensor | None:
+        """A tensor at the start of the smallest untouched storage of ``group`` that fits, alone in it:
+        the rest of that storage is handed back to the OS at once (``release_tail``). For buffers
+        that are later freed by their storage (megatron's DDP buffers), so nothing else may share it."""
+        nbytes = numel * dtype.itemsize
+        fits = [a for a in self._arenas.get(group, ()) if a.used == 0 and a.size >= nbytes]
+        if nbytes < self.min_bytes or not fits:
+            return None
+        arena = min(fits, key=lambda a: a.size)
+        tensor = torch.empty(0, dtype=dtype, device=arena.storage.device).set_(arena.storage, 0, (numel,))
+        release_tail(arena.storage, nbytes)
+        if arena in self._idle_order:
+            self._idle_order.remove(arena)
+            self.idle_bytes -= arena.size
+        arena.used = arena.size
+        self._arenas[group].remove(arena)  # nothing more is carved from it
+        self.reused_bytes += nbytes
+        return tensor
+
+    def drop_group(self, group: str) -> None:
+        """Free what is left untouched of ``group``'s storages."""
+        for arena in self._arenas.pop(group, []):
+            if arena in self._idle_order:
+                self._idle_order.remove(arena)
+                self.idle_bytes -= arena.room
+            if not arena.carved:
+                _free(arena.storage)
+            elif arena.room > 0:
+                self.tail_released_bytes += release_tail(arena.storage, arena.used)
+
     def close(self, rebind: Callable[[StoreKey, torch.Tensor], None]) -> None:
         """End of the switch: free idle arenas, and the unused tails of the others (see the module)."""
         for arena in (a for arenas in self._arenas.values() for a in arenas):
@@ -175,9 +213,30 @@ class StorageRecycler:
         self.idle_bytes = 0
 
 
+class CarveZeros(TorchFunctionMode):
+    """Inside this mode, ``torch.zeros(n, ...)`` of a CPU tensor of at least the recycler's
+    ``min_bytes`` is served by ``take_whole`` from ``group`` and zeroed (memory already touched: no
+    page faults), else allocated as usual. Wraps the construction of megatron's DDP buffers."""
+
+    def __init__(self, recycler: StorageRecycler, group: str) -> None:
+        super().__init__()
+        self.recycler, self.group = recycler, group
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.zeros and len(args) == 1 and isinstance(args[0], int) and "out" not in kwargs \
+                and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            carved = self.recycler.take_whole(args[0], dtype, self.group)
+            if carved is not None:
+                carved.zero_()
+                return carved.requires_grad_(bool(kwargs.get("requires_grad", False)))
+        return func(*args, **kwargs)
+
+
 def state_group(kind) -> str:
     """The arena group of a state kind: params (and fp32 main params) or Adam moments."""
     return "moment" if kind.value.startswith("exp_avg") else "param"
 
 
-__all__ = ["ALIGNMENT", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]
+__all__ = ["ALIGNMENT", "CarveZeros", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]

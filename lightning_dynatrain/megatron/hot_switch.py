@@ -29,6 +29,7 @@ switch refused before anything moved (a bad budget, on every rank) leaves the ol
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.engine.engine import execute_switch
-from lightning_dynatrain.engine.recycling import StorageRecycler, state_group
+from lightning_dynatrain.engine.recycling import CarveZeros, StorageRecycler, state_group
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.staging import parse_bytes
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
@@ -135,7 +136,7 @@ def hot_switch(
         check_switch_memory(need, device=device, what=f"{src} -> {target}",
                             limit_bytes=None if memory_limit is None else parse_bytes(memory_limit), group=group,
                             read_free=check_memory)
-    old_memory.free_gradients()  # before the new buffers are allocated: they take their place
+    old_memory.free_gradients()  # before the new buffers are allocated: they take their place (or memory)
     try:
         t0 = time.perf_counter()
         initialize_for_layout(target, seed=seed, groups=groups)
@@ -143,7 +144,10 @@ def hot_switch(
         model = build_gpt_model(shape, target, seed=seed, params_dtype=old_param.dtype, initialize=False)
         if device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
             model = model.to(device)
-        ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
+        with CarveZeros(recycler, "buffer") if recycler is not None else contextlib.nullcontext():
+            ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)  # buffers: old grads' memory
+        if recycler is not None:
+            recycler.drop_group("buffer")
         materialize_adam_state(optimizer, step, zero=False)
         dest = megatron_store(ddp, optimizer, spec, target, rank)
         rebuild = time.perf_counter() - t0

@@ -53,15 +53,21 @@ class OldStateMemory:
         return sum(self._grad_bytes)
 
     def free_gradients(self) -> None:
+        """Free the gradient buffers, or, with a recycler, hand them to it (group ``"buffer"``) for the
+        new model's DDP buffers to be carved from (``CarveZeros``)."""
         for storage, _ in self._grads:
             self.freed_bytes += storage.nbytes()
-            storage.resize_(0)
+            if self._recycler is not None:
+                self._recycler.give(storage, "buffer", hold=True)
+            else:
+                storage.resize_(0)
 
     def restore_gradients(self) -> None:
         """Give the gradient buffers their memory back (zeroed); only before anything was released."""
         assert not self.started, "the old state is partly freed: it cannot be restored"
         for (storage, data), nbytes in zip(self._grads, self._grad_bytes):
-            storage.resize_(nbytes)
+            if storage.nbytes() != nbytes:  # freed (not recycled: a new buffer may view it, discarded now)
+                storage.resize_(nbytes)
             data.zero_()
             self.freed_bytes -= nbytes
 

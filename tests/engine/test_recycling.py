@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from lightning_dynatrain.engine.recycling import ALIGNMENT, StorageRecycler, release_tail, state_group
+from lightning_dynatrain.engine.recycling import ALIGNMENT, CarveZeros, StorageRecycler, release_tail, state_group
 from lightning_dynatrain.vps.spec import StateKind
 
 MiB = 2**20
@@ -86,3 +86,21 @@ def test_a_released_tail_reads_as_zeros_and_the_head_is_kept():
     page = 4096 // 4
     assert torch.all(values[: MiB // 4] == 7.0)  # the head is untouched
     assert torch.all(values[MiB // 4 + page: -page] == 0.0)  # the released pages read as fresh zeros
+
+
+def test_torch_zeros_inside_carve_zeros_takes_a_whole_old_storage():
+    """megatron's DDP allocates its buffers with ``torch.zeros``: inside ``CarveZeros`` they land at the
+    start of an old gradient buffer (zeroed, alone in it), else in fresh memory as usual."""
+    recycler = StorageRecycler(idle_cap=0)
+    old_grads = _storage(8, value=5.0)
+    recycler.give(old_grads, "buffer", hold=True)  # held: not freed by the (zero) idle cap
+    assert old_grads.nbytes() > 0
+    with CarveZeros(recycler, "buffer"):
+        grad = torch.zeros(MiB, dtype=F32, requires_grad=False)  # 4 MiB of the 8
+        fresh = torch.zeros(MiB, dtype=F32)  # no old storage left: the usual allocation
+        small = torch.zeros(16)
+    assert _inside(grad, old_grads) and grad.data_ptr() == old_grads.data_ptr() and torch.all(grad == 0)
+    assert not _inside(fresh, old_grads) and torch.all(fresh == 0) and torch.all(small == 0)
+    recycler.give(_storage(4), "buffer", hold=True)
+    recycler.drop_group("buffer")  # what nobody took goes
+    assert recycler.reused_bytes == 4 * MiB

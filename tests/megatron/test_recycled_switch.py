@@ -1,7 +1,8 @@
 """Hot switches that write new state into old storages (``engine.recycling``), on a GPT large enough for
 its tensors to be recycled (4 gloo processes). Through dp2-tp2 -> dp4 -> dp2-tp2 -> dp1-tp2-pp2 ->
-dp2-tp2 the logical state stays bit-identical; dp4 -> dp2-tp2 writes its tensor-parallel halves into
-the old full tensors' memory; the pipeline change after it keeps those recycled tensors in place
+dp2-tp2 the logical state stays bit-identical; every switch builds the new DDP buffers in the old
+gradient buffers' memory (and a switch refused after that gives them back); dp4 -> dp2-tp2 writes its
+tensor-parallel halves into the old full tensors' memory; the pipeline change after it keeps those recycled tensors in place
 (every tensor the plan allows); the round trip gives back every local tensor; and training goes on
 exactly as in a run that never switched."""
 
@@ -50,6 +51,15 @@ def _walk(rank: int, world_size: int) -> dict:
     run_train_step(ddp, optimizer, batch_for(first), first, 1)
     start, fingerprint = snapshot(state)
     out = {"fingerprints_equal": [], "recycled": [], "in_place": []}
+    # refused at the engine's preflight, after the new DDP buffers were carved from the old gradient
+    # buffers: the old gradients come back and training goes on (the checks below still hold)
+    from lightning_dynatrain.engine.errors import StagingBudgetError
+    try:
+        hot_switch(state, ParallelConfig.parse(CHAIN[1]), shape=shape, seed=SEED, staging_budget=8,
+                   optimizer_kwargs=OPTIMIZER, groups=groups, check_memory=False)
+    except StagingBudgetError as err:
+        out["refused"] = str(err)
+    out["grads_whole"] = all(b.grad_data.untyped_storage().nbytes() >= b.grad_data.nbytes for b in state.ddp.buffers)
     for text, recycle in zip(CHAIN[1:], RECYCLE):
         result = hot_switch(state, ParallelConfig.parse(text), shape=shape, seed=SEED, staging_budget="16MiB",
                             optimizer_kwargs=OPTIMIZER, groups=groups, recycle=recycle)
@@ -92,6 +102,11 @@ def test_recycled_switches_keep_the_logical_state_bit_for_bit(walk):
     for rank, run in enumerate(walk):
         assert run["fingerprints_equal"] == [True] * len(RECYCLE), rank
         assert run["round_trip_exact"], f"rank {rank}: {' -> '.join(CHAIN)} changed a local tensor"
+
+
+def test_a_refused_switch_gives_the_gradient_buffers_back(walk):
+    for run in walk:
+        assert "staging budget" in run.get("refused", "").lower() and run["grads_whole"]
 
 
 def test_new_state_is_written_into_old_storages_only_when_asked(walk):
