@@ -137,12 +137,13 @@ class StorageRecycler:
             return
         self._idle_order.append(arena)
         self.idle_bytes += storage.nbytes()
-        while self.idle_bytes > self.idle_cap and self._idle_order:  # free untouched arenas, oldest first
-            oldest = self._idle_order.pop(0)
-            if oldest.used == 0:
-                self._arenas[oldest.group].remove(oldest)
-                self.idle_bytes -= oldest.size
-                _free(oldest.storage)
+        for oldest in [a for a in self._idle_order if a.used == 0]:  # free untouched arenas, oldest first
+            if self.idle_bytes <= self.idle_cap:
+                break
+            self._idle_order.remove(oldest)
+            self._arenas[oldest.group].remove(oldest)
+            self.idle_bytes -= oldest.size
+            _free(oldest.storage)
 
     def take(self, key: StoreKey, numel: int, dtype: torch.dtype, group: str) -> torch.Tensor | None:
         """A contiguous ``numel``-element tensor carved from an old storage of ``group``, or ``None``."""
@@ -216,7 +217,9 @@ class StorageRecycler:
 class CarveZeros(TorchFunctionMode):
     """Inside this mode, ``torch.zeros(n, ...)`` of a CPU tensor of at least the recycler's
     ``min_bytes`` is served by ``take_whole`` from ``group`` and zeroed (memory already touched: no
-    page faults), else allocated as usual. Wraps the construction of megatron's DDP buffers."""
+    page faults), else allocated as usual, after the storages held for ``group`` are freed (one
+    that fits none of them would otherwise come on top of them). Wraps the construction of
+    megatron's DDP buffers."""
 
     def __init__(self, recycler: StorageRecycler, group: str) -> None:
         super().__init__()
@@ -231,6 +234,9 @@ class CarveZeros(TorchFunctionMode):
             if carved is not None:
                 carved.zero_()
                 return carved.requires_grad_(bool(kwargs.get("requires_grad", False)))
+            if args[0] * dtype.itemsize >= self.recycler.min_bytes:
+                # no held storage fits: free them before taking fresh memory, so the two never add up
+                self.recycler.drop_group(self.group)
         return func(*args, **kwargs)
 
 

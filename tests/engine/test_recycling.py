@@ -50,13 +50,17 @@ def test_groups_small_requests_and_sizes_are_respected():
 
 def test_untouched_storages_beyond_the_idle_cap_are_freed_oldest_first():
     recycler = StorageRecycler(idle_cap=10 * MiB)
-    first, second, third = _storage(4), _storage(4), _storage(4)
+    first, second, third, fourth = _storage(4), _storage(4), _storage(4), _storage(4)
     recycler.give(first, "param")
     recycler.give(second, "param")
     assert first.nbytes() > 0 and recycler.idle_bytes == 8 * MiB
     recycler.give(third, "param")  # 12 MiB idle > 10: the oldest goes
     assert first.nbytes() == 0 and second.nbytes() > 0 and third.nbytes() > 0
     assert recycler.idle_bytes == 8 * MiB
+    recycler.take(("p", StateKind.PARAM, ()), MiB // 4, F32, "param")  # 1 MiB carved from one of them
+    assert recycler.idle_bytes == 7 * MiB
+    recycler.give(fourth, "param")  # 11 MiB idle: the oldest untouched one goes, the carved one stays
+    assert recycler.idle_bytes == 7 * MiB and sum(s.nbytes() > 0 for s in (second, third, fourth)) == 2
 
 
 def test_close_frees_untouched_storages_and_keeps_carved_tensors_intact():
@@ -95,12 +99,14 @@ def test_torch_zeros_inside_carve_zeros_takes_a_whole_old_storage():
     old_grads = _storage(8, value=5.0)
     recycler.give(old_grads, "buffer", hold=True)  # held: not freed by the (zero) idle cap
     assert old_grads.nbytes() > 0
+    spare = _storage(2)
+    recycler.give(spare, "buffer", hold=True)
     with CarveZeros(recycler, "buffer"):
-        grad = torch.zeros(MiB, dtype=F32, requires_grad=False)  # 4 MiB of the 8
-        fresh = torch.zeros(MiB, dtype=F32)  # no old storage left: the usual allocation
+        grad = torch.zeros(MiB, dtype=F32, requires_grad=False)  # 4 MiB: the smallest that fits is the 8
+        assert spare.nbytes() > 0
+        fresh = torch.zeros(MiB, dtype=F32)  # fits no held storage: they are freed, then fresh memory
+        assert spare.nbytes() == 0
         small = torch.zeros(16)
     assert _inside(grad, old_grads) and grad.data_ptr() == old_grads.data_ptr() and torch.all(grad == 0)
     assert not _inside(fresh, old_grads) and torch.all(fresh == 0) and torch.all(small == 0)
-    recycler.give(_storage(4), "buffer", hold=True)
-    recycler.drop_group("buffer")  # what nobody took goes
     assert recycler.reused_bytes == 4 * MiB
