@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from functools import wraps
 from types import ModuleType
 
-STEPS = ("plan_rank_cached", "switch_need_bytes", "check_switch_memory", "initialize_for_layout", "build_gpt_model", "build_ddp_and_optimizer",
-         "materialize_adam_state", "megatron_store", "megatron_adopter", "execute_switch")
+STEPS = ("plan_rank_cached", "switch_need_bytes", "check_switch_memory", "initialize_for_layout", "build_gpt_model",
+         "build_ddp_and_optimizer", "materialize_adam_state", "megatron_store", "megatron_adopter", "execute_switch")
 
 
 def _timed(fn, name: str, seconds: dict[str, float]):

@@ -240,7 +240,7 @@ class _Switch:
         self.adopted: set[StoreKey] = set()
         self.adopt_views = adopt_views
         self._sharing: dict[int, set[StoreKey]] = {}  # storage -> every source key in it, before any is dropped
-        if self.adoptable:
+        if self.adoptable and not adopt_views:
             for key, tensor in source.items():
                 self._sharing.setdefault(tensor.untyped_storage().data_ptr(), set()).add(key)
 

@@ -45,6 +45,8 @@ from torch.overrides import TorchFunctionMode
 from lightning_dynatrain.engine.store import StoreKey
 
 MiB = 2**20
+#: the group of old gradient buffers held for the new model's DDP buffers (``CarveZeros``)
+BUFFER_GROUP = "buffer"
 #: carved tensors start at a multiple of this many bytes (any dtype can view them; cache lines stay whole)
 ALIGNMENT = 64
 
@@ -245,4 +247,4 @@ def state_group(kind) -> str:
     return "moment" if kind.value.startswith("exp_avg") else "param"
 
 
-__all__ = ["ALIGNMENT", "CarveZeros", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]
+__all__ = ["ALIGNMENT", "BUFFER_GROUP", "CarveZeros", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]

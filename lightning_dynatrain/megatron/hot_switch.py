@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.engine.engine import execute_switch
-from lightning_dynatrain.engine.recycling import CarveZeros, StorageRecycler, state_group
+from lightning_dynatrain.engine.recycling import BUFFER_GROUP, CarveZeros, StorageRecycler, state_group
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.staging import parse_bytes
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
@@ -123,16 +123,21 @@ def hot_switch(
     if step == 0:
         materialize_adam_state(current.optimizer, 0)
     source = megatron_store(current.ddp, current.optimizer, spec, src, rank)
-    device = next(current.ddp.module.parameters()).device
+    source_regions = rank_regions(spec, src, rank, precision)
+    dest_regions = rank_regions(spec, target, rank, precision)
+    staging_bytes = parse_bytes(staging_budget)
+    old_param = next(current.ddp.module.parameters())
+    device = old_param.device
     if recycle is None:
         recycle = device.type == "cpu"  # an accelerator's caching allocator reuses memory by itself
-    recycler = StorageRecycler(idle_cap=parse_bytes(staging_budget)) if recycle else None
+    recycler = StorageRecycler(idle_cap=staging_bytes) if recycle else None
     old_memory = OldStateMemory(current.ddp, source, recycler)
     need = None
     if check_memory or memory_limit is not None:
         need = switch_need_bytes(spec, src, target, rank, precision=precision, gpus_per_node=gpus_per_node,
-                                 staging_bytes=parse_bytes(staging_budget), old_grad_bytes=old_memory.gradient_bytes,
-                                 recycler_idle_bytes=recycler.idle_cap if recycler is not None else 0)
+                                 staging_bytes=staging_bytes, old_grad_bytes=old_memory.gradient_bytes,
+                                 recycler_idle_bytes=recycler.idle_cap if recycler is not None else 0,
+                                 source_regions=source_regions, dest_regions=dest_regions)
         check_switch_memory(need, device=device, what=f"{src} -> {target}",
                             limit_bytes=None if memory_limit is None else parse_bytes(memory_limit), group=group,
                             read_free=check_memory)
@@ -140,14 +145,13 @@ def hot_switch(
     try:
         t0 = time.perf_counter()
         initialize_for_layout(target, seed=seed, groups=groups)
-        old_param = next(current.ddp.module.parameters())
         model = build_gpt_model(shape, target, seed=seed, params_dtype=old_param.dtype, initialize=False)
         if device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
             model = model.to(device)
-        with CarveZeros(recycler, "buffer") if recycler is not None else contextlib.nullcontext():
+        with CarveZeros(recycler, BUFFER_GROUP) if recycler is not None else contextlib.nullcontext():
             ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)  # buffers: old grads' memory
         if recycler is not None:
-            recycler.drop_group("buffer")
+            recycler.drop_group(BUFFER_GROUP)
         materialize_adam_state(optimizer, step, zero=False)
         dest = megatron_store(ddp, optimizer, spec, target, rank)
         rebuild = time.perf_counter() - t0
@@ -172,8 +176,8 @@ def hot_switch(
         _, report = execute_switch(
             plan,
             source,
-            rank_regions(spec, src, rank, precision),
-            rank_regions(spec, target, rank, precision),
+            source_regions,
+            dest_regions,
             allocate,
             adopt=adopt,
             adopt_views=old_memory.gives_pages_back,

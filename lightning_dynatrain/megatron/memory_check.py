@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from lightning_dynatrain.engine.comm import default_device
 from lightning_dynatrain.engine.memory_plan import switch_peak_bytes
-from lightning_dynatrain.engine.store import RegionIndex, local_numel
+from lightning_dynatrain.engine.store import RegionIndex, RegionMap, local_numel
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
@@ -50,17 +50,21 @@ class SwitchMemoryError(DynaTrainError):
 def local_numels(spec: ModelSpec, layout: ParallelConfig, rank: int,
                  precision: Precision = Precision.FP32) -> dict[StateKind, int]:
     """Elements of each state kind the rank stores at ``layout`` (padding rows included; none off the layout)."""
+    regions = rank_regions(spec, layout, rank, precision) if rank < layout.world_size else {}
+    return _numels(regions, precision)
+
+
+def _numels(regions: RegionMap, precision: Precision) -> dict[StateKind, int]:
     out: dict[StateKind, int] = {kind: 0 for kind, _ in precision.kinds}
-    if rank >= layout.world_size:
-        return out
-    for key, region in RegionIndex(rank_regions(spec, layout, rank, precision)).local_tensors().items():
+    for key, region in RegionIndex(regions).local_tensors().items():
         out[key[1]] += local_numel(region)
     return out
 
 
-def new_buffer_bytes(spec: ModelSpec, dst: ParallelConfig, rank: int, precision: Precision) -> int:
+def new_buffer_bytes(spec: ModelSpec, dst: ParallelConfig, rank: int, precision: Precision,
+                     dest_regions: RegionMap | None = None) -> int:
     """What building the new layout's DDP model and optimizer allocates and writes at once (before the engine)."""
-    n = local_numels(spec, dst, rank, precision)
+    n = local_numels(spec, dst, rank, precision) if dest_regions is None else _numels(dest_regions, precision)
     params = n[StateKind.PARAM]
     total = GRAD_BYTES_PER_ELEMENT * params
     if dst.zero:  # the distributed optimizer's flat param buffer
@@ -72,14 +76,16 @@ def new_buffer_bytes(spec: ModelSpec, dst: ParallelConfig, rank: int, precision:
 
 def switch_need_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, *,
                       precision: Precision, staging_bytes: int, old_grad_bytes: int | None = None,
-                      recycler_idle_bytes: int = 0, gpus_per_node: int = 8) -> int:
+                      recycler_idle_bytes: int = 0, gpus_per_node: int = 8,
+                      source_regions: RegionMap | None = None, dest_regions: RegionMap | None = None) -> int:
     """Upper bound on the memory rank ``rank``'s hot switch takes beyond its state at ``src`` (pure).
 
     The old gradient buffers are freed first (``old_grad_bytes``; ``None`` counts them from the
     layout), then the new model's buffers are built, then the engine runs (its peak from the plan,
     ``switch_peak_bytes``) with at most ``staging_bytes`` in flight (and never more than the rank
     sends and receives). A ``StorageRecycler`` holds up to ``recycler_idle_bytes`` of old storage
-    before new state is carved out of it: that comes on top.
+    before new state is carved out of it: that comes on top. ``source_regions``/``dest_regions``:
+    the rank's ``rank_regions`` at ``src``/``dst`` where the caller has them already.
     """
     if old_grad_bytes is None:
         old_grad_bytes = GRAD_BYTES_PER_ELEMENT * local_numels(spec, src, rank, precision)[StateKind.PARAM]
@@ -92,13 +98,16 @@ def switch_need_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig,
     plan = plan_rank_cached(spec, src, dst, rank, precision, gpus_per_node)
     # the staging buffers never hold more than the rank sends and receives in all
     staging = min(staging_bytes, plan.bytes(plan.sends, precision) + plan.bytes(plan.recvs, precision))
-    src_regions = rank_regions(spec, src, rank, precision) if rank < src.world_size else {}
+    if source_regions is None:
+        source_regions = rank_regions(spec, src, rank, precision) if rank < src.world_size else {}
+    if dest_regions is None:
+        dest_regions = rank_regions(spec, dst, rank, precision)
     engine = switch_peak_bytes(
-        plan, src_regions, rank_regions(spec, dst, rank, precision), itemsizes=itemsizes,
+        plan, source_regions, dest_regions, itemsizes=itemsizes,
         staging_budget=staging_bytes, preallocated_kinds=preallocated,
         shared_source_kinds=[StateKind.PARAM] if src.zero else [],  # views into one flat buffer
     )
-    return max(0, new_buffer_bytes(spec, dst, rank, precision) - old_grad_bytes + engine + staging
+    return max(0, new_buffer_bytes(spec, dst, rank, precision, dest_regions) - old_grad_bytes + engine + staging
                + recycler_idle_bytes)
 
 
@@ -136,6 +145,11 @@ def pool_name(device: torch.device) -> str:
     return host if device.type == "cpu" else f"{host}/{device.type}:{device.index or 0}"
 
 
+def _pool_id(name: str) -> int:
+    """A pool's name as the integer the all-gather carries."""
+    return zlib.crc32(name.encode())
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryReading:
     """One rank's side of the check: what its switch needs and what its pool has free (-1: unknown)."""
@@ -151,8 +165,7 @@ def gather_readings(need: int, device: torch.device, group: dist.ProcessGroup | 
     """Every rank's reading (collective over ``group``: one all-gather of three integers per rank).
     ``read_free=False`` reports the free memory as unknown (only a limit is then checked)."""
     free = free_bytes(device) if read_free else None
-    pool = zlib.crc32(pool_name(device).encode())
-    mine = torch.tensor([need, pool, -1 if free is None else free], dtype=torch.int64,
+    mine = torch.tensor([need, _pool_id(pool_name(device)), -1 if free is None else free], dtype=torch.int64,
                         device=default_device(group))
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
@@ -205,8 +218,8 @@ def check_switch_memory(need: int, *, device: torch.device, what: str, limit_byt
     """Gather every rank's need and free memory, and raise ``SwitchMemoryError`` on every rank if
     the switch does not fit (collective). Returns the readings when it fits."""
     readings = gather_readings(need, device, group, read_free=read_free)
-    mine = zlib.crc32(pool_name(device).encode())
-    error = refusal(readings, what=what, limit_bytes=limit_bytes, pool_names={mine: pool_name(device)})
+    name = pool_name(device)
+    error = refusal(readings, what=what, limit_bytes=limit_bytes, pool_names={_pool_id(name): name})
     if error is not None:
         raise error
     return readings

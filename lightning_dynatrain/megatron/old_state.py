@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from lightning_dynatrain.engine.recycling import StorageRecycler, can_release_pages, release_pages, state_group
+from lightning_dynatrain.engine.recycling import (
+    BUFFER_GROUP,
+    StorageRecycler,
+    can_release_pages,
+    release_pages,
+    state_group,
+)
 from lightning_dynatrain.engine.store import StoreKey
 
 
@@ -53,12 +59,12 @@ class OldStateMemory:
         return sum(self._grad_bytes)
 
     def free_gradients(self) -> None:
-        """Free the gradient buffers, or, with a recycler, hand them to it (group ``"buffer"``) for the
+        """Free the gradient buffers, or, with a recycler, hand them to it (``BUFFER_GROUP``) for the
         new model's DDP buffers to be carved from (``CarveZeros``)."""
         for storage, _ in self._grads:
             self.freed_bytes += storage.nbytes()
             if self._recycler is not None:
-                self._recycler.give(storage, "buffer", hold=True)
+                self._recycler.give(storage, BUFFER_GROUP, hold=True)
             else:
                 storage.resize_(0)
 
