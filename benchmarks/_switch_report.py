@@ -36,7 +36,8 @@ def summarize(src: str, dst: str, ranks: list[dict], restart: list[dict] | None)
     methods = dict(first["methods"])
     for name in methods:
         methods[name] = dict(methods[name], peak_rss_sum=sum(r["methods"][name]["peak_rss"] for r in ranks),
-                             rss_before_sum=sum(r["methods"][name]["rss_before"] for r in ranks))
+                             rss_before_sum=sum(r["methods"][name]["rss_before"] for r in ranks),
+                             machine_pages=first["methods"][name].get("machine_pages_bytes", 0))
     checks = {m: c["passed"] for m, c in first["checks"].items()}
     restarted = _restart(first, restart)
     if restarted is not None:
@@ -88,6 +89,7 @@ def compact(row: dict) -> dict:
         out["hot_switch"]["rebuild_steps"] = {k.strip("_"): round(v, 4) for k, v in hot["steps"].items()
                                               if k != "execute_switch"}
     out["peak_rss_sum"] = {m: r["peak_rss_sum"] for m, r in row["methods"].items() if "peak_rss_sum" in r}
+    out["machine_pages"] = {m: r["machine_pages"] for m, r in row["methods"].items() if "machine_pages" in r}
     return out
 
 
@@ -237,4 +239,7 @@ def profile(rows: list[dict]) -> str:
         peaks = " ".join(f"{k} {v['peak_rss_sum'] / GB:.1f}" for k, v in m.items() if "peak_rss_sum" in v)
         if peaks:
             lines.append(f"    peak RSS, sum over ranks (GB): {peaks}")
+        fresh = " ".join(f"{k} {v['machine_pages'] / GB:.1f}" for k, v in m.items() if "machine_pages" in v)
+        if fresh:
+            lines.append(f"    fresh pages the kernel handed out during the method, whole machine (GB): {fresh}")
     return "\n".join(lines)

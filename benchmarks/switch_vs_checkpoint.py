@@ -184,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup = build_setup(args, pairs)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    from lightning_dynatrain.baselines.pair import METHODS
+
+    if unknown := [m for m in methods if m not in METHODS]:
+        raise SystemExit(f"--methods: unknown {unknown}; choose among {list(METHODS)} "
+                         "(the floor is measured in every run)")
     config = config_record(setup, args)
     print(f"model: {config['parameters'] / 1e6:.1f}M parameters ({config['shape']}), fp32 + Adam "
           f"({config['state_bytes_one_copy'] / 1e9:.2f} GB per full copy of params + moments), {WORLD} gloo ranks",

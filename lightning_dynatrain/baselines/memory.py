@@ -91,11 +91,28 @@ def rss() -> int:
     return proc_field_bytes("/proc/self/status", "VmRSS") or 0
 
 
+def machine_page_allocations() -> int:
+    """Bytes of pages the kernel has handed out on this machine since boot (``pgalloc_*`` in
+    ``/proc/vmstat``), or 0 where that is not readable. Fresh pages cost a fault and a kernel zero
+    each, several times what writing memory already touched costs (``benchmarks/fresh_memory.py``).
+    Read around a method on one rank, the difference is the fresh memory all ranks took (the page
+    fault count cannot say it: one fault maps a 2 MiB page under transparent huge pages)."""
+    import resource
+
+    try:
+        with open("/proc/vmstat") as f:
+            pages = sum(int(line.split()[1]) for line in f if line.startswith("pgalloc_"))
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pages * resource.getpagesize()
+
+
 def fmt_gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB"
 
 
 __all__ = [
+    "machine_page_allocations",
     "mem_available",
     "trim_heap",
     "peak_rss",

@@ -35,6 +35,7 @@ from lightning_dynatrain.engine.fingerprint import Fingerprint, diff, logical_fi
 from lightning_dynatrain.baselines.floor import measure_speeds, switch_floor
 from lightning_dynatrain.baselines.memory import (
     GiB,
+    machine_page_allocations,
     fmt_gb,
     hot_switch_extra_bytes,
     mem_available,
@@ -342,7 +343,7 @@ class PairBench:
         if (reason := self.fits(need, what)) is not None:
             self.out["skipped"][method] = reason
             return
-        before = rss()
+        before, pages = rss(), machine_page_allocations()
         reset_peak_rss()
         try:
             record = getattr(self, method)()
@@ -352,6 +353,7 @@ class PairBench:
             return
         record["peak_rss"] = peak_rss()
         record["rss_before"] = before
+        record["machine_pages_bytes"] = machine_page_allocations() - pages  # every rank reads the same machine
         self.out["methods"][method] = record
         trim_heap()  # outside the timed window: every method starts from a trimmed heap
         self.check(method)

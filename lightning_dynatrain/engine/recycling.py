@@ -6,9 +6,10 @@ An accelerator's caching allocator reuses freed blocks by itself. PyTorch's CPU 
 large blocks back to the OS, so ``StorageRecycler`` keeps the storages the switch is done with
 (``give``) and carves new local tensors out of them (``take``).
 
-The same goes for buffers built inside library code: under ``CarveZeros`` a ``torch.zeros`` call
+The same goes for buffers built inside library code: under ``CarveBuffers`` a ``torch.zeros`` call
 (megatron's DDP allocating its gradient and zero1 param buffers) takes a whole old storage held for
-it (``give(..., hold=True)``: the old gradient buffers) and zeroes it, with no fresh pages.
+it (``give(..., hold=True)``: the old gradient buffers), with no fresh pages; zeroed, or with
+``zero=False`` as it is, for a caller that overwrites it anyway.
 
 Rules that keep memory bounded:
 
@@ -45,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_dynatrain.engine.store import StoreKey
 
 MiB = 2**20
-#: the group of old gradient buffers held for the new model's DDP buffers (``CarveZeros``)
+#: the group of old gradient buffers held for the new model's DDP buffers (``CarveBuffers``)
 BUFFER_GROUP = "buffer"
 #: carved tensors start at a multiple of this many bytes (any dtype can view them; cache lines stay whole)
 ALIGNMENT = 64
@@ -216,16 +217,21 @@ class StorageRecycler:
         self.idle_bytes = 0
 
 
-class CarveZeros(TorchFunctionMode):
+class CarveBuffers(TorchFunctionMode):
     """Inside this mode, ``torch.zeros(n, ...)`` of a CPU tensor of at least the recycler's
-    ``min_bytes`` is served by ``take_whole`` from ``group`` and zeroed (memory already touched: no
-    page faults), else allocated as usual, after the storages held for ``group`` are freed (one
-    that fits none of them would otherwise come on top of them). Wraps the construction of
-    megatron's DDP buffers."""
+    ``min_bytes`` is served by ``take_whole`` from ``group`` (memory already touched: no page
+    faults), else allocated as usual, after the storages held for ``group`` are freed (one that
+    fits none of them would otherwise come on top of them). Wraps the construction of megatron's
+    DDP buffers.
 
-    def __init__(self, recycler: StorageRecycler, group: str) -> None:
+    ``zero``: zero what is served, as ``torch.zeros`` promises. ``zero=False`` hands it over with
+    the old storage's bytes, for buffers whose elements are each written before they are read (or
+    never read); megatron's DDP buffers are such (``hot_switch``), which saves one pass over them.
+    """
+
+    def __init__(self, recycler: StorageRecycler, group: str, *, zero: bool = True) -> None:
         super().__init__()
-        self.recycler, self.group = recycler, group
+        self.recycler, self.group, self.zero = recycler, group, zero
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -234,7 +240,8 @@ class CarveZeros(TorchFunctionMode):
             dtype = kwargs.get("dtype") or torch.get_default_dtype()
             carved = self.recycler.take_whole(args[0], dtype, self.group)
             if carved is not None:
-                carved.zero_()
+                if self.zero:
+                    carved.zero_()
                 return carved.requires_grad_(bool(kwargs.get("requires_grad", False)))
             if args[0] * dtype.itemsize >= self.recycler.min_bytes:
                 # no held storage fits: free them before taking fresh memory, so the two never add up
@@ -247,4 +254,4 @@ def state_group(kind) -> str:
     return "moment" if kind.value.startswith("exp_avg") else "param"
 
 
-__all__ = ["ALIGNMENT", "BUFFER_GROUP", "CarveZeros", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]
+__all__ = ["ALIGNMENT", "BUFFER_GROUP", "CarveBuffers", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]

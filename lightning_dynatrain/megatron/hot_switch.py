@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.engine.engine import execute_switch
-from lightning_dynatrain.engine.recycling import BUFFER_GROUP, CarveZeros, StorageRecycler, state_group
+from lightning_dynatrain.engine.recycling import BUFFER_GROUP, CarveBuffers, StorageRecycler, state_group
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.staging import parse_bytes
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
@@ -148,8 +148,12 @@ def hot_switch(
         model = build_gpt_model(shape, target, seed=seed, params_dtype=old_param.dtype, initialize=False)
         if device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
             model = model.to(device)
-        with CarveZeros(recycler, BUFFER_GROUP) if recycler is not None else contextlib.nullcontext():
-            ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)  # buffers: old grads' memory
+        # DDP's buffers go into the old gradients' memory, not zeroed: megatron's step zeroes the
+        # gradient buffer before its first use (``zero_grad_buffer``), DDP copies the params into the
+        # zero1 param buffer, and nothing reads the padding between them
+        carve = CarveBuffers(recycler, BUFFER_GROUP, zero=False) if recycler is not None else contextlib.nullcontext()
+        with carve:
+            ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
         if recycler is not None:
             recycler.drop_group(BUFFER_GROUP)
         materialize_adam_state(optimizer, step, zero=False)

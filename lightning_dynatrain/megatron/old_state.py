@@ -60,7 +60,7 @@ class OldStateMemory:
 
     def free_gradients(self) -> None:
         """Free the gradient buffers, or, with a recycler, hand them to it (``BUFFER_GROUP``) for the
-        new model's DDP buffers to be carved from (``CarveZeros``)."""
+        new model's DDP buffers to be carved from (``CarveBuffers``)."""
         for storage, _ in self._grads:
             self.freed_bytes += storage.nbytes()
             if self._recycler is not None:

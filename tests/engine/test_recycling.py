@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from lightning_dynatrain.engine.recycling import ALIGNMENT, CarveZeros, StorageRecycler, release_tail, state_group
+from lightning_dynatrain.engine.recycling import ALIGNMENT, CarveBuffers, StorageRecycler, release_tail, state_group
 from lightning_dynatrain.vps.spec import StateKind
 
 MiB = 2**20
@@ -92,8 +92,8 @@ def test_a_released_tail_reads_as_zeros_and_the_head_is_kept():
     assert torch.all(values[MiB // 4 + page: -page] == 0.0)  # the released pages read as fresh zeros
 
 
-def test_torch_zeros_inside_carve_zeros_takes_a_whole_old_storage():
-    """megatron's DDP allocates its buffers with ``torch.zeros``: inside ``CarveZeros`` they land at the
+def test_torch_zeros_inside_carve_buffers_takes_a_whole_old_storage():
+    """megatron's DDP allocates its buffers with ``torch.zeros``: inside ``CarveBuffers`` they land at the
     start of an old gradient buffer (zeroed, alone in it), else in fresh memory as usual."""
     recycler = StorageRecycler(idle_cap=0)
     old_grads = _storage(8, value=5.0)
@@ -101,7 +101,7 @@ def test_torch_zeros_inside_carve_zeros_takes_a_whole_old_storage():
     assert old_grads.nbytes() > 0
     spare = _storage(2)
     recycler.give(spare, "buffer", hold=True)
-    with CarveZeros(recycler, "buffer"):
+    with CarveBuffers(recycler, "buffer"):
         grad = torch.zeros(MiB, dtype=F32, requires_grad=False)  # 4 MiB: the smallest that fits is the 8
         assert spare.nbytes() > 0
         fresh = torch.zeros(MiB, dtype=F32)  # fits no held storage: they are freed, then fresh memory
@@ -110,3 +110,16 @@ def test_torch_zeros_inside_carve_zeros_takes_a_whole_old_storage():
     assert _inside(grad, old_grads) and grad.data_ptr() == old_grads.data_ptr() and torch.all(grad == 0)
     assert not _inside(fresh, old_grads) and torch.all(fresh == 0) and torch.all(small == 0)
     assert recycler.reused_bytes == 4 * MiB
+
+
+def test_carve_buffers_without_zeroing_hands_over_the_old_bytes():
+    """``zero=False`` (megatron's DDP buffers in a switch: written before read) skips the zeroing
+    pass: the buffer is the old storage, bytes and all; a buffer that fits nothing is still zeros."""
+    recycler = StorageRecycler(idle_cap=0)
+    old_grads = _storage(8, value=5.0)
+    recycler.give(old_grads, "buffer", hold=True)
+    with CarveBuffers(recycler, "buffer", zero=False):
+        grad = torch.zeros(MiB, dtype=F32)
+        fresh = torch.zeros(4 * MiB, dtype=F32)  # fits no held storage
+    assert grad.data_ptr() == old_grads.data_ptr() and torch.all(grad == 5.0)
+    assert not _inside(fresh, old_grads) and torch.all(fresh == 0)
