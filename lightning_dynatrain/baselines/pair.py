@@ -35,9 +35,9 @@ from lightning_dynatrain.engine.fingerprint import Fingerprint, diff, logical_fi
 from lightning_dynatrain.baselines.floor import measure_speeds, switch_floor
 from lightning_dynatrain.baselines.memory import (
     GiB,
-    machine_page_allocations,
     fmt_gb,
     hot_switch_extra_bytes,
+    machine_page_allocations,
     mem_available,
     peak_rss,
     reset_peak_rss,
