@@ -227,26 +227,60 @@ class CarveBuffers(TorchFunctionMode):
     ``zero``: zero what is served, as ``torch.zeros`` promises. ``zero=False`` hands it over with
     the old storage's bytes, for buffers whose elements are each written before they are read (or
     never read); megatron's DDP buffers are such (``hot_switch``), which saves one pass over them.
+
+    ``skip_copies``: for a model whose params are uninitialised and written later, element by
+    element (a switch's new model: the engine writes them). A ``Tensor.copy_`` into a buffer served
+    here is skipped (megatron's DDP copies each param into its zero1 param buffer), and a buffer
+    that does not fit a held storage is served untouched (``torch.empty``): the one a copy targeted
+    (the param buffer) is left to its writer, whose writes fault its pages in once; the others
+    (gradient buffers) are zeroed by ``zero_untouched``, which the caller calls when their pages
+    should come, e.g. once the old state's memory is back. Until then they hold what fresh memory
+    holds (megatron zeroes a gradient buffer before its first use anyway).
     """
 
-    def __init__(self, recycler: StorageRecycler, group: str, *, zero: bool = True) -> None:
+    def __init__(self, recycler: StorageRecycler, group: str, *, zero: bool = True, skip_copies: bool = False) -> None:
         super().__init__()
-        self.recycler, self.group, self.zero = recycler, group, zero
+        self.recycler, self.group, self.zero, self.skip_copies = recycler, group, zero, skip_copies
+        self._served: dict[int, tuple[torch.Tensor, bool]] = {}  # storage address -> (buffer, fresh)
+        self._written_later: set[int] = set()  # storage addresses of buffers a copy targeted
+        self.skipped_copy_bytes = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and self.skip_copies and self._served:
+            address = args[0].untyped_storage().data_ptr()
+            if address in self._served:
+                self._written_later.add(address)
+                self.skipped_copy_bytes += args[0].nbytes
+                return args[0]
         if func is torch.zeros and len(args) == 1 and isinstance(args[0], int) and "out" not in kwargs \
                 and torch.device(kwargs.get("device") or "cpu").type == "cpu":
             dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            requires_grad = bool(kwargs.get("requires_grad", False))
             carved = self.recycler.take_whole(args[0], dtype, self.group)
             if carved is not None:
                 if self.zero:
                     carved.zero_()
-                return carved.requires_grad_(bool(kwargs.get("requires_grad", False)))
+                return self._serve(carved, fresh=False).requires_grad_(requires_grad)
             if args[0] * dtype.itemsize >= self.recycler.min_bytes:
                 # no held storage fits: free them before taking fresh memory, so the two never add up
                 self.recycler.drop_group(self.group)
+                if self.skip_copies:  # untouched until ``zero_untouched`` or the caller writes it
+                    return self._serve(torch.empty(args[0], dtype=dtype), fresh=True).requires_grad_(requires_grad)
         return func(*args, **kwargs)
+
+    def _serve(self, buffer: torch.Tensor, *, fresh: bool) -> torch.Tensor:
+        if self.skip_copies:
+            self._served[buffer.untyped_storage().data_ptr()] = (buffer, fresh)
+        return buffer
+
+    def zero_untouched(self) -> int:
+        """Zero the fresh buffers no copy targeted (``skip_copies``); the bytes zeroed."""
+        pending = [b for address, (b, fresh) in self._served.items() if fresh and address not in self._written_later]
+        self._served.clear()
+        for buffer in pending:
+            buffer.zero_()
+        return sum(b.nbytes for b in pending)
 
 
 def state_group(kind) -> str:

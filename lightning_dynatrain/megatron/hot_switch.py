@@ -22,7 +22,11 @@ each old tensor's storage as soon as the engine has read it for the last time, w
 tensors (allocated untouched) take memory as they are written. On CPU the storages the engine is
 done with are not handed back to the OS but carved into the new params and moments that come next
 (``engine.recycling``): new state is written into memory the old state already touched, which
-saves faulting in (and the kernel zeroing) fresh pages. So old and new state overlap only
+saves faulting in (and the kernel zeroing) fresh pages. New DDP buffers go into the old gradient
+buffers' memory where they fit; where they do not, they stay untouched until written: the zero1
+param buffer by the engine (DDP's copy of the uninitialised params into it is skipped), a gradient
+buffer by a zeroing pass after the engine, once the old state's memory is back
+(``CarveBuffers(skip_copies=True)``). So old and new state overlap only
 as far as the plan's order makes them; the engine's staging budget bounds what comes on top. A
 switch refused before anything moved (a bad budget, on every rank) leaves the old state whole.
 """
@@ -75,12 +79,17 @@ class HotSwitchResult:
     state: MegatronTrainingState
     report: SwitchReport
     rebuild_seconds: float
+    """Building the new model, DDP buffers and optimizer, and zeroing (after the engine) the fresh
+    gradient buffers left untouched until then."""
     seconds: float
     old_freed_bytes: int
     """Memory of the old state given back during the switch (gradient buffers, then each storage
     the engine was done with); what the new layout kept in place is in ``report.in_place``."""
     recycled_bytes: int = 0
     """New state written into old storages instead of fresh memory (``engine.recycling``)."""
+    skipped_copy_bytes: int = 0
+    """DDP's copies of the new model's uninitialised params into its zero1 param buffer, skipped
+    (``CarveBuffers(skip_copies=True)``): the engine writes that buffer."""
     need_bytes: int | None = None
     """The bound on this rank's extra memory the switch was checked against (``memory_check``);
     ``None`` when it was not checked."""
@@ -149,11 +158,16 @@ def hot_switch(
         if device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
             model = model.to(device)
         # DDP's buffers go into the old gradients' memory, not zeroed: megatron's step zeroes the
-        # gradient buffer before its first use (``zero_grad_buffer``), DDP copies the params into the
-        # zero1 param buffer, and nothing reads the padding between them
-        carve = CarveBuffers(recycler, BUFFER_GROUP, zero=False) if recycler is not None else contextlib.nullcontext()
+        # gradient buffer before its first use (``zero_grad_buffer``), the engine writes every param
+        # in the zero1 param buffer, and nothing reads the padding between them. DDP's copy of the
+        # uninitialised params into that buffer is skipped. A buffer that fits no old gradient
+        # storage stays untouched: the engine's writes fault the param buffer's pages in, and a
+        # gradient buffer is zeroed after the engine, once the old state's memory is back
+        carve = (CarveBuffers(recycler, BUFFER_GROUP, zero=False, skip_copies=True) if recycler is not None
+                 else contextlib.nullcontext())
         with carve:
             ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
+        skipped_copy_bytes = getattr(carve, "skipped_copy_bytes", 0)
         if recycler is not None:
             recycler.drop_group(BUFFER_GROUP)
         materialize_adam_state(optimizer, step, zero=False)
@@ -192,6 +206,10 @@ def hot_switch(
         )
         if recycler is not None:
             recycler.close(rebind)
+        t0 = time.perf_counter()
+        if isinstance(carve, CarveBuffers):
+            carve.zero_untouched()
+        rebuild += time.perf_counter() - t0
     except BaseException:
         if not old_memory.started:  # refused before anything moved: training can go on at ``src``
             old_memory.restore_gradients()
@@ -205,5 +223,6 @@ def hot_switch(
         old_freed_bytes=old_memory.freed_bytes,
         need_bytes=need,
         recycled_bytes=recycler.reused_bytes if recycler is not None else 0,
+        skipped_copy_bytes=skipped_copy_bytes,
     )
 

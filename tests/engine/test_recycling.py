@@ -123,3 +123,30 @@ def test_carve_buffers_without_zeroing_hands_over_the_old_bytes():
         fresh = torch.zeros(4 * MiB, dtype=F32)  # fits no held storage
     assert grad.data_ptr() == old_grads.data_ptr() and torch.all(grad == 5.0)
     assert not _inside(fresh, old_grads) and torch.all(fresh == 0)
+
+
+def test_carve_buffers_skipping_copies_leaves_the_copied_buffer_to_its_writer():
+    """``skip_copies`` (a switch's new model: uninitialised params the engine writes later): megatron's
+    copy of each param into the zero1 param buffer is skipped, so that buffer is left as served
+    (fresh: untouched; carved: the old bytes); a fresh buffer no copy targeted (a gradient buffer)
+    is zeros once ``zero_untouched`` ran; copies into other tensors still happen."""
+    recycler = StorageRecycler(idle_cap=0)
+    old_grads = _storage(8, value=5.0)
+    recycler.give(old_grads, "buffer", hold=True)
+    params = [torch.full((MiB // 2,), 3.0), torch.full((MiB // 2,), 4.0)]
+    elsewhere = torch.zeros(16)
+    with CarveBuffers(recycler, "buffer", zero=False, skip_copies=True) as carve:
+        carved_param_buffer = torch.zeros(MiB, dtype=F32)  # fits the old gradients: carved
+        fresh_param_buffer = torch.zeros(4 * MiB, dtype=F32)  # fits nothing: fresh
+        fresh_grad_buffer = torch.zeros(4 * MiB, dtype=F32)
+        for i, param in enumerate(params):
+            carved_param_buffer[i * MiB // 2:(i + 1) * MiB // 2].copy_(param)  # as megatron's DDP does
+            fresh_param_buffer[i * MiB // 2:(i + 1) * MiB // 2].detach().copy_(param)
+        elsewhere.copy_(torch.ones(16))
+    fresh_grad_buffer.fill_(9.0)  # as if the fresh memory held old bytes: ``zero_untouched`` zeroes it
+    assert carve.zero_untouched() == fresh_grad_buffer.nbytes
+    assert carved_param_buffer.data_ptr() == old_grads.data_ptr() and torch.all(carved_param_buffer == 5.0)
+    for i, param in enumerate(params):  # never written (what it holds is the allocator's): the copies were skipped
+        assert not torch.equal(fresh_param_buffer[i * MiB // 2:(i + 1) * MiB // 2], param)
+    assert torch.all(fresh_grad_buffer == 0.0) and torch.all(elsewhere == 1.0)
+    assert carve.skipped_copy_bytes == 4 * params[0].nbytes

@@ -1,6 +1,6 @@
 """Hot switches that write new state into old storages (``engine.recycling``), on a GPT large enough for
 its tensors to be recycled (4 gloo processes). Through dp2-tp2 -> dp4 -> dp2-tp2 -> dp1-tp2-pp2 ->
-dp2-tp2 the logical state stays bit-identical; every switch builds the new DDP buffers in the old
+dp2-tp2-zero1 -> dp2-tp2 the logical state stays bit-identical; every switch builds the new DDP buffers in the old
 gradient buffers' memory (and a switch refused after that gives them back); dp4 -> dp2-tp2 writes its
 tensor-parallel halves into the old full tensors' memory; the pipeline change after it keeps those recycled tensors in place
 (every tensor the plan allows); the round trip gives back every local tensor; and training goes on
@@ -16,8 +16,9 @@ from tests.dist import run_distributed
 from tests.megatron.jobs import SEED
 from tests.megatron.test_memory_check import OPTIMIZER, SIZED
 
-CHAIN = ["dp2-tp2-pp1", "dp4-tp1-pp1", "dp2-tp2-pp1", "dp1-tp2-pp2", "dp2-tp2-pp1"]
-RECYCLE = [True, True, True, False]  # the last switch writes into fresh memory
+CHAIN = ["dp2-tp2-pp1", "dp4-tp1-pp1", "dp2-tp2-pp1", "dp1-tp2-pp2", "dp2-tp2-pp1-zero1", "dp2-tp2-pp1"]
+RECYCLE = [True, True, True, True, False]  # the last switch writes into fresh memory
+INTO_ZERO1 = 3  # the switch that builds a zero1 param buffer
 
 
 def _walk(rank: int, world_size: int) -> dict:
@@ -50,7 +51,7 @@ def _walk(rank: int, world_size: int) -> dict:
     state = MegatronTrainingState(layout=first, ddp=ddp, optimizer=optimizer)
     run_train_step(ddp, optimizer, batch_for(first), first, 1)
     start, fingerprint = snapshot(state)
-    out = {"fingerprints_equal": [], "recycled": [], "in_place": []}
+    out = {"fingerprints_equal": [], "recycled": [], "in_place": [], "skipped_copies": [], "param_bytes": []}
     # refused at the engine's preflight, after the new DDP buffers were carved from the old gradient
     # buffers: the old gradients come back and training goes on (the checks below still hold)
     from lightning_dynatrain.engine.errors import StagingBudgetError
@@ -67,6 +68,8 @@ def _walk(rank: int, world_size: int) -> dict:
         out["fingerprints_equal"].append(snapshot(state)[1] == fingerprint)
         out["recycled"].append(result.recycled_bytes)
         out["in_place"].append(result.report.in_place.bytes)
+        out["skipped_copies"].append(result.skipped_copy_bytes)
+        out["param_bytes"].append(sum(p.nbytes for p in state.ddp.module.parameters()))
     end, _ = snapshot(state)
     out["round_trip_exact"] = start.keys() == end.keys() and all(torch.equal(start[k], end[k]) for k in start)
     out["loss_after"] = run_train_step(state.ddp, state.optimizer, batch_for(state.layout), state.layout, 1)
@@ -113,6 +116,15 @@ def test_new_state_is_written_into_old_storages_only_when_asked(walk):
     for run in walk:
         assert run["recycled"][1] > 0  # dp4 -> dp2-tp2: the halves go into the old full tensors' memory
         assert run["recycled"][-1] == 0  # recycle=False
+
+
+def test_the_zero1_param_buffer_is_written_by_the_engine_alone(walk):
+    """Into zero1, DDP's copies of the new model's uninitialised params into its param buffer are
+    skipped, every param's bytes (the engine writes them all: the fingerprints above match); no
+    other switch builds a param buffer."""
+    for run in walk:
+        assert run["skipped_copies"][INTO_ZERO1] == run["param_bytes"][INTO_ZERO1] > 0
+        assert [b for i, b in enumerate(run["skipped_copies"]) if i != INTO_ZERO1] == [0] * (len(RECYCLE) - 1)
 
 
 def test_recycled_tensors_are_kept_in_place_by_the_next_switch(walk):
