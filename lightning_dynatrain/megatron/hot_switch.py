@@ -163,11 +163,9 @@ def hot_switch(
         # uninitialised params into that buffer is skipped. A buffer that fits no old gradient
         # storage stays untouched: the engine's writes fault the param buffer's pages in, and a
         # gradient buffer is zeroed after the engine, once the old state's memory is back
-        carve = (CarveBuffers(recycler, BUFFER_GROUP, zero=False, skip_copies=True) if recycler is not None
-                 else contextlib.nullcontext())
-        with carve:
+        carve = CarveBuffers(recycler, BUFFER_GROUP, zero=False, skip_copies=True) if recycler is not None else None
+        with carve or contextlib.nullcontext():
             ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
-        skipped_copy_bytes = getattr(carve, "skipped_copy_bytes", 0)
         if recycler is not None:
             recycler.drop_group(BUFFER_GROUP)
         materialize_adam_state(optimizer, step, zero=False)
@@ -206,10 +204,10 @@ def hot_switch(
         )
         if recycler is not None:
             recycler.close(rebind)
-        t0 = time.perf_counter()
-        if isinstance(carve, CarveBuffers):
+        if carve is not None:
+            t0 = time.perf_counter()
             carve.zero_untouched()
-        rebuild += time.perf_counter() - t0
+            rebuild += time.perf_counter() - t0
     except BaseException:
         if not old_memory.started:  # refused before anything moved: training can go on at ``src``
             old_memory.restore_gradients()
@@ -223,6 +221,6 @@ def hot_switch(
         old_freed_bytes=old_memory.freed_bytes,
         need_bytes=need,
         recycled_bytes=recycler.reused_bytes if recycler is not None else 0,
-        skipped_copy_bytes=skipped_copy_bytes,
+        skipped_copy_bytes=carve.skipped_copy_bytes if carve is not None else 0,
     )
 
