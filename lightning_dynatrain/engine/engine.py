@@ -13,7 +13,8 @@ which is what keeps it free of deadlocks):
    chunk of at least ``direct_min_bytes`` travels as its own message, straight from old storage or
    into new storage where it is contiguous there (no pack or unpack copy); smaller chunks coalesce.
 5. **retain**: keep in place the local tensors the plan retains whole with an unchanged local
-   layout (``adoption.py``: the new store takes the old tensor, no copy), copy the other boxes this
+   layout (``adoption.py``: the new store takes the old tensor, no copy), or as one contiguous run of
+   a larger old tensor (with ``adopt_views``: a view into it), copy the other boxes this
    rank keeps from old to new storage (``Tensor.copy_``). Last, so that a rank done with its peers
    copies while other pairs still exchange.
 
@@ -39,7 +40,7 @@ from collections.abc import Callable, MutableMapping
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.engine.adoption import Adopter, adoptable_keys, owns_storage, take_over
+from lightning_dynatrain.engine.adoption import Adopter, adoptable_keys, owns_storage, slice_keys, take_over
 from lightning_dynatrain.engine.collectives import BroadcastJob, BroadcastPlan, SubgroupCache
 from lightning_dynatrain.engine.comm import GroupComm
 from lightning_dynatrain.engine.errors import StateStoreError
@@ -106,12 +107,16 @@ def execute_switch(
             engine's store takes such tensors over; with ``allocate``, nothing is adopted. A source
             tensor that is a view into a storage shared with others is offered only when every
             tensor in that storage can be kept, or with ``adopt_views``.
-        adopt_views: offer views into shared storages to ``adopt`` as well; the caller then gives
-            back the memory of the other tensors in such a storage as they are released (e.g.
-            ``OldStateMemory.kept``), or it stays alive with the kept tensor.
+        adopt_views: offer views into shared storages to ``adopt`` as well, and slices of larger
+            source tensors (a destination local tensor the plan retains whole from one contiguous
+            run of its source tensor, ``adoption.slice_keys``); the caller then gives back the
+            memory of the other tensors in such a storage, and of the parts of a sliced tensor
+            outside its slice, as they are released (e.g. ``OldStateMemory.kept``), or it stays
+            alive with the kept tensor.
         release: ``release(key, source_tensor)`` is called once the switch no longer needs a source
-            tensor (after its last read; at once for one nothing reads), never for one kept in place:
-            where other objects still hold the old tensors (a megatron model), this is where their
+            tensor (after its last read; at once for one nothing reads), never for one kept in place
+            whole; for one kept as a slice, once per part outside the slice (1-D views of it).
+            Where other objects still hold the old tensors (a megatron model), this is where their
             memory can go. Never called before the preflight has agreed on every rank.
         staging_budget: bytes of pack/unpack buffers alive at once (``"256MiB"``, an int).
         direct_min_bytes: a chunk this big or bigger travels as its own message, straight from the
@@ -237,7 +242,10 @@ class _Switch:
         self.direct_min = direct_min
         self.release = release
         self.adoptable = adoptable_keys(plan.retains, src, dst) if adopt is not None else frozenset()
+        # kept as a slice of a larger source tensor: only where the caller gives the rest back
+        self.sliceable = slice_keys(plan.retains, src, dst) if adopt is not None and adopt_views else {}
         self.adopted: set[StoreKey] = set()
+        self.sliced: set[StoreKey] = set()
         self.adopt_views = adopt_views
         self._sharing: dict[int, set[StoreKey]] = {}  # storage -> every source key in it, before any is dropped
         if self.adoptable and not adopt_views:
@@ -262,8 +270,16 @@ class _Switch:
 
     def _drop(self, key: StoreKey) -> None:
         tensor = self.source.pop(key)
-        if self.release is not None and key not in self.adopted:
+        if self.release is None:
+            return
+        if key not in self.adopted:
             self.release(key, tensor)
+        elif key in self.sliced:  # the parts of the old tensor around the slice kept in place
+            start, stop = self.sliceable[key]
+            flat = tensor.view(-1)
+            for rest in (flat[:start], flat[stop:]):
+                if rest.numel():
+                    self.release(key, rest)
 
     def read(self, key: StoreKey) -> torch.Tensor:
         return self.source[key]
@@ -301,16 +317,27 @@ class _Switch:
 
     # -------------------------------------------------------------- movement
     def _kept_in_place(self, key: StoreKey) -> bool:
-        """Whether ``key``'s destination is its source tensor (adopting it at the first retain)."""
+        """Whether ``key``'s destination is its source tensor, or a slice of it (adopting it at the
+        first retain)."""
         if key in self.adopted:
             return True
-        if key not in self.adoptable or key in self.dest:
+        if key in self.dest:
             return False
         tensor = self.source[key]
-        if not self._storage_kept_whole(tensor) or not self.adopt(key, tensor):  # type: ignore[misc]
+        if key in self.adoptable:
+            if not self._storage_kept_whole(tensor):
+                return False
+        elif key in self.sliceable and tensor.is_contiguous():
+            start, stop = self.sliceable[key]
+            tensor = tensor.view(-1)[start:stop]
+        else:
+            return False
+        if not self.adopt(key, tensor):  # type: ignore[misc]
             return False
         self.dest[key] = tensor
         self.adopted.add(key)
+        if key not in self.adoptable:
+            self.sliced.add(key)
         return True
 
     def _storage_kept_whole(self, tensor: torch.Tensor) -> bool:

@@ -18,6 +18,8 @@ Rules that keep memory bounded:
 - Requests below ``min_bytes`` are not recycled: the heap serves small tensors without page faults.
 - The arena space nobody has carved from ("idle") never exceeds ``idle_cap`` bytes while fully
   idle arenas remain: they are freed, oldest first.
+- A range of a storage the new state keeps a tensor in (``give_range``: the old tensor around a
+  slice kept in place) is never freed as a storage: what is not carved from it goes back by pages.
 - ``close`` frees arenas never carved from, and gives the unused tail of the others back to the OS
   (``madvise(MADV_DONTNEED)`` on its whole pages: the carved tensors stay where they are). Where
   that call is not available, tensors are moved out of arenas left with more than 1/16 of their
@@ -54,18 +56,50 @@ ALIGNMENT = 64
 
 @dataclass(eq=False)
 class _Arena:
+    """Bytes ``[start, end)`` of an old storage, carved from ``start`` up (``used``: the next free byte).
+    A whole storage, or the part of one around a tensor the new state keeps in it (``give_range``)."""
+
     storage: torch.UntypedStorage
     group: str
-    used: int = 0
+    start: int = 0
+    end: int = -1  # -1: the storage's end
+    used: int = -1  # -1: ``start``
     carved: list[tuple[StoreKey, torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.end < 0:
+            self.end = self.storage.nbytes()
+        if self.used < 0:
+            self.used = self.start
 
     @property
     def size(self) -> int:
-        return self.storage.nbytes()
+        return self.end - self.start
 
     @property
     def room(self) -> int:
-        return self.size - self.used
+        return self.end - self.used
+
+    @property
+    def untouched(self) -> bool:
+        return self.used == self.start
+
+    @property
+    def whole(self) -> bool:
+        """The arena is its whole storage (nothing else lives in it)."""
+        return self.start == 0 and self.end == self.storage.nbytes()
+
+    def discard(self) -> None:
+        """Give back an arena nothing was carved from: the storage, or the range's pages."""
+        if self.whole:
+            _free(self.storage)
+        else:
+            release_pages(self.storage.device, self.storage.data_ptr() + self.start, self.storage.data_ptr() + self.end)
+
+    def release_rest(self) -> int:
+        """Give the pages past the carved tensors back to the OS; the bytes released."""
+        base = self.storage.data_ptr()
+        return release_pages(self.storage.device, base + self.used, base + self.end)
 
 
 def _free(storage: torch.UntypedStorage) -> None:
@@ -134,19 +168,34 @@ class StorageRecycler:
         if storage.nbytes() < self.min_bytes or storage.device.type != "cpu":
             _free(storage)
             return
-        arena = _Arena(storage, group)
-        self._arenas.setdefault(group, []).append(arena)
+        self._add(_Arena(storage, group), hold=hold)
+
+    def give_range(self, storage: torch.UntypedStorage, start: int, end: int, group: str) -> int:
+        """Take over bytes ``[start, end)`` of a storage the new state keeps other tensors in (the
+        parts of an old tensor around a slice kept in place, ``engine.adoption.slice_keys``). What is
+        not carved from it goes back to the OS by its pages (``release_pages``), never by freeing
+        the storage. Returns the bytes given back at once: all of them below ``min_bytes`` (or off
+        the CPU), else 0."""
+        start = -(-start // ALIGNMENT) * ALIGNMENT
+        if end - start < self.min_bytes or storage.device.type != "cpu":
+            return release_pages(storage.device, storage.data_ptr() + start, storage.data_ptr() + end)
+        self.given_bytes += end - start
+        self._add(_Arena(storage, group, start, end), hold=False)
+        return 0
+
+    def _add(self, arena: _Arena, *, hold: bool) -> None:
+        self._arenas.setdefault(arena.group, []).append(arena)
         if hold:
             return
         self._idle_order.append(arena)
-        self.idle_bytes += storage.nbytes()
-        for oldest in [a for a in self._idle_order if a.used == 0]:  # free untouched arenas, oldest first
+        self.idle_bytes += arena.size
+        for oldest in [a for a in self._idle_order if a.untouched]:  # free untouched arenas, oldest first
             if self.idle_bytes <= self.idle_cap:
                 break
             self._idle_order.remove(oldest)
             self._arenas[oldest.group].remove(oldest)
             self.idle_bytes -= oldest.size
-            _free(oldest.storage)
+            oldest.discard()
 
     def take(self, key: StoreKey, numel: int, dtype: torch.dtype, group: str) -> torch.Tensor | None:
         """A contiguous ``numel``-element tensor carved from an old storage of ``group``, or ``None``."""
@@ -157,11 +206,11 @@ class StorageRecycler:
         if not fits:
             return None
         # fill arenas already in use first, then the smallest idle one that fits
-        arena = min(fits, key=lambda a: (a.used == 0, a.room))
+        arena = min(fits, key=lambda a: (a.untouched, a.room))
         offset = arena.used
         tensor = torch.empty(0, dtype=dtype, device=arena.storage.device)
         tensor.set_(arena.storage, offset // dtype.itemsize, (numel,))
-        end = min(arena.size, offset + -(-nbytes // ALIGNMENT) * ALIGNMENT)
+        end = min(arena.end, offset + -(-nbytes // ALIGNMENT) * ALIGNMENT)
         self.idle_bytes -= end - offset
         arena.used = end
         arena.carved.append((key, tensor))
@@ -173,7 +222,7 @@ class StorageRecycler:
         the rest of that storage is handed back to the OS at once (``release_tail``). For buffers
         that are later freed by their storage (megatron's DDP buffers), so nothing else may share it."""
         nbytes = numel * dtype.itemsize
-        fits = [a for a in self._arenas.get(group, ()) if a.used == 0 and a.size >= nbytes]
+        fits = [a for a in self._arenas.get(group, ()) if a.whole and a.untouched and a.size >= nbytes]
         if nbytes < self.min_bytes or not fits:
             return None
         arena = min(fits, key=lambda a: a.size)
@@ -194,16 +243,16 @@ class StorageRecycler:
                 self._idle_order.remove(arena)
                 self.idle_bytes -= arena.room
             if not arena.carved:
-                _free(arena.storage)
+                arena.discard()
             elif arena.room > 0:
-                self.tail_released_bytes += release_tail(arena.storage, arena.used)
+                self.tail_released_bytes += arena.release_rest()
 
     def close(self, rebind: Callable[[StoreKey, torch.Tensor], None]) -> None:
         """End of the switch: free idle arenas, and the unused tails of the others (see the module)."""
         for arena in (a for arenas in self._arenas.values() for a in arenas):
             if not arena.carved:
-                _free(arena.storage)
-            elif arena.room > 0 and (released := release_tail(arena.storage, arena.used)):
+                arena.discard()
+            elif arena.room > 0 and (released := arena.release_rest()):
                 self.tail_released_bytes += released
             elif arena.room > max(self.min_bytes, arena.size // 16):
                 for key, tensor in arena.carved:

@@ -11,7 +11,9 @@ reference to a source tensor frees nothing. ``OldStateMemory`` frees the storage
   place are never released by the engine, so never freed here. With a ``StorageRecycler`` such a
   storage goes to it instead, and new state is carved out of it (CPU: no fresh pages to fault in).
 - a storage the new state keeps part of (a tensor kept in place that shares its storage with
-  others, ``kept``): the pages of every other tensor in it, as the engine releases them.
+  others, or a slice of an old tensor kept in place, ``kept``): the memory of every other tensor in
+  it, and of the parts of the sliced tensor outside its slice, as the engine releases them; with a
+  ``StorageRecycler`` as ranges new state is carved from (``give_range``), else by their pages.
 
 Until the engine releases its first tensor the old state is whole: ``restore_gradients`` undoes
 the one change (the gradient buffers come back, zeroed) when a switch is refused before it moves
@@ -46,23 +48,25 @@ class OldStateMemory:
             self._pending.setdefault(storage.data_ptr(), set()).add(key)
             self._storages[storage.data_ptr()] = storage
         self._kept: set[int] = set()  # storages the new state keeps part of (``kept``)
-        self._waiting: dict[int, list[torch.Tensor]] = {}  # released tensors of storages still in use
+        self._waiting: dict[int, list[tuple[StoreKey, torch.Tensor]]] = {}  # released, storage still in use
         self._grads = [(buf.grad_data.untyped_storage(), buf.grad_data)
                        for buf in [*ddp.buffers, *ddp.expert_parallel_buffers]]
-        self._grad_bytes = [storage.nbytes() for storage, _ in self._grads]
+        self._grad_bytes = [storage.nbytes() for storage, _ in self._grads]  # to restore them
         self.started = False
         self.freed_bytes = 0
 
     @property
     def gradient_bytes(self) -> int:
-        """Bytes of the old gradient buffers (what ``free_gradients`` gives back)."""
-        return sum(self._grad_bytes)
+        """Bytes of the old gradient buffers (what ``free_gradients`` gives back). A buffer a switch
+        carved from a larger old storage lives in a longer storage whose tail it gave back to the
+        OS (``StorageRecycler.take_whole``): that tail holds no memory, so it is not counted."""
+        return sum(data.nbytes for _, data in self._grads)
 
     def free_gradients(self) -> None:
         """Free the gradient buffers, or, with a recycler, hand them to it (``BUFFER_GROUP``) for the
         new model's DDP buffers to be carved from (``CarveBuffers``)."""
-        for storage, _ in self._grads:
-            self.freed_bytes += storage.nbytes()
+        for storage, data in self._grads:
+            self.freed_bytes += data.nbytes
             if self._recycler is not None:
                 self._recycler.give(storage, BUFFER_GROUP, hold=True)
             else:
@@ -75,7 +79,7 @@ class OldStateMemory:
             if storage.nbytes() != nbytes:  # freed (not recycled: a new buffer may view it, discarded now)
                 storage.resize_(nbytes)
             data.zero_()
-            self.freed_bytes -= nbytes
+            self.freed_bytes -= data.nbytes
 
     @property
     def gives_pages_back(self) -> bool:
@@ -83,19 +87,27 @@ class OldStateMemory:
         return can_release_pages() and all(s.device.type == "cpu" for s in self._storages.values())
 
     def kept(self, key: StoreKey, tensor: torch.Tensor) -> None:
-        """``tensor`` (a view into a storage shared with other old tensors) is kept in place by the new
-        state: the storage stays, and the pages of every other tensor in it are given back as the
-        engine releases them (``release_pages``), so no part of it stays alive unused."""
+        """``tensor`` (a view into a storage shared with other old tensors, or a slice of an old
+        tensor) is kept in place by the new state: the storage stays, and the memory of every other
+        tensor in it (of the rest of the sliced one) is given back as the engine releases it, to the
+        recycler as a range (``give_range``) or to the OS by its pages (``release_pages``), so no
+        part of it stays alive unused."""
         self.started = True
         ptr = tensor.untyped_storage().data_ptr()
         self._pending[ptr].discard(key)
         self._kept.add(ptr)
-        for released in self._waiting.pop(ptr, []):
-            self._give_pages(released)
+        for released_key, released in self._waiting.pop(ptr, []):
+            self._give_back(released_key, released)
 
-    def _give_pages(self, tensor: torch.Tensor) -> None:
+    def _give_back(self, key: StoreKey, tensor: torch.Tensor) -> None:
         start = tensor.data_ptr()
-        self.freed_bytes += release_pages(tensor.device, start, start + tensor.nbytes)
+        if self._recycler is None:
+            self.freed_bytes += release_pages(tensor.device, start, start + tensor.nbytes)
+            return
+        storage = tensor.untyped_storage()
+        offset = start - storage.data_ptr()
+        self.freed_bytes += tensor.nbytes
+        self._recycler.give_range(storage, offset, offset + tensor.nbytes, state_group(key[1]))
 
     def release(self, key: StoreKey, tensor: torch.Tensor) -> None:
         """The engine's ``release`` callback."""
@@ -104,9 +116,9 @@ class OldStateMemory:
         pending = self._pending[ptr]
         pending.discard(key)
         if ptr in self._kept:
-            self._give_pages(tensor)
+            self._give_back(key, tensor)
         elif pending:
-            self._waiting.setdefault(ptr, []).append(tensor)
+            self._waiting.setdefault(ptr, []).append((key, tensor))
         else:
             self._waiting.pop(ptr, None)
             storage = self._storages.pop(ptr)

@@ -7,6 +7,11 @@ the rank. Loading checks that entry: model shards are stage-local and optimizer 
 buffer ranges, so a checkpoint is only meaningful at the layout that wrote it. To continue at
 another layout, resume at the saved one and ``reconfigure`` (an in-memory switch).
 
+A tensor is written with its whole storage (``torch.save``). After a switch, a kept slice of an old
+tensor or a tensor carved from an old storage (``engine.recycling``) may live in a storage much
+larger than the tensors the checkpoint names in it; such tensors are written as compact copies
+(``compact_storages``), so a file holds the state, not the old layouts' leftovers.
+
 Example layout on disk, 4 ranks::
 
     checkpoints/epoch=0-step=200.ckpt/rank00000.pt ... rank00003.pt
@@ -14,6 +19,7 @@ Example layout on disk, 4 ranks::
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +34,58 @@ def rank_file(path: str | Path, rank: int) -> Path:
     return Path(path) / f"rank{rank:05d}.pt"
 
 
+def compact_storages(obj: Any, *, slack: float = 0.0625) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with each tensor whose storage is more than ``slack``
+    larger than the bytes the tensors of ``obj`` view in it replaced by a compact copy; every other
+    object (a zero1 buffer's param views, which cover their storage) is passed through as it is."""
+    tensors: dict[int, torch.Tensor] = {}
+    _collect(obj, tensors)
+    viewed: dict[int, list[tuple[int, int]]] = {}
+    for t in tensors.values():
+        start = t.data_ptr()
+        viewed.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + t.nbytes))
+    covered = {}
+    for address, spans in viewed.items():
+        total, end = 0, -1
+        for lo, hi in sorted(spans):  # the union of the viewed byte ranges
+            total += max(0, hi - max(lo, end))
+            end = max(end, hi)
+        covered[address] = total
+    loose = {i for i, t in tensors.items()
+             if t.untyped_storage().nbytes() > covered[t.untyped_storage().data_ptr()] * (1 + slack)}
+    if not loose:
+        return obj
+    copies = {i: tensors[i].clone() for i in loose}  # one copy per tensor: a tensor named twice stays one
+    return _replace(obj, copies)
+
+
+def _collect(obj: Any, out: dict[int, torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "meta" and obj.untyped_storage().nbytes():
+            out[id(obj)] = obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _collect(value, out)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _collect(value, out)
+
+
+def _replace(obj: Any, copies: dict[int, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return copies.get(id(obj), obj)
+    if isinstance(obj, dict):  # a shallow copy keeps the type and attributes (a state dict's ``_metadata``)
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = _replace(value, copies)
+        return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(_replace(v, copies) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_replace(v, copies) for v in obj)
+    return obj
+
+
 def save_rank_checkpoint(checkpoint: dict[str, Any], path: str | Path, *, rank: int, layout: ParallelConfig,
                          world_size: int) -> Path:
     """Write this rank's part; every rank calls it (the directory is created by whoever comes first)."""
@@ -36,7 +94,8 @@ def save_rank_checkpoint(checkpoint: dict[str, Any], path: str | Path, *, rank: 
         path.unlink()  # a single-file checkpoint of the same name from another strategy
     path.mkdir(parents=True, exist_ok=True)
     target = rank_file(path, rank)
-    torch.save({**checkpoint, "dynatrain": {"layout": str(layout), "world_size": world_size, "rank": rank}}, target)
+    meta = {"layout": str(layout), "world_size": world_size, "rank": rank}
+    torch.save({**compact_storages(checkpoint), "dynatrain": meta}, target)
     return target
 
 
@@ -66,4 +125,4 @@ def load_rank_checkpoint(path: str | Path, *, rank: int, layout: ParallelConfig,
     return checkpoint
 
 
-__all__ = ["load_rank_checkpoint", "rank_file", "save_rank_checkpoint"]
+__all__ = ["compact_storages", "load_rank_checkpoint", "rank_file", "save_rank_checkpoint"]

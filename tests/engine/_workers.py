@@ -104,6 +104,40 @@ def run_in_place(rank: int, world: int, cases: list[Case]) -> list[dict]:
     return out
 
 
+def run_slices(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    """Cases where local tensors are retained whole as one run of a larger source tensor, with
+    ``adopt`` and ``adopt_views``: such a destination tensor must be a view into its source tensor,
+    ``release`` must get exactly the rest of that source tensor, and every element is still exact."""
+    out = []
+    for case in cases:
+        store = local_state(case.spec(), case.src, rank, case.precision)
+        original = _round_trip_expectation(case, store, rank)
+        spans = {k: (v.data_ptr(), v.data_ptr() + v.nbytes) for k, v in store.items()}
+        released: dict = {}
+
+        def release(key, tensor):
+            released.setdefault(key, []).append((tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes))
+
+        new, report = switch_and_check(rank, case, store, case.src, case.dst, adopt=take_over, adopt_views=True,
+                                       release=release)
+        kept = {}  # kept in place, whole or as a slice
+        for key, tensor in new.items():
+            lo, hi = spans[key]
+            if lo <= tensor.data_ptr() < hi:
+                assert tensor.data_ptr() + tensor.nbytes <= hi, key
+                kept[key] = (tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes)
+        for key, (lo, hi) in spans.items():  # every old byte given back once, except what is kept
+            parts = sorted(released.get(key, []) + ([kept[key]] if key in kept else []))
+            assert parts[0][0] == lo and parts[-1][1] == hi, (key, parts, (lo, hi))
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), (key, parts)
+        back, _ = switch_and_check(rank, case, new, case.dst, case.src)
+        compare(back, original, f"rank {rank} round trip {case}")
+        proper = [k for k, (lo, hi) in kept.items() if hi - lo < spans[k][1] - spans[k][0]]
+        out.append({**summary(case, report), "sliced_tensors": len(proper),
+                    "kept_bytes": sum(hi - lo for lo, hi in kept.values())})
+    return out
+
+
 def run_too_small(rank: int, world: int, case: Case) -> str:
     """A budget below the largest row: every rank raises StagingBudgetError and keeps its state."""
     spec = case.spec()

@@ -82,6 +82,36 @@ def test_close_frees_untouched_storages_and_keeps_carved_tensors_intact():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_DONTNEED) is Linux")
+def test_a_range_around_a_kept_slice_is_carved_and_given_back_by_pages_never_freed():
+    """The old tensor around a slice the new state keeps (``give_range``): new tensors are carved
+    inside the range only, and what is left of it goes back by pages, the kept slice intact."""
+    recycler = StorageRecycler(idle_cap=64 * MiB)
+    old = _storage(8, value=5.0)
+    values = torch.empty(0).set_(old, 0, (old.nbytes() // 4,))
+    kept = values[: 2 * MiB // 4]  # the first 2 MiB stay: the new state's slice
+    assert recycler.give_range(old, kept.nbytes + 4, old.nbytes(), "param") == 0  # start rounds up to ALIGNMENT
+    assert recycler.take_whole(MiB // 4, F32, "param") is None  # a range is never a whole buffer
+    a = recycler.take(("p", StateKind.PARAM, (0,)), 3 * MiB // 4, F32, "param")
+    assert a is not None and _inside(a, old) and a.data_ptr() == old.data_ptr() + kept.nbytes + ALIGNMENT
+    assert recycler.take(("p", StateKind.PARAM, (1,)), 3 * MiB // 4, F32, "param") is None  # 6 MiB - 64 B left
+    a.fill_(2.0)
+    recycler.close(lambda key, tensor: None)
+    assert old.nbytes() == 8 * MiB  # the storage lives on with the kept slice
+    assert torch.all(kept == 5.0) and torch.all(a == 2.0)
+    assert 3 * MiB - 2 * 4096 <= recycler.tail_released_bytes <= 3 * MiB  # past the carved tensor, by pages
+    page = 4096 // 4
+    assert torch.all(values[-2 * MiB // 4: -page] == 0.0)  # released pages read as fresh zeros
+
+    small = StorageRecycler(idle_cap=0)  # an idle range beyond the cap goes back by pages too
+    other = _storage(4, value=5.0)
+    assert small.give_range(other, 0, 2 * MiB, "param") == 0 and other.nbytes() == 4 * MiB
+    rest = torch.empty(0).set_(other, 0, (other.nbytes() // 4,))
+    assert torch.all(rest[page: 2 * MiB // 4 - page] == 0.0) and torch.all(rest[2 * MiB // 4:] == 5.0)
+    # below min_bytes: its whole pages at once (the storage need not start on a page)
+    assert 7 * 4096 <= small.give_range(other, 2 * MiB, 2 * MiB + 8 * 4096, "param") <= 8 * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_DONTNEED) is Linux")
 def test_a_released_tail_reads_as_zeros_and_the_head_is_kept():
     storage = _storage(4, value=7.0)
     released = release_tail(storage, MiB)

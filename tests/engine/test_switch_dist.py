@@ -83,13 +83,20 @@ IN_PLACE = [
     Case(WIDE, "dp2-zero1", "dp1-pp2-zero1", FP32),
 ]
 
+# whole destination tensors retained as one run of a larger source tensor: kept as slices with
+# ``adopt_views``
+SLICES = [
+    Case(DENSE, "dp2", "tp2", FP32),          # each rank keeps its tensor-parallel shard of its replica
+    Case(WIDE, "dp2-pp1", "dp1-tp2", BF16),
+]
+
 TOO_SMALL = Case(DENSE, "dp2-tp2", "dp4-zero1", FP32, budget=8)
 
 
 @pytest.fixture(scope="module")
 def world2():
     parts = {"cases": ("run_cases", (WORLD2,)), "bad_inputs": ("run_bad_inputs", (Case(DENSE, "dp2", "tp2"),)),
-             "in_place": ("run_in_place", (IN_PLACE,))}
+             "in_place": ("run_in_place", (IN_PLACE,)), "slices": ("run_slices", (SLICES,))}
     return run_distributed(run_suite, 2, parts, timeout_s=120)
 
 
@@ -144,6 +151,16 @@ def test_whole_retained_tensors_are_kept_in_place(world2):
         for r in rows:  # a tensor kept in place is the very source tensor, and only those are
             assert len(r["kept_tensors"]) == r["in_place_ops"] or "zero1" in case, (case, r["kept_tensors"])
             assert bool(r["kept_tensors"]) == bool(r["in_place_bytes"]), (case, r)
+
+
+def test_first_axis_shards_of_a_replica_are_kept_as_slices_of_it(world2):
+    per_rank = _part(world2, "slices")
+    _check_reports(per_rank)  # every element checked in the children, there and back
+    for rows in zip(*per_rank):
+        for r in rows:
+            assert r["sliced_tensors"] > 0, (r["case"], "nothing kept as a slice")
+            assert r["kept_bytes"] == r["in_place_bytes"], (r["case"], r["kept_bytes"], r["in_place_bytes"])
+            assert r["copy_bytes"] > 0, (r["case"], "second-axis shards are copied")
 
 
 def test_without_an_adopter_preallocated_storage_is_copied_into(world2):

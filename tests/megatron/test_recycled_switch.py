@@ -1,8 +1,10 @@
 """Hot switches that write new state into old storages (``engine.recycling``), on a GPT large enough for
-its tensors to be recycled (4 gloo processes). Through dp2-tp2 -> dp4 -> dp2-tp2 -> dp1-tp2-pp2 ->
-dp2-tp2-zero1 -> dp2-tp2 the logical state stays bit-identical; every switch builds the new DDP buffers in the old
-gradient buffers' memory (and a switch refused after that gives them back); dp4 -> dp2-tp2 writes its
-tensor-parallel halves into the old full tensors' memory; the pipeline change after it keeps those recycled tensors in place
+its tensors to be recycled (4 gloo processes). Through dp2-tp2 -> dp4 -> dp2-tp2 -> dp1-tp2-pp2 -> dp2-tp2 ->
+dp2-tp2-zero1 -> dp2-tp2 the logical state stays bit-identical; a switch builds the new DDP buffers in the old
+gradient buffers' memory where they fit, the zero1 param buffer too (and a switch refused after
+that gives them back); dp4 -> dp2-tp2 keeps its
+first-axis tensor-parallel halves as slices of the old full tensors and writes the others into
+their memory; the pipeline change after it keeps those recycled tensors in place
 (every tensor the plan allows); the round trip gives back every local tensor; and training goes on
 exactly as in a run that never switched."""
 
@@ -16,9 +18,9 @@ from tests.dist import run_distributed
 from tests.megatron.jobs import SEED
 from tests.megatron.test_memory_check import OPTIMIZER, SIZED
 
-CHAIN = ["dp2-tp2-pp1", "dp4-tp1-pp1", "dp2-tp2-pp1", "dp1-tp2-pp2", "dp2-tp2-pp1-zero1", "dp2-tp2-pp1"]
-RECYCLE = [True, True, True, True, False]  # the last switch writes into fresh memory
-INTO_ZERO1 = 3  # the switch that builds a zero1 param buffer
+CHAIN = ["dp2-tp2-pp1", "dp4-tp1-pp1", "dp2-tp2-pp1", "dp1-tp2-pp2", "dp2-tp2-pp1", "dp2-tp2-pp1-zero1", "dp2-tp2-pp1"]
+RECYCLE = [True, True, True, True, True, False]  # the last switch writes into fresh memory
+INTO_ZERO1 = 4  # the switch that builds a zero1 param buffer
 
 
 def _walk(rank: int, world_size: int) -> dict:
@@ -51,7 +53,8 @@ def _walk(rank: int, world_size: int) -> dict:
     state = MegatronTrainingState(layout=first, ddp=ddp, optimizer=optimizer)
     run_train_step(ddp, optimizer, batch_for(first), first, 1)
     start, fingerprint = snapshot(state)
-    out = {"fingerprints_equal": [], "recycled": [], "in_place": [], "skipped_copies": [], "param_bytes": []}
+    out = {"fingerprints_equal": [], "recycled": [], "in_place": [], "skipped_copies": [], "param_bytes": [],
+           "param_buffer_in_old_grads": []}
     # refused at the engine's preflight, after the new DDP buffers were carved from the old gradient
     # buffers: the old gradients come back and training goes on (the checks below still hold)
     from lightning_dynatrain.engine.errors import StagingBudgetError
@@ -62,9 +65,13 @@ def _walk(rank: int, world_size: int) -> dict:
         out["refused"] = str(err)
     out["grads_whole"] = all(b.grad_data.untyped_storage().nbytes() >= b.grad_data.nbytes for b in state.ddp.buffers)
     for text, recycle in zip(CHAIN[1:], RECYCLE):
+        old_grads = {b.grad_data.untyped_storage().data_ptr() for b in state.ddp.buffers}
         result = hot_switch(state, ParallelConfig.parse(text), shape=shape, seed=SEED, staging_budget="16MiB",
                             optimizer_kwargs=OPTIMIZER, groups=groups, recycle=recycle)
         state = result.state
+        out["param_buffer_in_old_grads"].append([b.param_data is not None and
+                                                 b.param_data.untyped_storage().data_ptr() in old_grads
+                                                 for b in state.ddp.buffers])
         out["fingerprints_equal"].append(snapshot(state)[1] == fingerprint)
         out["recycled"].append(result.recycled_bytes)
         out["in_place"].append(result.report.in_place.bytes)
@@ -85,9 +92,10 @@ def walk():
     return run_distributed(_walk, 4, timeout_s=300)
 
 
-def _kept_in_place_bytes(src: str, dst: str, rank: int) -> int:
-    """What the plan lets a rank keep in place (whole local tensors at an unchanged local layout)."""
-    from lightning_dynatrain.engine.adoption import adoptable_keys
+def _kept_in_place_bytes(src: str, dst: str, rank: int, *, slices: bool = True) -> int:
+    """What the plan lets a rank keep in place: whole local tensors at an unchanged local layout,
+    and (``slices``) those retained as one contiguous run of a larger old tensor."""
+    from lightning_dynatrain.engine.adoption import adoptable_keys, slice_keys
     from lightning_dynatrain.engine.store import RegionIndex, local_numel
     from lightning_dynatrain.vps.mapping import rank_regions
     from lightning_dynatrain.vps.planner import plan_rank
@@ -97,7 +105,10 @@ def _kept_in_place_bytes(src: str, dst: str, rank: int) -> int:
     a, b = ParallelConfig.parse(src), ParallelConfig.parse(dst)
     dst_index = RegionIndex(rank_regions(spec, b, rank))
     plan = plan_rank(spec, a, b, rank, precision=Precision.FP32)
-    kept = adoptable_keys(plan.retains, RegionIndex(rank_regions(spec, a, rank)), dst_index)
+    src_index = RegionIndex(rank_regions(spec, a, rank))
+    kept = set(adoptable_keys(plan.retains, src_index, dst_index))
+    if slices:
+        kept |= set(slice_keys(plan.retains, src_index, dst_index))
     return sum(4 * local_numel(dst_index.local_tensors()[key]) for key in kept)
 
 
@@ -125,6 +136,25 @@ def test_the_zero1_param_buffer_is_written_by_the_engine_alone(walk):
     for run in walk:
         assert run["skipped_copies"][INTO_ZERO1] == run["param_bytes"][INTO_ZERO1] > 0
         assert [b for i, b in enumerate(run["skipped_copies"]) if i != INTO_ZERO1] == [0] * (len(RECYCLE) - 1)
+
+
+def test_tensor_parallel_halves_of_full_replicas_are_kept_as_slices(walk):
+    """dp4 -> dp2-tp2: each rank keeps its first-axis tensor-parallel halves (column-parallel weights,
+    the vocabulary) as views into its old full tensors, every one the plan allows; the rest of those
+    old tensors takes the second-axis halves, which are copied."""
+    for rank, run in enumerate(walk):
+        whole = _kept_in_place_bytes(CHAIN[1], CHAIN[2], rank, slices=False)
+        expected = _kept_in_place_bytes(CHAIN[1], CHAIN[2], rank)
+        assert expected > 2 * whole and run["in_place"][1] == expected, (rank, run["in_place"], whole, expected)
+
+
+def test_the_zero1_param_buffer_takes_the_old_gradient_buffers_memory(walk):
+    """dp2-tp2 -> dp2-tp2-zero1: the zero1 param buffer (the first buffer megatron's DDP allocates) is
+    carved from the old gradient buffer's memory, not fresh; the new gradient buffer, which no old
+    buffer is left for, is the one in fresh memory."""
+    for run in walk:
+        assert run["param_buffer_in_old_grads"][INTO_ZERO1] and all(run["param_buffer_in_old_grads"][INTO_ZERO1])
+        assert not any(any(row) for i, row in enumerate(run["param_buffer_in_old_grads"]) if i != INTO_ZERO1)
 
 
 def test_recycled_tensors_are_kept_in_place_by_the_next_switch(walk):
