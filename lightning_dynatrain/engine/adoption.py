@@ -11,9 +11,10 @@ That is common: a pipeline change keeps whole layers on the ranks that held them
 keeps every parameter, and a data-parallel change keeps every rank's tensor-parallel shard.
 
 It can also *be a slice* of the source tensor (``slice_keys``): when the plan retains every element
-of it and those elements are one contiguous run of the source tensor (both whole local tensors,
-not zero1 shards). A tensor-parallel split along the first axis of a column-parallel weight, the
-vocabulary or a stack of heads keeps such a run: ``dp4 -> dp2-tp2`` keeps half of every replica.
+of it and those elements are one contiguous run of the source tensor (or zero1 shard). A
+tensor-parallel split along the first axis of a column-parallel weight, the vocabulary or a stack
+of heads keeps such a run: ``dp4 -> dp2-tp2`` keeps half of every replica; so does a zero1 shard
+of a whole Adam moment: turning zero1 on keeps each rank's share of its moments.
 The destination is then a view into the old storage; the rest of that storage must be given back
 by the caller (``execute_switch(adopt_views=True)`` hands it to ``release``).
 
@@ -68,17 +69,26 @@ def adoptable_keys(retains: Iterable[Transfer], src: RegionIndex, dst: RegionInd
 
 
 def slice_keys(retains: Iterable[Transfer], src: RegionIndex, dst: RegionIndex) -> dict[StoreKey, tuple[int, int]]:
-    """Destination local tensors the plan retains whole that are one contiguous run of a *larger*
-    source tensor (whole local tensors on both sides): key -> ``(start, stop)``, in elements of the
-    source tensor's row-major order."""
+    """Destination local tensors (or zero1 shards) the plan retains whole that are one contiguous
+    run of their source tensor (or shard), not laid out as it (``adoptable_keys``): key ->
+    ``(start, stop)``, in elements of the source tensor as stored (a zero1 shard: from its start).
+
+    E.g. a first-axis tensor-parallel shard of a replica, or a zero1 shard of Adam moments cut from
+    a whole moment tensor (turning zero1 on).
+    """
+    whole = adoptable_keys(retains, src, dst)
     out = {}
     for key, a, b in _retained_whole(retains, src, dst):
-        if a.flat is not None or b.flat is not None:
+        if key in whole:
             continue
         n = stack_axes(b)
         run = contiguous_run(a.origin[n:], a.view_shape, b.origin[n:], b.view_shape)
-        if run is not None and run[1] - run[0] < math.prod(a.view_shape):
-            out[key] = run
+        if run is None:
+            continue
+        start, stop = run if b.flat is None else (run[0] + b.flat[0], run[0] + b.flat[1])
+        lo, hi = a.flat if a.flat is not None else (0, math.prod(a.view_shape))
+        if lo <= start and stop <= hi:
+            out[key] = (start - lo, stop - lo)
     return out
 
 

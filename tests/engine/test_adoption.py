@@ -65,3 +65,19 @@ def test_a_data_to_tensor_parallel_switch_keeps_the_first_axis_shards_as_slices(
         row_parallel = [t.name for t in spec.tensors if "linear_fc2.weight" in t.name or "linear_proj.weight" in t.name]
         assert row_parallel and not sliced & set(row_parallel), "a shard along the second axis is not a run"
         assert all(k[1] in (StateKind.PARAM, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ) for k in runs)
+
+
+def test_turning_zero1_on_keeps_each_ranks_share_of_whole_moments_as_slices():
+    """``dp2 -> dp2-zero1``: params stay whole (``adoptable_keys``); each rank's zero1 shard of an Adam
+    moment is the flat range of its whole old moment tensor that the shard covers."""
+    spec = build_gpt_spec("tiny", DIMS)
+    src, dst = ParallelConfig.parse("dp2"), ParallelConfig.parse("dp2-zero1")
+    for rank in range(2):
+        plan = plan_rank(spec, src, dst, rank)
+        b = RegionIndex(rank_regions(spec, dst, rank))
+        runs = slice_keys(plan.retains, RegionIndex(rank_regions(spec, src, rank)), b)
+        shards = {k: r for k, r in b.local_tensors().items() if r.flat is not None}
+        assert shards and set(runs) == set(shards)
+        assert {k[1] for k in runs} == {StateKind.EXP_AVG, StateKind.EXP_AVG_SQ}
+        for key, (start, stop) in runs.items():
+            assert (start, stop) == shards[key].flat, key

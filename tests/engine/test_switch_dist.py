@@ -86,9 +86,12 @@ IN_PLACE = [
 # whole destination tensors retained as one run of a larger source tensor: kept as slices with
 # ``adopt_views``
 SLICES = [
-    Case(DENSE, "dp2", "tp2", FP32),          # each rank keeps its tensor-parallel shard of its replica
+    Case(DENSE, "dp2", "tp2", FP32),          # first-axis shards of each replica kept, second-axis ones copied
     Case(WIDE, "dp2-pp1", "dp1-tp2", BF16),
 ]
+# turning zero1 on keeps everything: params whole, each rank's zero1 share of the rest as a slice
+# (at dp4 shard boundaries fall inside tensors: those shares are parts of the old tensors)
+SLICES4 = [Case(WIDE, "dp4", "dp4-zero1", BF16)]
 
 TOO_SMALL = Case(DENSE, "dp2-tp2", "dp4-zero1", FP32, budget=8)
 
@@ -105,6 +108,7 @@ def world4():
     parts = {
         "cases": ("run_cases", (WORLD4,)),
         "too_small": ("run_too_small", (TOO_SMALL,)),
+        "slices": ("run_slices", (SLICES4,)),
         "broadcast": ("run_broadcast", (BROADCAST, FAVOUR_BROADCAST)),
         "no_promotion": ("run_broadcast", (BROADCAST[:1], None)),
         "measure": ("run_measure", ()),
@@ -153,14 +157,26 @@ def test_whole_retained_tensors_are_kept_in_place(world2):
             assert bool(r["kept_tensors"]) == bool(r["in_place_bytes"]), (case, r)
 
 
-def test_first_axis_shards_of_a_replica_are_kept_as_slices_of_it(world2):
-    per_rank = _part(world2, "slices")
+def _check_slices(per_rank: list[list[dict]]) -> None:
     _check_reports(per_rank)  # every element checked in the children, there and back
     for rows in zip(*per_rank):
         for r in rows:
-            assert r["sliced_tensors"] > 0, (r["case"], "nothing kept as a slice")
             assert r["kept_bytes"] == r["in_place_bytes"], (r["case"], r["kept_bytes"], r["in_place_bytes"])
-            assert r["copy_bytes"] > 0, (r["case"], "second-axis shards are copied")
+        assert sum(r["sliced_tensors"] for r in rows) > 0, (rows[0]["case"], "nothing kept as a slice")
+
+
+def test_first_axis_shards_of_a_replica_are_kept_as_slices_of_it(world2):
+    per_rank = _part(world2, "slices")
+    _check_slices(per_rank)
+    for r in (r for rows in per_rank for r in rows):
+        assert r["copy_bytes"] > 0, (r["case"], "second-axis shards are copied")
+
+
+def test_zero1_shares_of_whole_tensors_are_kept_as_slices_of_them(world4):
+    per_rank = _part(world4, "slices")
+    _check_slices(per_rank)
+    for r in (r for rows in per_rank for r in rows):
+        assert r["copy_bytes"] == 0 and r["in_place_bytes"] == r["retained"] > 0, r
 
 
 def test_without_an_adopter_preallocated_storage_is_copied_into(world2):

@@ -92,14 +92,15 @@ def walk():
     return run_distributed(_walk, 4, timeout_s=300)
 
 
-def _kept_in_place_bytes(src: str, dst: str, rank: int, *, slices: bool = True) -> int:
+def _kept_in_place_bytes(src: str, dst: str, rank: int, *, slices: bool = True, moments_only: bool = False) -> int:
     """What the plan lets a rank keep in place: whole local tensors at an unchanged local layout,
-    and (``slices``) those retained as one contiguous run of a larger old tensor."""
+    and (``slices``) those retained as one contiguous run of an old tensor; ``moments_only``: of the
+    Adam moments alone (a zero1 model's params live in megatron's flat buffer: never rebound)."""
     from lightning_dynatrain.engine.adoption import adoptable_keys, slice_keys
     from lightning_dynatrain.engine.store import RegionIndex, local_numel
     from lightning_dynatrain.vps.mapping import rank_regions
     from lightning_dynatrain.vps.planner import plan_rank
-    from lightning_dynatrain.vps.spec import Precision
+    from lightning_dynatrain.vps.spec import Precision, StateKind
 
     spec = logical_spec(GPTShape(**SIZED))
     a, b = ParallelConfig.parse(src), ParallelConfig.parse(dst)
@@ -109,6 +110,8 @@ def _kept_in_place_bytes(src: str, dst: str, rank: int, *, slices: bool = True) 
     kept = set(adoptable_keys(plan.retains, src_index, dst_index))
     if slices:
         kept |= set(slice_keys(plan.retains, src_index, dst_index))
+    if moments_only:
+        kept = {key for key in kept if key[1] in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)}
     return sum(4 * local_numel(dst_index.local_tensors()[key]) for key in kept)
 
 
@@ -148,12 +151,16 @@ def test_tensor_parallel_halves_of_full_replicas_are_kept_as_slices(walk):
         assert expected > 2 * whole and run["in_place"][1] == expected, (rank, run["in_place"], whole, expected)
 
 
-def test_the_zero1_param_buffer_takes_the_old_gradient_buffers_memory(walk):
+def test_turning_zero1_on_carves_the_param_buffer_and_keeps_the_moment_shards(walk):
     """dp2-tp2 -> dp2-tp2-zero1: the zero1 param buffer (the first buffer megatron's DDP allocates) is
-    carved from the old gradient buffer's memory, not fresh; the new gradient buffer, which no old
-    buffer is left for, is the one in fresh memory."""
-    for run in walk:
+    carved from the old gradient buffer's memory, not fresh (the new gradient buffer, which no old
+    buffer is left for, is the one in fresh memory); each rank's zero1 shares of the Adam moments
+    stay where they were, as slices of the old whole moments."""
+    for rank, run in enumerate(walk):
         assert run["param_buffer_in_old_grads"][INTO_ZERO1] and all(run["param_buffer_in_old_grads"][INTO_ZERO1])
+        # the Adam moments' zero1 shards are kept as slices of the old whole moments
+        expected = _kept_in_place_bytes(CHAIN[INTO_ZERO1], CHAIN[INTO_ZERO1 + 1], rank, moments_only=True)
+        assert expected > 0 and run["in_place"][INTO_ZERO1] == expected, (rank, run["in_place"], expected)
         assert not any(any(row) for i, row in enumerate(run["param_buffer_in_old_grads"]) if i != INTO_ZERO1)
 
 
