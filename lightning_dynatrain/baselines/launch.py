@@ -1,11 +1,12 @@
-"""Spawn a fresh gloo job on 127.0.0.1: ``spawn_job(fn, world, *args)`` -> per-rank return values.
+"""Spawn a fresh job on 127.0.0.1: ``spawn_job(fn, world, *args)`` -> per-rank return values.
 
 Each child is a new interpreter (``torch.multiprocessing`` spawn): it imports what ``fn`` needs,
-sets one compute thread (N ranks share few cores), joins a gloo group and runs
-``fn(rank, world, *args)``. A child that raises sends its traceback; one that dies (killed for
-memory, say) is reported with its exit code. The parent waits for every child to *exit*, so the
-next job starts on a machine the old processes have left: that is what a checkpoint-and-restart
-baseline pays for.
+sets one compute thread (N ranks share few cores; with ``backend="nccl"`` it takes GPU
+``rank % device_count`` instead), joins a process group and runs ``fn(rank, world, *args)``. A
+child that raises sends its traceback; one that dies (killed for memory, say) is reported with its
+exit code. The parent waits for every child to *exit*, so the next job starts on a machine the old
+processes have left: that is what a checkpoint-and-restart baseline pays for. The test suite's
+``run_distributed`` is this, with daemon children and every failing rank's traceback.
 """
 
 from __future__ import annotations
@@ -21,52 +22,68 @@ from typing import Any
 
 
 class JobError(RuntimeError):
-    """A rank raised, died without a result, or the job ran out of time."""
+    """A rank raised, died without a result, or the job ran out of time; the message holds the tracebacks."""
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, results: Any,
-           collective_timeout_s: float) -> None:
+def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict, results: Any,
+           collective_timeout_s: float, backend: str, stamp_entry: bool) -> None:
     entered = time.time()  # the interpreter is up and ``fn``'s module imported (unpickling it does)
-    os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        if backend == "nccl":  # one GPU per rank, round robin
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:
+            os.environ["OMP_NUM_THREADS"] = "1"
+            torch.set_num_threads(1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout_s))
         try:
-            value = fn(rank, world, *args)
-            if isinstance(value, dict):
+            value = fn(rank, world, *args, **kwargs)
+            if stamp_entry and isinstance(value, dict):
                 value.setdefault("process_entered_at", entered)
             results.put((rank, "ok", value))
         finally:
             dist.destroy_process_group()
-    except BaseException:
+    except BaseException:  # everything, assertion failures included, goes to the parent
         results.put((rank, "error", traceback.format_exc()))
 
 
 def spawn_job(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 1800.0,
-              collective_timeout_s: float = 900.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return once all have exited.
+              collective_timeout_s: float = 900.0, backend: str = "gloo", daemon: bool = False,
+              error_grace_s: float = 0.0, stamp_entry: bool = True, fn_kwargs: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world, *args, **fn_kwargs)`` on ``world`` fresh processes; return the per-rank
+    values (picklable) once all have exited.
 
-    The children are not daemons: megatron's checkpoint writer starts a helper process of its own.
+    Args:
+        timeout_s: wall-clock limit of the whole job; the children are killed after it.
+        collective_timeout_s: the process group's per-collective timeout in the children.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
+        daemon: daemon children (they cannot start processes of their own: megatron's checkpoint
+            writer does, so a job that saves one needs ``False``).
+        error_grace_s: after the first failure, wait this long for other ranks' tracebacks (the
+            first to arrive is not always the cause).
+        stamp_entry: a rank's ``dict`` result gets ``process_entered_at``, the wall-clock time its
+            interpreter was up with ``fn``'s module imported (what a restart's start-up costs).
 
     Raises:
-        JobError: a rank raised (its traceback is in the message), died, or the job timed out.
+        JobError: a rank raised (the tracebacks are in the message), died, or the job timed out.
     """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results, collective_timeout_s))
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, fn_kwargs or {}, results,
+                                              collective_timeout_s, backend, stamp_entry), daemon=daemon)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -74,10 +91,12 @@ def spawn_job(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     deadline = time.monotonic() + timeout_s
     try:
         while len(values) < world:
-            if time.monotonic() > deadline:
-                raise JobError(f"{fn.__name__}: timed out after {timeout_s:.0f}s")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world)) - set(values))
+                raise JobError(f"{fn.__name__}: timed out after {timeout_s:.0f}s; ranks {missing} did not finish")
             try:
-                rank, status, value = results.get(timeout=1.0)
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode not in (None, 0)]
                 if dead:
@@ -85,7 +104,9 @@ def spawn_job(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                                    "and no result (-9: killed, most likely out of memory)") from None
                 continue
             if status == "error":
-                raise JobError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+                errors = [(rank, value)] + _more_errors(results, error_grace_s)
+                text = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in errors)
+                raise JobError(f"{fn.__name__} failed on rank(s) {[r for r, _ in errors]} of {world}:\n{text}")
             values[rank] = value
     finally:
         for p in procs:
@@ -95,6 +116,20 @@ def spawn_job(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                 p.join()
         results.close()
     return [values[r] for r in range(world)]
+
+
+def _more_errors(results: Any, grace_s: float) -> list[tuple[int, str]]:
+    """Other ranks' failures that arrive within ``grace_s`` of the first one."""
+    errors = []
+    end = time.monotonic() + grace_s
+    while (left := end - time.monotonic()) > 0:
+        try:
+            rank, status, value = results.get(timeout=left)
+        except queue.Empty:
+            break
+        if status == "error":
+            errors.append((rank, value))
+    return errors
 
 
 __all__ = ["JobError", "free_port", "spawn_job"]
