@@ -35,6 +35,8 @@ def free_port() -> int:
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict, results: Any,
            collective_timeout_s: float, backend: str, stamp_entry: bool) -> None:
     entered = time.time()  # the interpreter is up and ``fn``'s module imported (unpickling it does)
+    if backend != "nccl":
+        os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import torch
         import torch.distributed as dist
@@ -42,7 +44,6 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         if backend == "nccl":  # one GPU per rank, round robin
             torch.cuda.set_device(rank % torch.cuda.device_count())
         else:
-            os.environ["OMP_NUM_THREADS"] = "1"
             torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=collective_timeout_s))

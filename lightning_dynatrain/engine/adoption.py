@@ -58,14 +58,29 @@ def _retained_whole(retains: Iterable[Transfer], src: RegionIndex, dst: RegionIn
             yield key, a, b
 
 
-def adoptable_keys(retains: Iterable[Transfer], src: RegionIndex, dst: RegionIndex) -> frozenset[StoreKey]:
-    """Destination local tensors the plan retains whole, laid out exactly as in the source."""
-    out = set()
+def kept_in_place_keys(retains: Iterable[Transfer], src: RegionIndex, dst: RegionIndex
+                       ) -> tuple[frozenset[StoreKey], dict[StoreKey, tuple[int, int]]]:
+    """Both kinds of destination local tensors the plan retains whole, in one pass over it:
+    ``(adoptable_keys, slice_keys)``."""
+    whole, runs = set(), {}
     for key, a, b in _retained_whole(retains, src, dst):
         n = stack_axes(b)  # the stack axes name the local tensor (the key), not a place in it
         if (a.origin[n:], a.view_shape, a.flat) == (b.origin[n:], b.view_shape, b.flat):
-            out.add(key)
-    return frozenset(out)
+            whole.add(key)
+            continue
+        run = contiguous_run(a.origin[n:], a.view_shape, b.origin[n:], b.view_shape)
+        if run is None:
+            continue
+        start, stop = run if b.flat is None else (run[0] + b.flat[0], run[0] + b.flat[1])
+        lo, hi = a.flat if a.flat is not None else (0, math.prod(a.view_shape))
+        if lo <= start and stop <= hi:
+            runs[key] = (start - lo, stop - lo)
+    return frozenset(whole), runs
+
+
+def adoptable_keys(retains: Iterable[Transfer], src: RegionIndex, dst: RegionIndex) -> frozenset[StoreKey]:
+    """Destination local tensors the plan retains whole, laid out exactly as in the source."""
+    return kept_in_place_keys(retains, src, dst)[0]
 
 
 def slice_keys(retains: Iterable[Transfer], src: RegionIndex, dst: RegionIndex) -> dict[StoreKey, tuple[int, int]]:
@@ -76,20 +91,7 @@ def slice_keys(retains: Iterable[Transfer], src: RegionIndex, dst: RegionIndex) 
     E.g. a first-axis tensor-parallel shard of a replica, or a zero1 shard of Adam moments cut from
     a whole moment tensor (turning zero1 on).
     """
-    whole = adoptable_keys(retains, src, dst)
-    out = {}
-    for key, a, b in _retained_whole(retains, src, dst):
-        if key in whole:
-            continue
-        n = stack_axes(b)
-        run = contiguous_run(a.origin[n:], a.view_shape, b.origin[n:], b.view_shape)
-        if run is None:
-            continue
-        start, stop = run if b.flat is None else (run[0] + b.flat[0], run[0] + b.flat[1])
-        lo, hi = a.flat if a.flat is not None else (0, math.prod(a.view_shape))
-        if lo <= start and stop <= hi:
-            out[key] = (start - lo, stop - lo)
-    return out
+    return kept_in_place_keys(retains, src, dst)[1]
 
 
 def contiguous_run(outer_origin: Sequence[int], outer_shape: Sequence[int], inner_origin: Sequence[int],
@@ -122,4 +124,4 @@ def take_over(_key: StoreKey, _tensor: torch.Tensor) -> bool:
     return True
 
 
-__all__ = ["Adopter", "adoptable_keys", "contiguous_run", "owns_storage", "slice_keys", "take_over"]
+__all__ = ["Adopter", "adoptable_keys", "contiguous_run", "kept_in_place_keys", "owns_storage", "slice_keys", "take_over"]

@@ -40,7 +40,7 @@ from collections.abc import Callable, MutableMapping
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.engine.adoption import Adopter, adoptable_keys, owns_storage, slice_keys, take_over
+from lightning_dynatrain.engine.adoption import Adopter, kept_in_place_keys, owns_storage, take_over
 from lightning_dynatrain.engine.collectives import BroadcastJob, BroadcastPlan, SubgroupCache
 from lightning_dynatrain.engine.comm import GroupComm
 from lightning_dynatrain.engine.errors import StateStoreError
@@ -241,11 +241,10 @@ class _Switch:
         self.adopt = adopt
         self.direct_min = direct_min
         self.release = release
-        self.adoptable = adoptable_keys(plan.retains, src, dst) if adopt is not None else frozenset()
-        # kept as a slice of a larger source tensor: only where the caller gives the rest back
-        self.sliceable = slice_keys(plan.retains, src, dst) if adopt is not None and adopt_views else {}
+        whole, runs = kept_in_place_keys(plan.retains, src, dst) if adopt is not None else (frozenset(), {})
+        self.adoptable = whole
+        self.sliceable = runs if adopt_views else {}  # a slice: only where the caller gives the rest back
         self.adopted: set[StoreKey] = set()
-        self.sliced: set[StoreKey] = set()
         self.adopt_views = adopt_views
         self._sharing: dict[int, set[StoreKey]] = {}  # storage -> every source key in it, before any is dropped
         if self.adoptable and not adopt_views:
@@ -274,7 +273,7 @@ class _Switch:
             return
         if key not in self.adopted:
             self.release(key, tensor)
-        elif key in self.sliced:  # the parts of the old tensor around the slice kept in place
+        elif key in self.sliceable:  # the parts of the old tensor around the slice kept in place
             start, stop = self.sliceable[key]
             flat = tensor.view(-1)
             for rest in (flat[:start], flat[stop:]):
@@ -336,8 +335,6 @@ class _Switch:
             return False
         self.dest[key] = tensor
         self.adopted.add(key)
-        if key not in self.adoptable:
-            self.sliced.add(key)
         return True
 
     def _storage_kept_whole(self, tensor: torch.Tensor) -> bool:

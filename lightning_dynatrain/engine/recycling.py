@@ -94,12 +94,15 @@ class _Arena:
         if self.whole:
             _free(self.storage)
         else:
-            release_pages(self.storage.device, self.storage.data_ptr() + self.start, self.storage.data_ptr() + self.end)
+            self._release_from(self.start)
 
     def release_rest(self) -> int:
         """Give the pages past the carved tensors back to the OS; the bytes released."""
+        return self._release_from(self.used)
+
+    def _release_from(self, offset: int) -> int:
         base = self.storage.data_ptr()
-        return release_pages(self.storage.device, base + self.used, base + self.end)
+        return release_pages(self.storage.device, base + offset, base + self.end)
 
 
 def _free(storage: torch.UntypedStorage) -> None:
