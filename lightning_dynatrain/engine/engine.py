@@ -44,7 +44,7 @@ from lightning_dynatrain.engine.adoption import Adopter, kept_in_place_keys, own
 from lightning_dynatrain.engine.collectives import BroadcastJob, BroadcastPlan, SubgroupCache
 from lightning_dynatrain.engine.comm import GroupComm
 from lightning_dynatrain.engine.errors import StateStoreError
-from lightning_dynatrain.engine.packing import StagingArena, buffer_view, pack_box, unpack_box
+from lightning_dynatrain.engine.packing import StagingArena, StagingPages, buffer_view, pack_box, unpack_box
 from lightning_dynatrain.engine.preflight import Agreement, preflight
 from lightning_dynatrain.engine.report import SwitchRecorder, SwitchReport
 from lightning_dynatrain.engine.schedule import active_steps
@@ -91,6 +91,7 @@ def execute_switch(
     subgroups: SubgroupCache | None = None,
     gpus_per_node: int = 8,
     device: torch.device | None = None,
+    staging_pages: StagingPages | None = None,
 ) -> tuple[dict[StoreKey, torch.Tensor], SwitchReport]:
     """Move this rank's state from the source layout to the destination layout.
 
@@ -127,6 +128,9 @@ def execute_switch(
         subgroups: where the broadcasts' subgroups are created and kept; needed with ``broadcasts``.
         gpus_per_node: for the intra/inter node split of the report.
         device: where staging buffers live; default the source tensors' device, else the group's.
+        staging_pages: backs the staging buffer by memory already touched when it is allocated, and
+            takes it over when the last stage is done (``StorageRecycler`` on CPU); default: fresh
+            memory, freed after the last stage.
 
     Returns:
         The destination store (every local tensor of ``dest_regions``) and this rank's report.
@@ -162,7 +166,7 @@ def execute_switch(
         run.count_reads(_source_reads(plan, exchanges, jobs))
         largest = max([s.nbytes for *_, st in exchanges for s in st] + [s.nbytes for _, st in jobs for s in st],
                       default=0)
-        arena = StagingArena(largest, comm.device, rec)
+        arena = StagingArena(largest, comm.device, rec, staging_pages)
     run.free_unread()
     for t in plan.fills:
         run.fill(t)

@@ -12,6 +12,7 @@ destination tensor at its first write and count the last read of a source tensor
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -51,29 +52,46 @@ def unpack_box(dest: TensorOf, region: Region, tensor: str, kind: StateKind, box
         box_view(dest(key), region, sub).copy_(_slab(packed, box, sub, n))
 
 
+class StagingPages(Protocol):
+    """Where a staging buffer's memory comes from and goes back to (``recycling.StorageRecycler``)."""
+
+    def fill(self, tensor: torch.Tensor) -> int:
+        """Back ``tensor`` (just allocated, written before it is read) by memory already touched."""
+
+    def give_pages(self, tensor: torch.Tensor) -> None:
+        """Take over ``tensor`` (alone in its storage), which the switch is done with."""
+
+
 class StagingArena:
     """One ``uint8`` buffer reused by every stage of a switch, sized for the largest stage.
 
     Allocated at the first stage and released after the last; its bytes are what the report's
-    ``peak_staging_bytes`` measures (the recorder sees every allocation and release).
+    ``peak_staging_bytes`` measures (the recorder sees every allocation and release). With
+    ``pages``, the buffer is backed by their memory when allocated and handed to them when released.
     """
 
-    def __init__(self, capacity: int, device: torch.device, recorder: SwitchRecorder) -> None:
+    def __init__(self, capacity: int, device: torch.device, recorder: SwitchRecorder,
+                 pages: StagingPages | None = None) -> None:
         self.capacity = capacity
         self.device = device
         self._recorder = recorder
+        self._pages = pages
         self._buf: torch.Tensor | None = None
 
     def get(self) -> torch.Tensor:
         if self._buf is None:
             self._buf = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+            if self._pages is not None:
+                self._pages.fill(self._buf)
             self._recorder.staging_alloc(self._buf.numel())
         return self._buf
 
     def release(self) -> None:
         if self._buf is not None:
             self._recorder.staging_free(self._buf.numel())
+            if self._pages is not None:
+                self._pages.give_pages(self._buf)
             self._buf = None
 
 
-__all__ = ["StagingArena", "buffer_view", "pack_box", "unpack_box"]
+__all__ = ["StagingArena", "StagingPages", "buffer_view", "pack_box", "unpack_box"]

@@ -11,13 +11,22 @@ The same goes for buffers built inside library code: under ``CarveBuffers`` a ``
 it (``give(..., hold=True)``: the old gradient buffers), with no fresh pages; zeroed, or with
 ``zero=False`` as it is, for a caller that overwrites it anyway.
 
+A new tensor that fits no free run of one old storage, or one that must keep its own storage (a
+buffer megatron built, a tensor that cannot be rebound), takes old memory by its pages instead:
+``fill`` moves the pages of idle arenas into those of its pages not in memory yet
+(``page_moves``, Linux ``mremap``; no copy). A buffer that stays untouched until the end of the
+switch (a gradient buffer no old one could hold) has idle old storage held for it (``reserve``) and
+filled at the end (``CarveBuffers.zero_untouched``).
+
 Rules that keep memory bounded:
 
 - An arena serves one group of state kinds (``"param"`` or ``"moment"``), so a later switch that
   keeps one arena's tensors in place keeps all of them or none.
 - Requests below ``min_bytes`` are not recycled: the heap serves small tensors without page faults.
-- The arena space nobody has carved from ("idle") never exceeds ``idle_cap`` bytes while fully
-  idle arenas remain: they are freed, oldest first.
+- The arena space nobody has carved from ("idle") never exceeds ``idle_cap`` plus the reserved
+  bytes (to a page) while untouched arenas remain: they are freed, oldest first, and the one that
+  is larger than the excess gives back only its end, by pages. The reserved bytes are for buffers
+  the memory bound counts already and that take no memory until they are filled.
 - A range of a storage the new state keeps a tensor in (``give_range``: the old tensor around a
   slice kept in place) is never freed as a storage: what is not carved from it goes back by pages.
 - ``close`` frees arenas never carved from, and gives the unused tail of the others back to the OS
@@ -45,11 +54,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from lightning_dynatrain.engine.page_moves import MIN_PIECE, can_move_pages, move_pages, page_span, untouched_runs
 from lightning_dynatrain.engine.store import StoreKey
 
 MiB = 2**20
 #: the group of old gradient buffers held for the new model's DDP buffers (``CarveBuffers``)
 BUFFER_GROUP = "buffer"
+#: the group of memory only ``fill`` takes (by its pages), never carved: the tail of an old gradient
+#: buffer a new DDP buffer lives in, a staging buffer
+PAGES_GROUP = "pages"
 #: carved tensors start at a multiple of this many bytes (any dtype can view them; cache lines stay whole)
 ALIGNMENT = 64
 
@@ -65,6 +78,9 @@ class _Arena:
     end: int = -1  # -1: the storage's end
     used: int = -1  # -1: ``start``
     carved: list[tuple[StoreKey, torch.Tensor]] = field(default_factory=list)
+    owns_storage: bool = False
+    """Nothing else lives in the storage: it is freed with the arena (``give``); else only the
+    range's pages go back (``give_range``)."""
 
     def __post_init__(self) -> None:
         if self.end < 0:
@@ -86,15 +102,25 @@ class _Arena:
 
     @property
     def whole(self) -> bool:
-        """The arena is its whole storage (nothing else lives in it)."""
-        return self.start == 0 and self.end == self.storage.nbytes()
+        """The arena is its whole storage (nothing else lives in it, no page of it given back)."""
+        return self.owns_storage and self.start == 0 and self.end == self.storage.nbytes()
 
     def discard(self) -> None:
         """Give back an arena nothing was carved from: the storage, or the range's pages."""
-        if self.whole:
+        if self.owns_storage:
             _free(self.storage)
         else:
             self._release_from(self.start)
+
+    def trim(self, nbytes: int) -> int:
+        """Give back (by pages) up to ``nbytes`` at the end of the arena's free room; the bytes it shrank by."""
+        base = self.storage.data_ptr()
+        cut = max(self.used, page_span(base + self.end - nbytes, base + self.end)[0] - base)  # a page boundary
+        if cut >= self.end:
+            return 0
+        release_pages(self.storage.device, base + cut, base + self.end)
+        shrunk, self.end = self.end - cut, cut
+        return shrunk
 
     def release_rest(self) -> int:
         """Give the pages past the carved tensors back to the OS; the bytes released."""
@@ -163,6 +189,8 @@ class StorageRecycler:
         self.reused_bytes = 0
         self.tail_released_bytes = 0
         self.moved_out_bytes = 0
+        self.moved_in_bytes = 0
+        self.reserved_bytes = 0
 
     def give(self, storage: torch.UntypedStorage, group: str, *, hold: bool = False) -> None:
         """Take over an old storage the switch no longer reads. ``hold``: keep it, outside the idle cap,
@@ -171,7 +199,7 @@ class StorageRecycler:
         if storage.nbytes() < self.min_bytes or storage.device.type != "cpu":
             _free(storage)
             return
-        self._add(_Arena(storage, group), hold=hold)
+        self._add(_Arena(storage, group, owns_storage=True), hold=hold)
 
     def give_range(self, storage: torch.UntypedStorage, start: int, end: int, group: str) -> int:
         """Take over bytes ``[start, end)`` of a storage the new state keeps other tensors in (the
@@ -192,9 +220,13 @@ class StorageRecycler:
             return
         self._idle_order.append(arena)
         self.idle_bytes += arena.size
-        for oldest in [a for a in self._idle_order if a.untouched]:  # free untouched arenas, oldest first
-            if self.idle_bytes <= self.idle_cap:
+        for oldest in [a for a in self._idle_order if a.untouched]:  # give back untouched arenas, oldest first
+            excess = self.idle_bytes - self.idle_cap - self.reserved_bytes
+            if excess <= 0:
                 break
+            if oldest.size > excess:  # larger than the excess: only its end goes back
+                self.idle_bytes -= oldest.trim(excess)
+                continue
             self._idle_order.remove(oldest)
             self._arenas[oldest.group].remove(oldest)
             self.idle_bytes -= oldest.size
@@ -230,7 +262,11 @@ class StorageRecycler:
             return None
         arena = min(fits, key=lambda a: a.size)
         tensor = torch.empty(0, dtype=dtype, device=arena.storage.device).set_(arena.storage, 0, (numel,))
-        release_tail(arena.storage, nbytes)
+        tail = -(-nbytes // ALIGNMENT) * ALIGNMENT
+        if arena.size - tail >= self.min_bytes:  # idle, for ``fill`` only: the storage is the buffer's
+            self._add(_Arena(arena.storage, PAGES_GROUP, tail, arena.size), hold=False)
+        else:
+            release_tail(arena.storage, nbytes)
         if arena in self._idle_order:
             self._idle_order.remove(arena)
             self.idle_bytes -= arena.size
@@ -238,6 +274,53 @@ class StorageRecycler:
         self._arenas[group].remove(arena)  # nothing more is carved from it
         self.reused_bytes += nbytes
         return tensor
+
+    def give_pages(self, tensor: torch.Tensor) -> None:
+        """Take over ``tensor``, alone in its storage, which the switch is done with (a staging buffer),
+        for ``fill`` only: its storage is never carved."""
+        self.give(tensor.untyped_storage(), PAGES_GROUP)
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold up to ``nbytes`` more of idle old storage for ``fill``: for buffers that stay untouched
+        until the end of the switch (and whose memory the switch's memory bound counts already)."""
+        self.reserved_bytes += nbytes
+
+    def fill(self, tensor: torch.Tensor) -> int:
+        """Move the pages of idle old storage into the whole pages of ``tensor`` that are not in
+        memory yet (``page_moves``): they are then memory already touched instead of fresh pages,
+        and ``tensor`` keeps its own storage. Every element of ``tensor`` must be written before it
+        is read (it holds old bytes after this). Takes from arenas already carved from first
+        (fragments ``take`` cannot serve), then from the smallest; the bytes moved."""
+        if not can_move_pages() or tensor.device.type != "cpu" or tensor.nbytes < self.min_bytes:
+            return 0
+        moved = 0
+        for start, end in untouched_runs(tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes):
+            moved += self._fill_pages(start, end)
+        self.moved_in_bytes += moved
+        return moved
+
+    def _fill_pages(self, dst: int, dst_end: int) -> int:
+        sources = [a for arenas in self._arenas.values() for a in arenas if a.room >= MIN_PIECE]
+        sources.sort(key=lambda a: (a.untouched, a.room))
+        moved = 0
+        for arena in sources:
+            if dst_end - dst < MIN_PIECE:
+                break
+            base = arena.storage.data_ptr()
+            first, last = page_span(base + arena.used, base + arena.end)
+            length = min(last - first, dst_end - dst)
+            if length < MIN_PIECE:
+                continue
+            done = move_pages(first, first + length, dst, dst + length)
+            if done < length:  # pieces that could not move: their pages go back, not kept unused
+                release_pages(arena.storage.device, first, first + length)
+            consumed = first + length - base - arena.used
+            arena.used += consumed
+            if arena in self._idle_order:
+                self.idle_bytes -= consumed
+            dst += length
+            moved += done
+        return moved
 
     def drop_group(self, group: str) -> None:
         """Free what is left untouched of ``group``'s storages."""
@@ -326,11 +409,21 @@ class CarveBuffers(TorchFunctionMode):
             self._served[buffer.untyped_storage().data_ptr()] = (buffer, fresh)
         return buffer
 
+    def _untouched(self) -> list[torch.Tensor]:
+        return [b for address, (b, fresh) in self._served.items() if fresh and address not in self._written_later]
+
+    @property
+    def untouched_bytes(self) -> int:
+        """Bytes of the fresh buffers ``zero_untouched`` will zero (known once the buffers are built)."""
+        return sum(b.nbytes for b in self._untouched())
+
     def zero_untouched(self) -> int:
-        """Zero the fresh buffers no copy targeted (``skip_copies``); the bytes zeroed."""
-        pending = [b for address, (b, fresh) in self._served.items() if fresh and address not in self._written_later]
+        """Zero the fresh buffers no copy targeted (``skip_copies``), after moving what the recycler
+        holds idle into their pages (``StorageRecycler.fill``); the bytes zeroed."""
+        pending = self._untouched()
         self._served.clear()
         for buffer in pending:
+            self.recycler.fill(buffer)
             buffer.zero_()
         return sum(b.nbytes for b in pending)
 
@@ -340,4 +433,4 @@ def state_group(kind) -> str:
     return "moment" if kind.value.startswith("exp_avg") else "param"
 
 
-__all__ = ["ALIGNMENT", "BUFFER_GROUP", "CarveBuffers", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]
+__all__ = ["ALIGNMENT", "BUFFER_GROUP", "PAGES_GROUP", "CarveBuffers", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]

@@ -25,8 +25,10 @@ done with are not handed back to the OS but carved into the new params and momen
 saves faulting in (and the kernel zeroing) fresh pages. New DDP buffers go into the old gradient
 buffers' memory where they fit; where they do not, they stay untouched until written: the zero1
 param buffer by the engine (DDP's copy of the uninitialised params into it is skipped), a gradient
-buffer by a zeroing pass after the engine, once the old state's memory is back
-(``CarveBuffers(skip_copies=True)``). So old and new state overlap only
+buffer by a zeroing pass after the engine (``CarveBuffers(skip_copies=True)``). Into those, and into
+new tensors no old storage could be carved for, the pages of old storage the engine freed are moved
+first (``StorageRecycler.fill``, Linux ``mremap``), so that they too are written in memory already
+touched; what the gradient buffers will take is held back for them. So old and new state overlap only
 as far as the plan's order makes them; the engine's staging budget bounds what comes on top. A
 switch refused before anything moved (a bad budget, on every rank) leaves the old state whole.
 """
@@ -86,7 +88,10 @@ class HotSwitchResult:
     """Memory of the old state given back during the switch (gradient buffers, then each storage
     the engine was done with); what the new layout kept in place is in ``report.in_place``."""
     recycled_bytes: int = 0
-    """New state written into old storages instead of fresh memory (``engine.recycling``)."""
+    """New state written into old memory instead of fresh memory (``engine.recycling``): carved out of
+    old storages, or backed by their pages moved into it (``StorageRecycler.fill``)."""
+    moved_page_bytes: int = 0
+    """Of ``recycled_bytes``: old pages moved into new tensors and buffers (``StorageRecycler.fill``)."""
     skipped_copy_bytes: int = 0
     """DDP's copies of the new model's uninitialised params into its zero1 param buffer, skipped
     (``CarveBuffers(skip_copies=True)``): the engine writes that buffer."""
@@ -168,6 +173,9 @@ def hot_switch(
             ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
         if recycler is not None:
             recycler.drop_group(BUFFER_GROUP)
+            # what old state the engine frees beyond the idle cap is held for the untouched gradient
+            # buffers (counted in the memory bound already), and moved into their pages at the end
+            recycler.reserve(carve.untouched_bytes)
         materialize_adam_state(optimizer, step, zero=False)
         dest = megatron_store(ddp, optimizer, spec, target, rank)
         rebuild = time.perf_counter() - t0
@@ -183,10 +191,12 @@ def hot_switch(
         def allocate(key, numel, dtype):  # an old storage the engine is done with, or the new model's own
             tensor = dest[key]
             assert tensor.numel() == numel and tensor.dtype == dtype, (key, tensor.shape, numel, dtype)
-            if recycler is not None and rebind.can_rebind(key):
-                carved = recycler.take(key, numel, dtype, state_group(key[1]))
-                if carved is not None and rebind(key, carved):
-                    return carved
+            if recycler is not None:
+                if rebind.can_rebind(key):
+                    carved = recycler.take(key, numel, dtype, state_group(key[1]))
+                    if carved is not None and rebind(key, carved):
+                        return carved
+                recycler.fill(tensor)  # the engine writes all of it: touched pages instead of fresh ones
             return tensor
 
         _, report = execute_switch(
@@ -201,13 +211,14 @@ def hot_switch(
             staging_budget=staging_budget,
             group=group,
             gpus_per_node=gpus_per_node,
+            staging_pages=recycler,
         )
-        if recycler is not None:
-            recycler.close(rebind)
         if carve is not None:
             t0 = time.perf_counter()
             carve.zero_untouched()
             rebuild += time.perf_counter() - t0
+        if recycler is not None:
+            recycler.close(rebind)
     except BaseException:
         if not old_memory.started:  # refused before anything moved: training can go on at ``src``
             old_memory.restore_gradients()
@@ -220,7 +231,8 @@ def hot_switch(
         seconds=time.perf_counter() - start,
         old_freed_bytes=old_memory.freed_bytes,
         need_bytes=need,
-        recycled_bytes=recycler.reused_bytes if recycler is not None else 0,
+        recycled_bytes=recycler.reused_bytes + recycler.moved_in_bytes if recycler is not None else 0,
+        moved_page_bytes=recycler.moved_in_bytes if recycler is not None else 0,
         skipped_copy_bytes=carve.skipped_copy_bytes if carve is not None else 0,
     )
 

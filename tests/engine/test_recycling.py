@@ -7,7 +7,15 @@ import sys
 import pytest
 import torch
 
-from lightning_dynatrain.engine.recycling import ALIGNMENT, CarveBuffers, StorageRecycler, release_tail, state_group
+from lightning_dynatrain.engine.page_moves import MIN_PIECE, can_move_pages, untouched_runs
+from lightning_dynatrain.engine.recycling import (
+    ALIGNMENT,
+    CarveBuffers,
+    StorageRecycler,
+    release_pages,
+    release_tail,
+    state_group,
+)
 from lightning_dynatrain.vps.spec import StateKind
 
 MiB = 2**20
@@ -48,19 +56,35 @@ def test_groups_small_requests_and_sizes_are_respected():
     assert state_group(StateKind.EXP_AVG_SQ) == "moment" and state_group(StateKind.MAIN_PARAM) == "param"
 
 
-def test_untouched_storages_beyond_the_idle_cap_are_freed_oldest_first():
+def _pages_given_back(storage: torch.UntypedStorage) -> int:
+    """Bytes of the storage's whole pages that are not in memory (``mincore``)."""
+    return sum(hi - lo for lo, hi in untouched_runs(storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+
+
+def _within_a_page(nbytes: int, expected: int) -> bool:
+    """Arenas shrink by whole pages: what stays may be up to a page more than asked."""
+    return expected <= nbytes < expected + 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and mincore are Linux")
+def test_idle_storage_beyond_the_cap_goes_back_oldest_first_whole_or_by_its_end():
     recycler = StorageRecycler(idle_cap=10 * MiB)
     first, second, third, fourth = _storage(4), _storage(4), _storage(4), _storage(4)
     recycler.give(first, "param")
     recycler.give(second, "param")
-    assert first.nbytes() > 0 and recycler.idle_bytes == 8 * MiB
-    recycler.give(third, "param")  # 12 MiB idle > 10: the oldest goes
-    assert first.nbytes() == 0 and second.nbytes() > 0 and third.nbytes() > 0
-    assert recycler.idle_bytes == 8 * MiB
-    recycler.take(("p", StateKind.PARAM, ()), MiB // 4, F32, "param")  # 1 MiB carved from one of them
-    assert recycler.idle_bytes == 7 * MiB
-    recycler.give(fourth, "param")  # 11 MiB idle: the oldest untouched one goes, the carved one stays
-    assert recycler.idle_bytes == 7 * MiB and sum(s.nbytes() > 0 for s in (second, third, fourth)) == 2
+    assert recycler.idle_bytes == 8 * MiB and _pages_given_back(first) == 0
+    recycler.give(third, "param")  # 12 MiB idle > 10: the last 2 MiB of the oldest go back by pages
+    assert _within_a_page(recycler.idle_bytes, 10 * MiB) and first.nbytes() == 4 * MiB
+    assert 2 * MiB - 4096 <= _pages_given_back(first) <= 2 * MiB
+    carved = recycler.take(("p", StateKind.PARAM, ()), MiB // 4, F32, "param")  # 1 MiB: the smallest room
+    assert _inside(carved, first) and _within_a_page(recycler.idle_bytes, 9 * MiB)
+    recycler.give(fourth, "param")  # 13 MiB: 3 go, from the oldest untouched (second), by its end
+    assert _within_a_page(recycler.idle_bytes, 10 * MiB) and second.nbytes() == 4 * MiB
+    assert 3 * MiB - 4096 <= _pages_given_back(second) <= 3 * MiB
+    big = _storage(16)
+    recycler.give(big, "param")  # 26 MiB: second (1 left), third and fourth go whole; big loses 7 by its end
+    assert second.nbytes() == third.nbytes() == fourth.nbytes() == 0 and first.nbytes() > 0  # first is carved from
+    assert _within_a_page(recycler.idle_bytes, 10 * MiB) and 7 * MiB - 2 * 4096 <= _pages_given_back(big) <= 7 * MiB
 
 
 def test_close_frees_untouched_storages_and_keeps_carved_tensors_intact():
@@ -180,3 +204,23 @@ def test_carve_buffers_skipping_copies_leaves_the_copied_buffer_to_its_writer():
         assert not torch.equal(fresh_param_buffer[i * MiB // 2:(i + 1) * MiB // 2], param)
     assert torch.all(fresh_grad_buffer == 0.0) and torch.all(elsewhere == 1.0)
     assert carve.skipped_copy_bytes == 4 * params[0].nbytes
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and can_move_pages()), reason="mremap is Linux")
+def test_an_untouched_buffer_is_zeroed_in_pages_moved_from_idle_old_storage():
+    """``zero_untouched`` first moves the pages of old storage held idle (up to the bytes reserved for
+    the buffers) into a fresh gradient buffer, then zeroes it: memory already touched, not fresh."""
+    recycler = StorageRecycler(idle_cap=0)
+    with CarveBuffers(recycler, "buffer", zero=False, skip_copies=True) as carve:
+        grads = torch.zeros(2 * MiB, dtype=F32)  # 8 MiB, nothing held for it: fresh, untouched
+    assert carve.untouched_bytes == grads.nbytes
+    release_pages(grads.device, grads.data_ptr(), grads.data_ptr() + grads.nbytes)  # the heap may reuse touched memory
+    recycler.reserve(carve.untouched_bytes)
+    old = _storage(12, value=5.0)
+    recycler.give(old, "moment")  # 12 MiB idle > the 8 reserved: 4 go back at once
+    assert old.nbytes() > 0 and recycler.idle_bytes < 8 * MiB + 4096
+    assert carve.zero_untouched() == grads.nbytes and torch.all(grads == 0.0)
+    assert grads.nbytes - MIN_PIECE - 2 * 4096 <= recycler.moved_in_bytes <= grads.nbytes
+    assert not untouched_runs(grads.data_ptr(), grads.data_ptr() + grads.nbytes)
+    values = torch.empty(0).set_(old, 0, (old.nbytes() // 4,))
+    assert torch.all(values[4096 // 4: recycler.moved_in_bytes // 4] == 0.0)  # its pages went to the buffer

@@ -54,7 +54,7 @@ def _walk(rank: int, world_size: int) -> dict:
     run_train_step(ddp, optimizer, batch_for(first), first, 1)
     start, fingerprint = snapshot(state)
     out = {"fingerprints_equal": [], "recycled": [], "in_place": [], "skipped_copies": [], "param_bytes": [],
-           "param_buffer_in_old_grads": []}
+           "param_buffer_in_old_grads": [], "moved_pages": [], "grad_bytes": []}
     # refused at the engine's preflight, after the new DDP buffers were carved from the old gradient
     # buffers: the old gradients come back and training goes on (the checks below still hold)
     from lightning_dynatrain.engine.errors import StagingBudgetError
@@ -74,6 +74,8 @@ def _walk(rank: int, world_size: int) -> dict:
                                                  for b in state.ddp.buffers])
         out["fingerprints_equal"].append(snapshot(state)[1] == fingerprint)
         out["recycled"].append(result.recycled_bytes)
+        out["moved_pages"].append(result.moved_page_bytes)
+        out["grad_bytes"].append(sum(b.grad_data.nbytes for b in state.ddp.buffers))
         out["in_place"].append(result.report.in_place.bytes)
         out["skipped_copies"].append(result.skipped_copy_bytes)
         out["param_bytes"].append(sum(p.nbytes for p in state.ddp.module.parameters()))
@@ -130,6 +132,20 @@ def test_new_state_is_written_into_old_storages_only_when_asked(walk):
     for run in walk:
         assert run["recycled"][1] > 0  # dp4 -> dp2-tp2: the halves go into the old full tensors' memory
         assert run["recycled"][-1] == 0  # recycle=False
+
+
+def test_a_larger_gradient_buffer_takes_the_pages_of_old_state(walk):
+    """dp2-tp2 -> dp4 doubles the gradient buffer: no old buffer holds it, so it stays untouched
+    while the engine runs, and at the end the pages of old tensors the engine freed are moved into
+    it (``StorageRecycler.fill``), all but the last piece: no fresh memory for it."""
+    from lightning_dynatrain.engine.page_moves import MIN_PIECE, can_move_pages
+
+    if not can_move_pages():
+        pytest.skip("mremap is Linux")
+    for run in walk:
+        assert run["grad_bytes"][0] > 2 * MIN_PIECE
+        assert run["grad_bytes"][0] - MIN_PIECE <= run["moved_pages"][0] <= run["recycled"][0]
+        assert run["moved_pages"][-1] == 0  # recycle=False
 
 
 def test_the_zero1_param_buffer_is_written_by_the_engine_alone(walk):

@@ -1,0 +1,149 @@
+"""Moving whole pages of CPU memory from one address range to another, without copying (Linux).
+
+A switch on CPU frees old state and writes new state. Writing a fresh page costs a fault and a
+kernel zero (on a virtual machine that gave the page back to its host, a host fault as well);
+writing a page the process already touched does not (``benchmarks/fresh_memory.py``). Carving new
+tensors out of old storages (``recycling.StorageRecycler.take``) avoids fresh pages only where a
+new tensor fits in one old storage's free run. Moving pages does not need that: ``mremap`` hands
+the physical pages under one virtual range to another, so the whole pages inside any new tensor
+can come from any number of old storages, and the new tensor keeps its own storage.
+
+The source range stays mapped (``MREMAP_DONTUNMAP``, Linux 5.7+; else a fresh anonymous mapping
+put back over it): its storage may still be read whole (``torch.save`` writes whole storages) and
+is freed as usual later; reading there gives zeros, as after ``madvise(MADV_DONTNEED)``. What was
+mapped in the destination range is unmapped first. Only ever move pages out of memory nothing will
+read for its values again, into memory that will be written whole before it is read.
+
+``mremap`` moves pages within one mapping only: a source range that spans several (memory made of
+moved pages in an earlier switch) is moved piece by piece, halving on failure down to
+``MIN_PIECE``; what cannot be moved stays, and the destination's pages there fault in as usual.
+
+Example::
+
+    moved = move_pages(src_start, src_end, dst_start, dst_end)  # bytes moved (whole pages)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import sys
+from collections.abc import Callable
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: the smallest piece worth a system call when a range has to be split
+MIN_PIECE = 64 * _PAGE
+
+_MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
+_PROT_RW = 0x1 | 0x2
+_MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x02, 0x10, 0x20
+_FAILED = ctypes.c_void_p(-1).value
+_NOT_RESIDENT = re.compile(rb"\x00+")
+
+
+def _libc_calls() -> tuple[Callable, Callable, Callable] | None:
+    """libc's ``mremap``, ``mmap`` and ``mincore`` (Linux), or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mremap, mmap, mincore = libc.mremap, libc.mmap, libc.mincore
+    except (OSError, AttributeError):
+        return None
+    mremap.restype = ctypes.c_void_p
+    mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    mmap.restype = ctypes.c_void_p
+    mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    mincore.restype = ctypes.c_int
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return mremap, mmap, mincore
+
+
+class _PageMover:
+    """The system calls and what this kernel supports (probed on first use)."""
+
+    def __init__(self) -> None:
+        calls = _libc_calls()
+        self.available = calls is not None
+        self._mremap, self._mmap, self._mincore = calls if calls is not None else (None, None, None)
+        self._dontunmap = True  # until the kernel says otherwise
+
+    def resident(self, start: int, length: int) -> bytes | None:
+        """One byte per page of ``[start, start + length)`` (page-aligned): nonzero where the page is in memory."""
+        vec = ctypes.create_string_buffer(length // _PAGE)
+        if self._mincore(start, length, vec) != 0:
+            return None
+        return vec.raw
+
+    def move(self, src: int, dst: int, length: int) -> bool:
+        """Move ``length`` bytes of pages (all page-aligned) from ``src`` to ``dst``; ``False`` if not."""
+        if self._dontunmap:
+            flags = _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP
+            if self._mremap(src, length, length, flags, dst) != _FAILED:
+                return True
+            if ctypes.get_errno() != errno.EINVAL:  # EFAULT: the range spans mappings
+                return False
+            self._dontunmap = False  # a kernel before 5.7
+        if self._mremap(src, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, dst) == _FAILED:
+            return False
+        # put fresh (untouched) memory back where the pages were
+        refill = self._mmap(src, length, _PROT_RW, _MAP_PRIVATE | _MAP_FIXED | _MAP_ANONYMOUS, -1, 0)
+        if refill != src:
+            raise OSError(ctypes.get_errno(), f"mmap could not map memory back at {src:#x} after moving its pages")
+        return True
+
+
+_MOVER = _PageMover()
+
+
+def can_move_pages() -> bool:
+    """Whether ``move_pages`` can move memory here (Linux ``mremap``)."""
+    return _MOVER.available
+
+
+def page_span(start: int, end: int) -> tuple[int, int]:
+    """The whole pages inside addresses ``[start, end)``, as ``(first, last)`` (empty: ``first >= last``)."""
+    return -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+
+
+def move_pages(src_start: int, src_end: int, dst_start: int, dst_end: int) -> int:
+    """Move the whole pages of ``[src_start, src_end)`` into the whole pages of ``[dst_start, dst_end)``,
+    from the start of each, as many as both hold; the bytes moved (0 where not possible). The two
+    ranges must not overlap."""
+    if not _MOVER.available:
+        return 0
+    src, src_last = page_span(src_start, src_end)
+    dst, dst_last = page_span(dst_start, dst_end)
+    length = min(src_last - src, dst_last - dst)
+    if length <= 0:
+        return 0
+    if src < dst + length and dst < src + length:
+        raise ValueError(f"move_pages: source {src:#x}+{length} and destination {dst:#x}+{length} overlap")
+    return _move(src, dst, length)
+
+
+def untouched_runs(start: int, end: int) -> list[tuple[int, int]]:
+    """The runs of whole pages inside ``[start, end)`` that are not in memory yet (never written, or
+    given back), as ``(first, last)`` address pairs; empty where that cannot be read."""
+    first, last = page_span(start, end)
+    if not _MOVER.available or last <= first:
+        return []
+    vec = _MOVER.resident(first, last - first)
+    if vec is None:
+        return []
+    # mincore sets bit 0 of a page's byte when it is in memory; the other bits are reserved (zero)
+    return [(first + m.start() * _PAGE, first + m.end() * _PAGE) for m in _NOT_RESIDENT.finditer(vec)]
+
+
+def _move(src: int, dst: int, length: int) -> int:
+    if _MOVER.move(src, dst, length):
+        return length
+    if length < 2 * MIN_PIECE:
+        return 0
+    half = length // 2 // _PAGE * _PAGE
+    return _move(src, dst, half) + _move(src + half, dst + half, length - half)
+
+
+__all__ = ["MIN_PIECE", "can_move_pages", "move_pages", "page_span", "untouched_runs"]
