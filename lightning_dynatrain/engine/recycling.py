@@ -398,10 +398,14 @@ class CarveBuffers(TorchFunctionMode):
                     carved.zero_()
                 return self._serve(carved, fresh=False).requires_grad_(requires_grad)
             if args[0] * dtype.itemsize >= self.recycler.min_bytes:
-                # no held storage fits: free them before taking fresh memory, so the two never add up
+                # no held storage fits: their pages go into the new buffer (``fill``), what is left is
+                # freed before the buffer takes fresh memory, so the two never add up
+                buffer = torch.empty(args[0], dtype=dtype)
+                self.recycler.fill(buffer)
                 self.recycler.drop_group(self.group)
                 if self.skip_copies:  # untouched until ``zero_untouched`` or the caller writes it
-                    return self._serve(torch.empty(args[0], dtype=dtype), fresh=True).requires_grad_(requires_grad)
+                    return self._serve(buffer, fresh=True).requires_grad_(requires_grad)
+                return buffer.zero_().requires_grad_(requires_grad)
         return func(*args, **kwargs)
 
     def _serve(self, buffer: torch.Tensor, *, fresh: bool) -> torch.Tensor:
