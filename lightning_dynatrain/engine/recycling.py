@@ -285,22 +285,24 @@ class StorageRecycler:
         until the end of the switch (and whose memory the switch's memory bound counts already)."""
         self.reserved_bytes += nbytes
 
-    def fill(self, tensor: torch.Tensor) -> int:
+    def fill(self, tensor: torch.Tensor, group: str | None = None) -> int:
         """Move the pages of idle old storage into the whole pages of ``tensor`` that are not in
         memory yet (``page_moves``): they are then memory already touched instead of fresh pages,
         and ``tensor`` keeps its own storage. Every element of ``tensor`` must be written before it
         is read (it holds old bytes after this). Takes from arenas already carved from first
-        (fragments ``take`` cannot serve), then from the smallest; the bytes moved."""
+        (fragments ``take`` cannot serve), then from the smallest; ``group``: from its arenas only.
+        The bytes moved."""
         if not can_move_pages() or tensor.device.type != "cpu" or tensor.nbytes < self.min_bytes:
             return 0
         moved = 0
         for start, end in untouched_runs(tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes):
-            moved += self._fill_pages(start, end)
+            moved += self._fill_pages(start, end, group)
         self.moved_in_bytes += moved
         return moved
 
-    def _fill_pages(self, dst: int, dst_end: int) -> int:
-        sources = [a for arenas in self._arenas.values() for a in arenas if a.room >= MIN_PIECE]
+    def _fill_pages(self, dst: int, dst_end: int, group: str | None) -> int:
+        arenas = self._arenas.get(group, []) if group is not None else [a for g in self._arenas.values() for a in g]
+        sources = [a for a in arenas if a.room >= MIN_PIECE]
         sources.sort(key=lambda a: (a.untouched, a.room))
         moved = 0
         for arena in sources:
@@ -401,7 +403,7 @@ class CarveBuffers(TorchFunctionMode):
                 # no held storage fits: their pages go into the new buffer (``fill``), what is left is
                 # freed before the buffer takes fresh memory, so the two never add up
                 buffer = torch.empty(args[0], dtype=dtype)
-                self.recycler.fill(buffer)
+                self.recycler.fill(buffer, self.group)
                 self.recycler.drop_group(self.group)
                 if self.skip_copies:  # untouched until ``zero_untouched`` or the caller writes it
                     return self._serve(buffer, fresh=True).requires_grad_(requires_grad)

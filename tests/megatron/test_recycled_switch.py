@@ -54,7 +54,8 @@ def _walk(rank: int, world_size: int) -> dict:
     run_train_step(ddp, optimizer, batch_for(first), first, 1)
     start, fingerprint = snapshot(state)
     out = {"fingerprints_equal": [], "recycled": [], "in_place": [], "skipped_copies": [], "param_bytes": [],
-           "param_buffer_in_old_grads": [], "moved_pages": [], "grad_bytes": []}
+           "param_buffer_in_old_grads": [], "moved_pages": [], "grad_bytes": [],
+           "collections": [], "gc_enabled_after": []}
     # refused at the engine's preflight, after the new DDP buffers were carved from the old gradient
     # buffers: the old gradients come back and training goes on (the checks below still hold)
     from lightning_dynatrain.engine.errors import StagingBudgetError
@@ -64,10 +65,17 @@ def _walk(rank: int, world_size: int) -> dict:
     except StagingBudgetError as err:
         out["refused"] = str(err)
     out["grads_whole"] = all(b.grad_data.untyped_storage().nbytes() >= b.grad_data.nbytes for b in state.ddp.buffers)
+    import gc
+
+    collections: list[int] = []  # automatic collections started during a switch
+    gc.callbacks.append(lambda phase, info: phase == "start" and gc.isenabled() and collections.append(1))
     for text, recycle in zip(CHAIN[1:], RECYCLE):
         old_grads = {b.grad_data.untyped_storage().data_ptr() for b in state.ddp.buffers}
+        before = len(collections)
         result = hot_switch(state, ParallelConfig.parse(text), shape=shape, seed=SEED, staging_budget="16MiB",
                             optimizer_kwargs=OPTIMIZER, groups=groups, recycle=recycle)
+        out["collections"].append(len(collections) - before)
+        out["gc_enabled_after"].append(gc.isenabled())
         state = result.state
         out["param_buffer_in_old_grads"].append([b.param_data is not None and
                                                  b.param_data.untyped_storage().data_ptr() in old_grads
@@ -146,6 +154,13 @@ def test_a_larger_gradient_buffer_takes_the_pages_of_old_state(walk):
         assert run["grad_bytes"][0] > 2 * MIN_PIECE
         assert run["grad_bytes"][0] - MIN_PIECE <= run["moved_pages"][0] <= run["recycled"][0]
         assert run["moved_pages"][-1] == 0  # recycle=False
+
+
+def test_no_automatic_garbage_collection_runs_during_a_switch(walk):
+    """``hot_switch`` pauses Python's collector (``engine.gc_pause``) and turns it back on after: at
+    most one automatic collection per switch, the collector catching up as the switch returns."""
+    for run in walk:
+        assert all(n <= 1 for n in run["collections"]) and all(run["gc_enabled_after"]), run["collections"]
 
 
 def test_the_zero1_param_buffer_is_written_by_the_engine_alone(walk):
