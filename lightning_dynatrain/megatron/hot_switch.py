@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.engine.engine import execute_switch
-from lightning_dynatrain.engine.gc_pause import automatic_gc_paused
+from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.engine.recycling import BUFFER_GROUP, CarveBuffers, StorageRecycler, state_group
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.staging import parse_bytes
@@ -119,7 +119,7 @@ def hot_switch(
     recycle: bool | None = None,
 ) -> HotSwitchResult:
     """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over the world.
-    Python's automatic garbage collection is paused meanwhile (``engine.gc_pause``).
+    Python's automatic garbage collection is paused meanwhile (``lightning_dynatrain.gc_pause``).
 
     ``optimizer_kwargs`` are ``build_ddp_and_optimizer``'s keyword arguments (lr, weight decay,
     betas, ...): the new optimizer must be configured like the old one. ``groups`` keeps megatron's

@@ -17,11 +17,10 @@ computed once per tensor and expanded per kind.
 
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from functools import lru_cache
-from typing import Iterable, Iterator
+from typing import Iterable
 
+from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.errors import PlanError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -78,19 +77,9 @@ def plan_rank(
     _check_same_model(spec, src, dst)
     # Planning allocates many small acyclic tuples; a cyclic-GC pass over a training process's
     # large heap in the middle of it costs more than the plan itself (measured: 4x the worst rank).
-    with _gc_paused():
+    with automatic_gc_paused():
         return _plan_rank(spec, src, dst, rank, precision, gpus_per_node)
 
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _plan_rank(

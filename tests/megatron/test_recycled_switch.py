@@ -157,7 +157,7 @@ def test_a_larger_gradient_buffer_takes_the_pages_of_old_state(walk):
 
 
 def test_no_automatic_garbage_collection_runs_during_a_switch(walk):
-    """``hot_switch`` pauses Python's collector (``engine.gc_pause``) and turns it back on after: at
+    """``hot_switch`` pauses Python's collector (``lightning_dynatrain.gc_pause``) and turns it back on after: at
     most one automatic collection per switch, the collector catching up as the switch returns."""
     for run in walk:
         assert all(n <= 1 for n in run["collections"]) and all(run["gc_enabled_after"]), run["collections"]

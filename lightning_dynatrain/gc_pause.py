@@ -7,6 +7,8 @@ parameters, ~420k objects per process), a dp2-tp2-zero1 -> dp1-tp4-zero1 switch 
 per rank in generation-2 collections, a quarter of the switch. Megatron-LM pauses the collector
 during training steps for the same reason (``--manual-gc``).
 
+The planner pauses it around ``plan_rank`` too, for a caller that plans outside a switch.
+
 Nothing in a switch depends on the collector: old state is freed by its storages as the engine
 is done with it (``megatron.old_state``), not by collection. What becomes cyclic garbage during
 the switch (the old model's module graph) is collected once the collector runs again.

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from lightning_dynatrain.engine.gc_pause import automatic_gc_paused
+from lightning_dynatrain.gc_pause import automatic_gc_paused
 
 
 def test_the_collector_is_paused_inside_and_restored_after():
