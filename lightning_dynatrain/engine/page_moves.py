@@ -18,6 +18,9 @@ read for its values again, into memory that will be written whole before it is r
 moved pages in an earlier switch) is moved piece by piece, halving on failure down to
 ``MIN_PIECE``; what cannot be moved stays, and the destination's pages there fault in as usual.
 
+Only private anonymous memory is ever a source (``private_anonymous_ranges``): pages of a file
+mapped into memory (a checkpoint loaded with ``torch.load(mmap=True)``) stay where they are.
+
 Example::
 
     moved = move_pages(src_start, src_end, dst_start, dst_end)  # bytes moved (whole pages)
@@ -25,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import os
@@ -124,6 +128,45 @@ def move_pages(src_start: int, src_end: int, dst_start: int, dst_end: int) -> in
     return _move(src, dst, length)
 
 
+def private_anonymous_ranges(maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
+    """The address ranges of this process's private anonymous memory (the heap and anonymous
+    mappings), sorted; empty where that cannot be read. Only pages there may be moved: a file's
+    pages moved into a new tensor would keep it backed by the file (a shared mapping: written to it)."""
+    try:
+        with open(maps) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5 or fields[1][3:4] != "p":  # perms: private, not shared
+            continue
+        path = fields[5].strip() if len(fields) > 5 else ""
+        if path and path != "[heap]" and not path.startswith("[anon:"):  # a file, the stack, the kernel's
+            continue
+        lo, hi = fields[0].split("-")
+        out.append((int(lo, 16), int(hi, 16)))
+    out.sort()
+    return _merged(out)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def within(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether ``[start, end)`` lies inside one of the sorted, merged ``ranges``."""
+    i = bisect.bisect_right(ranges, (start, float("inf"))) - 1
+    return i >= 0 and ranges[i][0] <= start and end <= ranges[i][1]
+
+
 def untouched_runs(start: int, end: int) -> list[tuple[int, int]]:
     """The runs of whole pages inside ``[start, end)`` that are not in memory yet (never written, or
     given back), as ``(first, last)`` address pairs; empty where that cannot be read."""
@@ -146,4 +189,12 @@ def _move(src: int, dst: int, length: int) -> int:
     return _move(src, dst, half) + _move(src + half, dst + half, length - half)
 
 
-__all__ = ["MIN_PIECE", "can_move_pages", "move_pages", "page_span", "untouched_runs"]
+__all__ = [
+    "MIN_PIECE",
+    "can_move_pages",
+    "move_pages",
+    "page_span",
+    "private_anonymous_ranges",
+    "untouched_runs",
+    "within",
+]

@@ -54,7 +54,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lightning_dynatrain.engine.page_moves import MIN_PIECE, can_move_pages, move_pages, page_span, untouched_runs
+from lightning_dynatrain.engine.page_moves import (
+    MIN_PIECE,
+    can_move_pages,
+    move_pages,
+    page_span,
+    private_anonymous_ranges,
+    untouched_runs,
+    within,
+)
 from lightning_dynatrain.engine.store import StoreKey
 
 MiB = 2**20
@@ -81,6 +89,8 @@ class _Arena:
     owns_storage: bool = False
     """Nothing else lives in the storage: it is freed with the arena (``give``); else only the
     range's pages go back (``give_range``)."""
+    movable: bool = False
+    """Its pages may be moved into new tensors (``fill``): private anonymous memory, not pinned."""
 
     def __post_init__(self) -> None:
         if self.end < 0:
@@ -108,7 +118,7 @@ class _Arena:
     def discard(self) -> None:
         """Give back an arena nothing was carved from: the storage, or the range's pages."""
         if self.owns_storage:
-            _free(self.storage)
+            free_storage(self.storage)
         else:
             self._release_from(self.start)
 
@@ -131,9 +141,19 @@ class _Arena:
         return release_pages(self.storage.device, base + offset, base + self.end)
 
 
-def _free(storage: torch.UntypedStorage) -> None:
-    """Give the memory back now (the old state's tensors that still view it are never read again)."""
-    storage.resize_(0)
+def _own_cpu_memory(storage: torch.UntypedStorage) -> bool:
+    """CPU memory from PyTorch's allocator, which new state may be written into. A storage that
+    cannot be resized is someone else's (a file mapped into memory, where a write would reach the
+    file; memory borrowed from another library): never carved from."""
+    return storage.device.type == "cpu" and storage.resizable()
+
+
+def free_storage(storage: torch.UntypedStorage) -> None:
+    """Give the memory back now (the old state's tensors that still view it are never read again).
+    A storage that cannot be resized (memory mapped from a file, or borrowed from another library)
+    is left to its owner: it goes with its last reference."""
+    if storage.resizable():
+        storage.resize_(0)
 
 
 def _madvise_dontneed() -> Callable[[int, int], int] | None:
@@ -191,15 +211,19 @@ class StorageRecycler:
         self.moved_out_bytes = 0
         self.moved_in_bytes = 0
         self.reserved_bytes = 0
+        # the memory old storages may give pages from (the process's maps, read again only for a
+        # storage mapped since)
+        self._anonymous = private_anonymous_ranges() if can_move_pages() else []
 
     def give(self, storage: torch.UntypedStorage, group: str, *, hold: bool = False) -> None:
         """Take over an old storage the switch no longer reads. ``hold``: keep it, outside the idle cap,
         until ``drop_group`` (memory that is about to be replaced by as much, e.g. gradient buffers)."""
         self.given_bytes += storage.nbytes()
-        if storage.nbytes() < self.min_bytes or storage.device.type != "cpu":
-            _free(storage)
+        if storage.nbytes() < self.min_bytes or not _own_cpu_memory(storage):
+            free_storage(storage)
             return
-        self._add(_Arena(storage, group, owns_storage=True), hold=hold)
+        self._add(_Arena(storage, group, owns_storage=True, movable=self._movable(storage, 0, storage.nbytes())),
+                  hold=hold)
 
     def give_range(self, storage: torch.UntypedStorage, start: int, end: int, group: str) -> int:
         """Take over bytes ``[start, end)`` of a storage the new state keeps other tensors in (the
@@ -208,11 +232,19 @@ class StorageRecycler:
         the storage. Returns the bytes given back at once: all of them below ``min_bytes`` (or off
         the CPU), else 0."""
         start = -(-start // ALIGNMENT) * ALIGNMENT
-        if end - start < self.min_bytes or storage.device.type != "cpu":
+        if end - start < self.min_bytes or not _own_cpu_memory(storage):
             return release_pages(storage.device, storage.data_ptr() + start, storage.data_ptr() + end)
         self.given_bytes += end - start
-        self._add(_Arena(storage, group, start, end), hold=False)
+        self._add(_Arena(storage, group, start, end, movable=self._movable(storage, start, end)), hold=False)
         return 0
+
+    def _movable(self, storage: torch.UntypedStorage, start: int, end: int) -> bool:
+        if not can_move_pages() or storage.is_pinned():
+            return False
+        lo, hi = storage.data_ptr() + start, storage.data_ptr() + end
+        if not within(self._anonymous, lo, hi):
+            self._anonymous = private_anonymous_ranges()
+        return within(self._anonymous, lo, hi)
 
     def _add(self, arena: _Arena, *, hold: bool) -> None:
         self._arenas.setdefault(arena.group, []).append(arena)
@@ -264,7 +296,7 @@ class StorageRecycler:
         tensor = torch.empty(0, dtype=dtype, device=arena.storage.device).set_(arena.storage, 0, (numel,))
         tail = -(-nbytes // ALIGNMENT) * ALIGNMENT
         if arena.size - tail >= self.min_bytes:  # idle, for ``fill`` only: the storage is the buffer's
-            self._add(_Arena(arena.storage, PAGES_GROUP, tail, arena.size), hold=False)
+            self._add(_Arena(arena.storage, PAGES_GROUP, tail, arena.size, movable=arena.movable), hold=False)
         else:
             release_tail(arena.storage, nbytes)
         if arena in self._idle_order:
@@ -276,9 +308,14 @@ class StorageRecycler:
         return tensor
 
     def give_pages(self, tensor: torch.Tensor) -> None:
-        """Take over ``tensor``, alone in its storage, which the switch is done with (a staging buffer),
-        for ``fill`` only: its storage is never carved."""
-        self.give(tensor.untyped_storage(), PAGES_GROUP)
+        """Take over ``tensor``, alone in its storage, which the switch is done with (a staging buffer
+        it allocated), for ``fill`` only: its storage is never carved."""
+        storage = tensor.untyped_storage()
+        self.given_bytes += storage.nbytes()
+        if storage.nbytes() < self.min_bytes or storage.device.type != "cpu":
+            free_storage(storage)
+            return
+        self._add(_Arena(storage, PAGES_GROUP, owns_storage=True, movable=not storage.is_pinned()), hold=False)
 
     def reserve(self, nbytes: int) -> None:
         """Hold up to ``nbytes`` more of idle old storage for ``fill``: for buffers that stay untouched
@@ -292,7 +329,8 @@ class StorageRecycler:
         is read (it holds old bytes after this). Takes from arenas already carved from first
         (fragments ``take`` cannot serve), then from the smallest; ``group``: from its arenas only.
         The bytes moved."""
-        if not can_move_pages() or tensor.device.type != "cpu" or tensor.nbytes < self.min_bytes:
+        if not can_move_pages() or tensor.device.type != "cpu" or tensor.nbytes < self.min_bytes \
+                or tensor.is_pinned():
             return 0
         moved = 0
         for start, end in untouched_runs(tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes):
@@ -302,7 +340,7 @@ class StorageRecycler:
 
     def _fill_pages(self, dst: int, dst_end: int, group: str | None) -> int:
         arenas = self._arenas.get(group, []) if group is not None else [a for g in self._arenas.values() for a in g]
-        sources = [a for a in arenas if a.room >= MIN_PIECE]
+        sources = [a for a in arenas if a.movable and a.room >= MIN_PIECE]
         sources.sort(key=lambda a: (a.untouched, a.room))
         moved = 0
         for arena in sources:
@@ -439,4 +477,4 @@ def state_group(kind) -> str:
     return "moment" if kind.value.startswith("exp_avg") else "param"
 
 
-__all__ = ["ALIGNMENT", "BUFFER_GROUP", "PAGES_GROUP", "CarveBuffers", "StorageRecycler", "can_release_pages", "release_pages", "release_tail", "state_group"]
+__all__ = ["ALIGNMENT", "BUFFER_GROUP", "PAGES_GROUP", "CarveBuffers", "StorageRecycler", "can_release_pages", "free_storage", "release_pages", "release_tail", "state_group"]

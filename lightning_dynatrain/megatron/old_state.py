@@ -30,6 +30,7 @@ from lightning_dynatrain.engine.recycling import (
     BUFFER_GROUP,
     StorageRecycler,
     can_release_pages,
+    free_storage,
     release_pages,
     state_group,
 )
@@ -70,7 +71,7 @@ class OldStateMemory:
             if self._recycler is not None:
                 self._recycler.give(storage, BUFFER_GROUP, hold=True)
             else:
-                storage.resize_(0)
+                free_storage(storage)
 
     def restore_gradients(self) -> None:
         """Give the gradient buffers their memory back (zeroed); only before anything was released."""
@@ -126,7 +127,7 @@ class OldStateMemory:
             if self._recycler is not None:
                 self._recycler.give(storage, state_group(key[1]))
             else:
-                storage.resize_(0)
+                free_storage(storage)
 
 
 __all__ = ["OldStateMemory"]

@@ -8,7 +8,15 @@ import sys
 import pytest
 import torch
 
-from lightning_dynatrain.engine.page_moves import MIN_PIECE, can_move_pages, move_pages, page_span, untouched_runs
+from lightning_dynatrain.engine.page_moves import (
+    MIN_PIECE,
+    can_move_pages,
+    move_pages,
+    page_span,
+    private_anonymous_ranges,
+    untouched_runs,
+    within,
+)
 from lightning_dynatrain.engine.recycling import StorageRecycler, release_pages
 
 pytestmark = pytest.mark.skipif(not (sys.platform.startswith("linux") and can_move_pages()),
@@ -102,3 +110,25 @@ def test_memory_made_of_moved_pages_can_be_moved_again():
     got = _whole_pages(last)  # both start at a page: element i of each is the same byte of the same page
     n = min(got.numel(), values.numel())
     assert (got[:n] == values[:n]).float().mean().item() >= moved / last.nbytes - 0.01
+
+
+def test_pages_of_a_file_mapped_into_memory_are_never_moved(tmp_path):
+    """A storage mapped from a file (a checkpoint loaded with ``torch.load(mmap=True)``; here a shared
+    mapping, where new state written into it would be written to the file) gives no pages and is
+    never carved from: the new tensor takes fresh pages and the file keeps its bytes."""
+    path = tmp_path / "state.bin"
+    path.write_bytes(torch.full((2 * MiB,), 5.0).numpy().tobytes())  # 8 MiB
+    mapped = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=8 * MiB)
+    anonymous = private_anonymous_ranges()
+    assert not within(anonymous, mapped.data_ptr(), mapped.data_ptr() + mapped.nbytes())
+    plain = torch.empty(MiB)
+    assert within(anonymous, plain.data_ptr(), plain.data_ptr() + plain.nbytes)
+    recycler = StorageRecycler(idle_cap=64 * MiB)
+    recycler.give(mapped, "moment")
+    recycler.give_range(mapped, 0, 4 * MiB, "moment")  # nor a range of it
+    new = _fresh(MiB)
+    assert recycler.fill(new) == 0 and _not_resident(new) >= new.nbytes - 2 * PAGE
+    assert recycler.take(("m", None, ()), MiB // 4, F32, "moment") is None  # and nothing is carved from it
+    new.fill_(1.0)
+    recycler.close(lambda key, tensor: None)
+    assert torch.all(torch.frombuffer(bytearray(path.read_bytes()), dtype=F32) == 5.0)
