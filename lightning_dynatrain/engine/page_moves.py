@@ -43,26 +43,29 @@ MIN_PIECE = 64 * _PAGE
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
 _PROT_RW = 0x1 | 0x2
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x02, 0x10, 0x20
+_MADV_POPULATE_WRITE = 23
 _FAILED = ctypes.c_void_p(-1).value
 _NOT_RESIDENT = re.compile(rb"\x00+")
 
 
-def _libc_calls() -> tuple[Callable, Callable, Callable] | None:
-    """libc's ``mremap``, ``mmap`` and ``mincore`` (Linux), or ``None``."""
+def _libc_calls() -> tuple[Callable, Callable, Callable, Callable] | None:
+    """libc's ``mremap``, ``mmap``, ``mincore`` and ``madvise`` (Linux), or ``None``."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        mremap, mmap, mincore = libc.mremap, libc.mmap, libc.mincore
+        mremap, mmap, mincore, madvise = libc.mremap, libc.mmap, libc.mincore, libc.madvise
     except (OSError, AttributeError):
         return None
+    madvise.restype = ctypes.c_int
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     mremap.restype = ctypes.c_void_p
     mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     mmap.restype = ctypes.c_void_p
     mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     mincore.restype = ctypes.c_int
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return mremap, mmap, mincore
+    return mremap, mmap, mincore, madvise
 
 
 class _PageMover:
@@ -71,8 +74,18 @@ class _PageMover:
     def __init__(self) -> None:
         calls = _libc_calls()
         self.available = calls is not None
-        self._mremap, self._mmap, self._mincore = calls if calls is not None else (None, None, None)
+        self._mremap, self._mmap, self._mincore, self._madvise = calls if calls is not None else (None,) * 4
         self._dontunmap = True  # until the kernel says otherwise
+        self._populate: bool | None = True  # likewise
+
+    def populate(self, start: int, length: int) -> bool:
+        if self._populate is None:
+            return False
+        if self._madvise(start, length, _MADV_POPULATE_WRITE) == 0:
+            return True
+        if ctypes.get_errno() == errno.EINVAL:  # a kernel before 5.14
+            self._populate = None
+        return False
 
     def resident(self, start: int, length: int) -> bytes | None:
         """One byte per page of ``[start, start + length)`` (page-aligned): nonzero where the page is in memory."""
@@ -167,6 +180,16 @@ def within(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
     return i >= 0 and ranges[i][0] <= start and end <= ranges[i][1]
 
 
+def populate_pages(start: int, end: int) -> bool:
+    """Fault in the whole pages of ``[start, end)`` for writing, as the kernel hands them out (zeroed),
+    without writing them again from here (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+); ``False``
+    where that is not available."""
+    first, last = page_span(start, end)
+    if not _MOVER.available or last <= first:
+        return False
+    return _MOVER.populate(first, last - first)
+
+
 def untouched_runs(start: int, end: int) -> list[tuple[int, int]]:
     """The runs of whole pages inside ``[start, end)`` that are not in memory yet (never written, or
     given back), as ``(first, last)`` address pairs; empty where that cannot be read."""
@@ -194,6 +217,7 @@ __all__ = [
     "can_move_pages",
     "move_pages",
     "page_span",
+    "populate_pages",
     "private_anonymous_ranges",
     "untouched_runs",
     "within",

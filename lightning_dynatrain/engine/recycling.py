@@ -16,7 +16,7 @@ buffer megatron built, a tensor that cannot be rebound), takes old memory by its
 ``fill`` moves the pages of idle arenas into those of its pages not in memory yet
 (``page_moves``, Linux ``mremap``; no copy). A buffer that stays untouched until the end of the
 switch (a gradient buffer no old one could hold) has idle old storage held for it (``reserve``) and
-filled at the end (``CarveBuffers.zero_untouched``).
+filled at the end (``CarveBuffers.fault_in_untouched``).
 
 Rules that keep memory bounded:
 
@@ -59,6 +59,7 @@ from lightning_dynatrain.engine.page_moves import (
     can_move_pages,
     move_pages,
     page_span,
+    populate_pages,
     private_anonymous_ranges,
     untouched_runs,
     within,
@@ -408,9 +409,9 @@ class CarveBuffers(TorchFunctionMode):
     here is skipped (megatron's DDP copies each param into its zero1 param buffer), and a buffer
     that does not fit a held storage is served untouched (``torch.empty``): the one a copy targeted
     (the param buffer) is left to its writer, whose writes fault its pages in once; the others
-    (gradient buffers) are zeroed by ``zero_untouched``, which the caller calls when their pages
-    should come, e.g. once the old state's memory is back. Until then they hold what fresh memory
-    holds (megatron zeroes a gradient buffer before its first use anyway).
+    (gradient buffers) get their memory from ``fault_in_untouched``, which the caller calls when
+    their pages should come, e.g. once the old state's memory is back. Their bytes are never
+    zeroed here: megatron zeroes a gradient buffer before its first use.
     """
 
     def __init__(self, recycler: StorageRecycler, group: str, *, zero: bool = True, skip_copies: bool = False) -> None:
@@ -443,7 +444,7 @@ class CarveBuffers(TorchFunctionMode):
                 buffer = torch.empty(args[0], dtype=dtype)
                 self.recycler.fill(buffer, self.group)
                 self.recycler.drop_group(self.group)
-                if self.skip_copies:  # untouched until ``zero_untouched`` or the caller writes it
+                if self.skip_copies:  # untouched until ``fault_in_untouched`` or the caller writes it
                     return self._serve(buffer, fresh=True).requires_grad_(requires_grad)
                 return buffer.zero_().requires_grad_(requires_grad)
         return func(*args, **kwargs)
@@ -458,17 +459,26 @@ class CarveBuffers(TorchFunctionMode):
 
     @property
     def untouched_bytes(self) -> int:
-        """Bytes of the fresh buffers ``zero_untouched`` will zero (known once the buffers are built)."""
+        """Bytes of the fresh buffers ``fault_in_untouched`` takes care of (known once they are built)."""
         return sum(b.nbytes for b in self._untouched())
 
-    def zero_untouched(self) -> int:
-        """Zero the fresh buffers no copy targeted (``skip_copies``), after moving what the recycler
-        holds idle into their pages (``StorageRecycler.fill``); the bytes zeroed."""
+    def fault_in_untouched(self) -> int:
+        """Give the fresh buffers no copy targeted (``skip_copies``: gradient buffers) their memory now,
+        rather than in their first use: the pages the recycler holds idle first (``fill``; they
+        keep the old bytes, as a carved buffer does), fresh pages for the rest, faulted in as the
+        kernel zeroes them (``populate_pages``; else a zeroing pass). The bytes of those buffers.
+        Only for buffers their user zeroes before use (megatron's step: ``zero_grad_buffer``)."""
         pending = self._untouched()
         self._served.clear()
         for buffer in pending:
             self.recycler.fill(buffer)
-            buffer.zero_()
+            if not can_move_pages():  # no page map to read: a pass over the whole buffer
+                buffer.zero_()
+                continue
+            flat = buffer.view(-1).view(torch.uint8)
+            for lo, hi in untouched_runs(buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes):
+                if not populate_pages(lo, hi):
+                    flat[lo - buffer.data_ptr(): hi - buffer.data_ptr()].zero_()
         return sum(b.nbytes for b in pending)
 
 

@@ -25,10 +25,11 @@ done with are not handed back to the OS but carved into the new params and momen
 saves faulting in (and the kernel zeroing) fresh pages. New DDP buffers go into the old gradient
 buffers' memory where they fit; where they do not, they stay untouched until written: the zero1
 param buffer by the engine (DDP's copy of the uninitialised params into it is skipped), a gradient
-buffer by a zeroing pass after the engine (``CarveBuffers(skip_copies=True)``). Into those, and into
+buffer after the engine (``CarveBuffers(skip_copies=True)``). Into those, and into
 new tensors no old storage could be carved for, the pages of old storage the engine freed are moved
 first (``StorageRecycler.fill``, Linux ``mremap``), so that they too are written in memory already
-touched; what the gradient buffers will take is held back for them. So old and new state overlap only
+touched; what the gradient buffers will take is held back for them, and their pages that no old
+memory backs are faulted in at the end, not in the first step. So old and new state overlap only
 as far as the plan's order makes them; the engine's staging budget bounds what comes on top. A
 switch refused before anything moved (a bad budget, on every rank) leaves the old state whole.
 """
@@ -82,8 +83,8 @@ class HotSwitchResult:
     state: MegatronTrainingState
     report: SwitchReport
     rebuild_seconds: float
-    """Building the new model, DDP buffers and optimizer, and zeroing (after the engine) the fresh
-    gradient buffers left untouched until then."""
+    """Building the new model, DDP buffers and optimizer, and giving (after the engine) the gradient
+    buffers left untouched until then their memory."""
     seconds: float
     old_freed_bytes: int
     """Memory of the old state given back during the switch (gradient buffers, then each storage
@@ -170,7 +171,7 @@ def hot_switch(
         # in the zero1 param buffer, and nothing reads the padding between them. DDP's copy of the
         # uninitialised params into that buffer is skipped. A buffer that fits no old gradient
         # storage stays untouched: the engine's writes fault the param buffer's pages in, and a
-        # gradient buffer is zeroed after the engine, once the old state's memory is back
+        # gradient buffer gets its memory after the engine, once the old state's memory is back
         carve = CarveBuffers(recycler, BUFFER_GROUP, zero=False, skip_copies=True) if recycler is not None else None
         with carve or contextlib.nullcontext():
             ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
@@ -218,7 +219,7 @@ def hot_switch(
         )
         if carve is not None:
             t0 = time.perf_counter()
-            carve.zero_untouched()
+            carve.fault_in_untouched()
             rebuild += time.perf_counter() - t0
         if recycler is not None:
             recycler.close(rebind)

@@ -13,6 +13,7 @@ from lightning_dynatrain.engine.page_moves import (
     can_move_pages,
     move_pages,
     page_span,
+    populate_pages,
     private_anonymous_ranges,
     untouched_runs,
     within,
@@ -132,3 +133,14 @@ def test_pages_of_a_file_mapped_into_memory_are_never_moved(tmp_path):
     new.fill_(1.0)
     recycler.close(lambda key, tensor: None)
     assert torch.all(torch.frombuffer(bytearray(path.read_bytes()), dtype=F32) == 5.0)
+
+
+def test_populated_pages_are_in_memory_and_zero():
+    """``populate_pages`` faults pages in as the kernel hands them out, without a pass over them;
+    where the kernel cannot (before 5.14) it says so and nothing changes."""
+    tensor = _fresh(2 * MiB)  # 8 MiB, not in memory
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    if not populate_pages(start, end):
+        assert _not_resident(tensor) >= tensor.nbytes - 2 * PAGE
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
+    assert _not_resident(tensor) == 0 and torch.all(_whole_pages(tensor) == 0.0)

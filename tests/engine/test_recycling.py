@@ -187,7 +187,7 @@ def test_carve_buffers_skipping_copies_leaves_the_copied_buffer_to_its_writer():
     """``skip_copies`` (a switch's new model: uninitialised params the engine writes later): megatron's
     copy of each param into the zero1 param buffer is skipped, so that buffer is left as served
     (fresh: untouched; carved: the old bytes); a fresh buffer no copy targeted (a gradient buffer)
-    is zeros once ``zero_untouched`` ran; copies into other tensors still happen."""
+    is in memory once ``fault_in_untouched`` ran; copies into other tensors still happen."""
     recycler = StorageRecycler(idle_cap=0)
     old_grads = _storage(8, value=5.0)
     recycler.give(old_grads, "buffer", hold=True)
@@ -201,19 +201,23 @@ def test_carve_buffers_skipping_copies_leaves_the_copied_buffer_to_its_writer():
             carved_param_buffer[i * MiB // 2:(i + 1) * MiB // 2].copy_(param)  # as megatron's DDP does
             fresh_param_buffer[i * MiB // 2:(i + 1) * MiB // 2].detach().copy_(param)
         elsewhere.copy_(torch.ones(16))
-    fresh_grad_buffer.fill_(9.0)  # as if the fresh memory held old bytes: ``zero_untouched`` zeroes it
-    assert carve.zero_untouched() == fresh_grad_buffer.nbytes
+    release_pages(fresh_grad_buffer.device, fresh_grad_buffer.data_ptr(),  # the heap may reuse touched memory
+                  fresh_grad_buffer.data_ptr() + fresh_grad_buffer.nbytes)
+    assert carve.fault_in_untouched() == fresh_grad_buffer.nbytes
+    if can_move_pages():  # every whole page of it is in memory now, as the kernel zeroed it
+        assert not untouched_runs(fresh_grad_buffer.data_ptr(), fresh_grad_buffer.data_ptr() + fresh_grad_buffer.nbytes)
     assert carved_param_buffer.data_ptr() == old_grads.data_ptr() and torch.all(carved_param_buffer == 5.0)
     for i, param in enumerate(params):  # never written (what it holds is the allocator's): the copies were skipped
         assert not torch.equal(fresh_param_buffer[i * MiB // 2:(i + 1) * MiB // 2], param)
-    assert torch.all(fresh_grad_buffer == 0.0) and torch.all(elsewhere == 1.0)
+    assert torch.all(elsewhere == 1.0)
     assert carve.skipped_copy_bytes == 4 * params[0].nbytes
 
 
 @pytest.mark.skipif(not (sys.platform.startswith("linux") and can_move_pages()), reason="mremap is Linux")
-def test_an_untouched_buffer_is_zeroed_in_pages_moved_from_idle_old_storage():
-    """``zero_untouched`` first moves the pages of old storage held idle (up to the bytes reserved for
-    the buffers) into a fresh gradient buffer, then zeroes it: memory already touched, not fresh."""
+def test_an_untouched_buffer_takes_the_pages_of_idle_old_storage():
+    """``fault_in_untouched`` moves the pages of old storage held idle (up to the bytes reserved for
+    the buffers) into a fresh gradient buffer: memory already touched, not fresh. They keep the old
+    bytes (megatron zeroes a gradient buffer before its first use): no pass over them here."""
     recycler = StorageRecycler(idle_cap=0)
     with CarveBuffers(recycler, "buffer", zero=False, skip_copies=True) as carve:
         grads = torch.zeros(2 * MiB, dtype=F32)  # 8 MiB, nothing held for it: fresh, untouched
@@ -223,8 +227,11 @@ def test_an_untouched_buffer_is_zeroed_in_pages_moved_from_idle_old_storage():
     old = _storage(12, value=5.0)
     recycler.give(old, "moment")  # 12 MiB idle > the 8 reserved: 4 go back at once
     assert old.nbytes() > 0 and recycler.idle_bytes < 8 * MiB + 4096
-    assert carve.zero_untouched() == grads.nbytes and torch.all(grads == 0.0)
-    assert grads.nbytes - MIN_PIECE - 2 * 4096 <= recycler.moved_in_bytes <= grads.nbytes
-    assert not untouched_runs(grads.data_ptr(), grads.data_ptr() + grads.nbytes)
+    assert carve.fault_in_untouched() == grads.nbytes
+    moved = recycler.moved_in_bytes
+    assert grads.nbytes - MIN_PIECE - 2 * 4096 <= moved <= grads.nbytes
+    assert not untouched_runs(grads.data_ptr(), grads.data_ptr() + grads.nbytes)  # the rest faulted in
+    first = (-grads.data_ptr() % 4096) // 4  # the buffer's first whole page
+    assert torch.all(grads[first: first + (moved - 4096) // 4] == 5.0)  # the old pages, as they were
     values = torch.empty(0).set_(old, 0, (old.nbytes() // 4,))
     assert torch.all(values[4096 // 4: recycler.moved_in_bytes // 4] == 0.0)  # its pages went to the buffer
