@@ -459,8 +459,11 @@ class CarveBuffers(TorchFunctionMode):
 
     @property
     def untouched_bytes(self) -> int:
-        """Bytes of the fresh buffers ``fault_in_untouched`` takes care of (known once they are built)."""
-        return sum(b.nbytes for b in self._untouched())
+        """Bytes of the fresh buffers ``fault_in_untouched`` takes care of that are not in memory yet
+        (all of them where the page map cannot be read); known once the buffers are built."""
+        if not can_move_pages():
+            return sum(b.nbytes for b in self._untouched())
+        return sum(hi - lo for b in self._untouched() for lo, hi in untouched_runs(b.data_ptr(), b.data_ptr() + b.nbytes))
 
     def fault_in_untouched(self) -> int:
         """Give the fresh buffers no copy targeted (``skip_copies``: gradient buffers) their memory now,

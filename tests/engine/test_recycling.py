@@ -221,8 +221,8 @@ def test_an_untouched_buffer_takes_the_pages_of_idle_old_storage():
     recycler = StorageRecycler(idle_cap=0)
     with CarveBuffers(recycler, "buffer", zero=False, skip_copies=True) as carve:
         grads = torch.zeros(2 * MiB, dtype=F32)  # 8 MiB, nothing held for it: fresh, untouched
-    assert carve.untouched_bytes == grads.nbytes
     release_pages(grads.device, grads.data_ptr(), grads.data_ptr() + grads.nbytes)  # the heap may reuse touched memory
+    assert grads.nbytes - 2 * 4096 <= carve.untouched_bytes <= grads.nbytes  # its whole pages, none in memory
     recycler.reserve(carve.untouched_bytes)
     old = _storage(12, value=5.0)
     recycler.give(old, "moment")  # 12 MiB idle > the 8 reserved: 4 go back at once
