@@ -18,8 +18,11 @@ read for its values again, into memory that will be written whole before it is r
 moved pages in an earlier switch) is moved piece by piece, halving on failure down to
 ``MIN_PIECE``; what cannot be moved stays, and the destination's pages there fault in as usual.
 
-Only private anonymous memory is ever a source (``private_anonymous_ranges``): pages of a file
-mapped into memory (a checkpoint loaded with ``torch.load(mmap=True)``) stay where they are.
+Callers move pages only out of private anonymous memory (``private_anonymous_ranges``; the
+recycler checks every old storage against it): pages of a file mapped into memory (a checkpoint
+loaded with ``torch.load(mmap=True)``) stay where they are. ``untouched_runs`` tells which pages of
+a range are not in memory yet (``mincore``), and ``populate_pages`` faults pages in without writing
+them (``madvise(MADV_POPULATE_WRITE)``).
 
 Example::
 
