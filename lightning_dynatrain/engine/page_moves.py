@@ -46,7 +46,7 @@ MIN_PIECE = 64 * _PAGE
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
 _PROT_RW = 0x1 | 0x2
 _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x02, 0x10, 0x20
-_MADV_POPULATE_WRITE = 23
+_MADV_DONTNEED, _MADV_POPULATE_WRITE = 4, 23
 _FAILED = ctypes.c_void_p(-1).value
 _NOT_RESIDENT = re.compile(rb"\x00+")
 
@@ -77,14 +77,14 @@ class _PageMover:
     def __init__(self) -> None:
         calls = _libc_calls()
         self.available = calls is not None
-        self._mremap, self._mmap, self._mincore, self._madvise = calls if calls is not None else (None,) * 4
+        self._mremap, self._mmap, self._mincore, self.madvise = calls if calls is not None else (None,) * 4
         self._dontunmap = True  # until the kernel says otherwise
         self._populate: bool | None = True  # likewise
 
     def populate(self, start: int, length: int) -> bool:
         if self._populate is None:
             return False
-        if self._madvise(start, length, _MADV_POPULATE_WRITE) == 0:
+        if self.madvise(start, length, _MADV_POPULATE_WRITE) == 0:
             return True
         if ctypes.get_errno() == errno.EINVAL:  # a kernel before 5.14
             self._populate = None
@@ -183,6 +183,15 @@ def within(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
     return i >= 0 and ranges[i][0] <= start and end <= ranges[i][1]
 
 
+def discard_pages(start: int, end: int) -> int:
+    """Hand the whole pages of ``[start, end)`` back to the OS (``madvise(MADV_DONTNEED)``); the bytes
+    given back (0 where not possible). The range stays mapped: reading it gives zeros."""
+    first, last = page_span(start, end)
+    if not _MOVER.available or last <= first or _MOVER.madvise(first, last - first, _MADV_DONTNEED) != 0:
+        return 0
+    return last - first
+
+
 def populate_pages(start: int, end: int) -> bool:
     """Fault in the whole pages of ``[start, end)`` for writing, as the kernel hands them out (zeroed),
     without writing them again from here (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+); ``False``
@@ -218,6 +227,7 @@ def _move(src: int, dst: int, length: int) -> int:
 __all__ = [
     "MIN_PIECE",
     "can_move_pages",
+    "discard_pages",
     "move_pages",
     "page_span",
     "populate_pages",

@@ -45,9 +45,6 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_dynatrain.engine.page_moves import (
     MIN_PIECE,
     can_move_pages,
+    discard_pages,
     move_pages,
     page_span,
     populate_pages,
@@ -157,39 +155,16 @@ def free_storage(storage: torch.UntypedStorage) -> None:
         storage.resize_(0)
 
 
-def _madvise_dontneed() -> Callable[[int, int], int] | None:
-    """libc's ``madvise(addr, length, MADV_DONTNEED)`` (Linux), or ``None``."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lambda addr, length: fn(addr, length, 4)  # MADV_DONTNEED
-
-
-_DONTNEED = _madvise_dontneed()
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
 def can_release_pages() -> bool:
     """Whether ``release_pages`` can give CPU memory back here (Linux ``madvise``)."""
-    return _DONTNEED is not None
+    return can_move_pages()
 
 
 def release_pages(device: torch.device, start: int, end: int) -> int:
     """Hand the whole pages between addresses ``start`` and ``end`` of CPU memory back to the OS;
     the bytes released (0 where not possible). The memory stays mapped: a later write there gets
     fresh zeroed pages. Only for memory nothing will read again."""
-    if _DONTNEED is None or device.type != "cpu":
-        return 0
-    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
-    if hi <= lo or _DONTNEED(lo, hi - lo) != 0:
-        return 0
-    return hi - lo
+    return discard_pages(start, end) if device.type == "cpu" else 0
 
 
 def release_tail(storage: torch.UntypedStorage, start: int) -> int:
