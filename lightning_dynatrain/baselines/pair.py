@@ -10,10 +10,12 @@ and fingerprints it, measures the link and copy speeds, then runs each method A 
 - ``restart`` (first half, last): DCP save, then the job returns and its processes exit;
   ``restart_job`` in fresh processes then initialises, builds B and loads.
 
-After each method the state at B is fingerprinted against A's, then brought back to A (a hot
-switch back when it fits in memory, else a deterministic rebuild of A) for the next method. A
-method whose extra memory does not fit (``memory.py``) or that megatron cannot run is skipped with
-the reason. Times are the slowest rank's, between barriers.
+Before each method, untimed, the ranks write and free as much memory as the state grows by
+(``warm_memory``), so that no method pays for memory the machine's host took back while another
+finds memory just freed. After each method the state at B is fingerprinted against A's, then
+brought back to A (a hot switch back when it fits in memory, else a deterministic rebuild of A)
+for the next method. A method whose extra memory does not fit (``memory.py``) or that megatron
+cannot run is skipped with the reason. Times are the slowest rank's, between barriers.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ from lightning_dynatrain.megatron.state_bridge import set_adam_step
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 METHODS = ("hot_switch", "allgather", "dcp", "megatron", "restart")
+WARM_EXTRA_BYTES = 256 * 2**20
+"""Memory each rank writes and frees before each method on top of its share of the state's growth
+(``PairBench.warm_memory``): staging buffers, checkpoint reads, temporaries."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -335,6 +340,33 @@ class PairBench:
             return max(save, load, 0), "megatron's unsharded optimizer state (fully_reshardable) and the new state"
         return 0, ""
 
+    def warm_bytes(self) -> int:
+        """World total: what every method's new state grows by, plus 256 MiB a rank."""
+        growth = world_state_bytes(self.spec, self.dst) - world_state_bytes(self.spec, self.src)
+        return max(0, growth) + self.src.world_size * WARM_EXTRA_BYTES
+
+    def warm_memory(self) -> float:
+        """Before each method, outside its timed window: write ``warm_bytes`` (split over the ranks)
+        and free it again; returns the seconds it took (slowest rank), 0 when it does not fit.
+
+        On a virtual machine whose guest gives free memory back to its host (Linux free page
+        reporting; ``benchmarks/fresh_memory.py``), the first write to memory the host has taken
+        back costs a fault on the host as well: 0.5-1.5 GB/s here, against several GB/s for memory
+        freed a moment before. Without this, the first method of a job (the hot switch) paid that
+        for every byte the state grows by, and each method after it found the memory the previous
+        method's switch back had just freed: dp1-tp1-pp4 -> dp4 (12.8 GB of growth) took the hot
+        switch 13.3 s run first and 3.1 s run again, in the same job. So every method starts from
+        memory written a moment before, and none inherits another's.
+        """
+        total = self.warm_bytes()
+        if self.fits(total, "warming memory") is not None:
+            return 0.0
+        t0 = self.timed_barrier()
+        block = torch.empty(total // self.src.world_size // 4)
+        block.fill_(0.0)
+        del block
+        return _max(time.perf_counter() - t0)[0]
+
     def run(self, method: str) -> None:
         if method == "megatron" and (reason := megatron_skip_reason(self.src, self.dst)):
             self.out["skipped"][method] = reason
@@ -343,6 +375,7 @@ class PairBench:
         if (reason := self.fits(need, what)) is not None:
             self.out["skipped"][method] = reason
             return
+        warm_seconds = self.warm_memory()
         before, pages = rss(), machine_page_allocations()
         reset_peak_rss()
         try:
@@ -351,6 +384,7 @@ class PairBench:
             self.out["errors"][method] = traceback.format_exc(limit=6)
             self.recover(method)
             return
+        record["warm_seconds"] = warm_seconds
         record["peak_rss"] = peak_rss()
         record["rss_before"] = before
         record["machine_pages_bytes"] = machine_page_allocations() - pages  # every rank reads the same machine

@@ -99,6 +99,7 @@ def test_the_figures_add_up(pair_run):
     assert hot["retained_bytes"] == ranks[0]["floor"]["retained_bytes_total"]
     assert 0 < hot["peak_staging_bytes"]
     assert m["allgather"]["recv_bytes"] > hot["recv_bytes"]  # the naive switch moves more
+    assert all(record["warm_seconds"] > 0 for record in m.values())  # each method started from written memory
     for name in ("dcp", "megatron"):
         assert m[name]["checkpoint_bytes"] > 0
         assert m[name]["seconds"] >= m[name]["save_seconds"] + m[name]["load_seconds"]
