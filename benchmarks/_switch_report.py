@@ -90,6 +90,7 @@ def compact(row: dict) -> dict:
                                               if k != "execute_switch"}
     out["peak_rss_sum"] = {m: r["peak_rss_sum"] for m, r in row["methods"].items() if "peak_rss_sum" in r}
     out["machine_pages"] = {m: r["machine_pages"] for m, r in row["methods"].items() if "machine_pages" in r}
+    out["warm_seconds"] = {m: r["warm_seconds"] for m, r in row["methods"].items() if "warm_seconds" in r}
     return out
 
 
@@ -242,4 +243,8 @@ def profile(rows: list[dict]) -> str:
         fresh = " ".join(f"{k} {v['machine_pages'] / GB:.1f}" for k, v in m.items() if "machine_pages" in v)
         if fresh:
             lines.append(f"    fresh pages the kernel handed out during the method, whole machine (GB): {fresh}")
+        warm = " ".join(f"{k} {v['warm_seconds']:.1f}" if v["warm_seconds"] > 0 else f"{k} NOT WARMED (did not fit)"
+                        for k, v in m.items() if "warm_seconds" in v)
+        if warm:
+            lines.append(f"    memory written and freed before the method, untimed (s): {warm}")
     return "\n".join(lines)
