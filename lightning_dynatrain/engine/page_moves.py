@@ -77,17 +77,20 @@ class _PageMover:
     def __init__(self) -> None:
         calls = _libc_calls()
         self.available = calls is not None
-        self._mremap, self._mmap, self._mincore, self.madvise = calls if calls is not None else (None,) * 4
+        self._mremap, self._mmap, self._mincore, self._madvise = calls if calls is not None else (None,) * 4
         self._dontunmap = True  # until the kernel says otherwise
-        self._populate: bool | None = True  # likewise
+        self._can_populate = True  # likewise
+
+    def discard(self, start: int, length: int) -> bool:
+        return self._madvise(start, length, _MADV_DONTNEED) == 0
 
     def populate(self, start: int, length: int) -> bool:
-        if self._populate is None:
+        if not self._can_populate:
             return False
-        if self.madvise(start, length, _MADV_POPULATE_WRITE) == 0:
+        if self._madvise(start, length, _MADV_POPULATE_WRITE) == 0:
             return True
         if ctypes.get_errno() == errno.EINVAL:  # a kernel before 5.14
-            self._populate = None
+            self._can_populate = False
         return False
 
     def resident(self, start: int, length: int) -> bytes | None:
@@ -187,7 +190,7 @@ def discard_pages(start: int, end: int) -> int:
     """Hand the whole pages of ``[start, end)`` back to the OS (``madvise(MADV_DONTNEED)``); the bytes
     given back (0 where not possible). The range stays mapped: reading it gives zeros."""
     first, last = page_span(start, end)
-    if not _MOVER.available or last <= first or _MOVER.madvise(first, last - first, _MADV_DONTNEED) != 0:
+    if not _MOVER.available or last <= first or not _MOVER.discard(first, last - first):
         return 0
     return last - first
 

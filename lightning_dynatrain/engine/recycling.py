@@ -194,12 +194,7 @@ class StorageRecycler:
     def give(self, storage: torch.UntypedStorage, group: str, *, hold: bool = False) -> None:
         """Take over an old storage the switch no longer reads. ``hold``: keep it, outside the idle cap,
         until ``drop_group`` (memory that is about to be replaced by as much, e.g. gradient buffers)."""
-        self.given_bytes += storage.nbytes()
-        if storage.nbytes() < self.min_bytes or not _own_cpu_memory(storage):
-            free_storage(storage)
-            return
-        self._add(_Arena(storage, group, owns_storage=True, movable=self._movable(storage, 0, storage.nbytes())),
-                  hold=hold)
+        self._take_whole_storage(storage, group, hold, lambda: self._movable(storage, 0, storage.nbytes()))
 
     def give_range(self, storage: torch.UntypedStorage, start: int, end: int, group: str) -> int:
         """Take over bytes ``[start, end)`` of a storage the new state keeps other tensors in (the
@@ -286,12 +281,16 @@ class StorageRecycler:
     def give_pages(self, tensor: torch.Tensor) -> None:
         """Take over ``tensor``, alone in its storage, which the switch is done with (a staging buffer
         it allocated), for ``fill`` only: its storage is never carved."""
-        storage = tensor.untyped_storage()
+        storage = tensor.untyped_storage()  # PyTorch's own memory: no need to read the maps for it
+        self._take_whole_storage(storage, PAGES_GROUP, False, lambda: can_move_pages() and not storage.is_pinned())
+
+    def _take_whole_storage(self, storage: torch.UntypedStorage, group: str, hold: bool,
+                            movable: Callable[[], bool]) -> None:
         self.given_bytes += storage.nbytes()
-        if storage.nbytes() < self.min_bytes or storage.device.type != "cpu":
+        if storage.nbytes() < self.min_bytes or not _own_cpu_memory(storage):
             free_storage(storage)
             return
-        self._add(_Arena(storage, PAGES_GROUP, owns_storage=True, movable=not storage.is_pinned()), hold=False)
+        self._add(_Arena(storage, group, owns_storage=True, movable=movable()), hold=hold)
 
     def reserve(self, nbytes: int) -> None:
         """Hold up to ``nbytes`` more of idle old storage for ``fill``: for buffers that stay untouched

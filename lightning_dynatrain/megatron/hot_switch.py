@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.engine.engine import execute_switch
-from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.engine.recycling import BUFFER_GROUP, CarveBuffers, StorageRecycler, state_group
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.staging import parse_bytes
+from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
 from lightning_dynatrain.megatron.memory_check import check_switch_memory, switch_need_bytes
 from lightning_dynatrain.megatron.old_state import OldStateMemory

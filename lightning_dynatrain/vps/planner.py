@@ -81,7 +81,6 @@ def plan_rank(
         return _plan_rank(spec, src, dst, rank, precision, gpus_per_node)
 
 
-
 def _plan_rank(
     spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, gpus_per_node: int
 ) -> RankPlan:
