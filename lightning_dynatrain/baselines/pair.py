@@ -341,7 +341,7 @@ class PairBench:
         return 0, ""
 
     def warm_bytes(self) -> int:
-        """World total: what every method's new state grows by, plus 256 MiB a rank."""
+        """World total: what every method's new state grows by, plus ``WARM_EXTRA_BYTES`` a rank."""
         growth = world_state_bytes(self.spec, self.dst) - world_state_bytes(self.spec, self.src)
         return max(0, growth) + self.src.world_size * WARM_EXTRA_BYTES
 
