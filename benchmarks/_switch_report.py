@@ -50,7 +50,8 @@ def summarize(src: str, dst: str, ranks: list[dict], restart: list[dict] | None)
     out = dict(pair=f"{src} -> {dst}", src=src, dst=dst, seconds=seconds, methods=methods, floor=floor,
                speeds=first["speeds"], checks=checks, all_checks_passed=all(checks.values()) and bool(checks),
                restores=first["restores"], skipped=first["skipped"], errors=first["errors"],
-               base_rss_sum=sum(r["base_rss"] for r in ranks), build_trained_seconds=first["build_trained_seconds"])
+               base_rss_sum=sum(r["base_rss"] for r in ranks), build_trained_seconds=first["build_trained_seconds"],
+               dst_groups_seconds=first["dst_groups_seconds"])
     if floor["seconds"] > 0:  # what a switch running exactly at the floor would give against each baseline
         for method, key in BASELINES.items():
             if method in seconds:
@@ -247,4 +248,6 @@ def profile(rows: list[dict]) -> str:
                         for k, v in m.items() if "warm_seconds" in v)
         if warm:
             lines.append(f"    memory written and freed before the method, untimed (s): {warm}")
+        lines.append(f"    process groups of B made before any method, untimed: {r['dst_groups_seconds']:.3f} s "
+                     "(every in-process method finds them; the restart makes its own)")
     return "\n".join(lines)

@@ -1,7 +1,9 @@
 """One layout pair, every method, in one spawned job (+ one more job for the restart's second half).
 
 ``pair_job`` runs on every rank of a 4-process gloo world. It builds the trained state at layout A
-and fingerprints it, measures the link and copy speeds, then runs each method A -> B:
+and fingerprints it, makes megatron's process groups of B as well (every in-process method finds
+both layouts' groups made; a restart's fresh processes make their own), measures the link and copy
+speeds, then runs each method A -> B:
 
 - ``hot_switch``: ``megatron.hot_switch.hot_switch`` (+ dropping the old state);
 - ``allgather``: build B empty, ``allgather_switch``, drop A;
@@ -54,7 +56,7 @@ from lightning_dynatrain.baselines.state import BenchSetup, build_empty_state, b
 from lightning_dynatrain.engine.staging import parse_bytes
 from lightning_dynatrain.megatron import hot_switch as hot_switch_module
 from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
-from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy
+from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
 from lightning_dynatrain.megatron.state_bridge import set_adam_step
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -186,6 +188,13 @@ class PairBench:
         t0 = self.timed_barrier()
         self.state = build_trained_state(self.setup, self.src, self.rank, self.groups)
         self.out["build_trained_seconds"] = _max(time.perf_counter() - t0)[0]
+        # B's groups too, before any method: otherwise the first method to reach B (the hot switch)
+        # would pay for creating them and every later one would find them in the cache
+        t0 = self.timed_barrier()
+        initialize_for_layout(self.dst, seed=self.setup.seed, groups=self.groups)
+        initialize_for_layout(self.src, seed=self.setup.seed, groups=self.groups)
+        self.out["dst_groups_seconds"] = _max(time.perf_counter() - t0)[0]
+        self.out["groups_made"] = {"start": len(self.groups)}
         trim_heap()  # the training step's temporaries: about 1 GB per rank at 270M, dp4
         self.step = step_of(self.state)
         self.fp_src = self.fingerprint()
@@ -431,6 +440,7 @@ def pair_job(rank: int, world: int, cfg: PairConfig) -> dict:
         bench.floor()
     if "restart" in cfg.methods:  # the load's memory is checked by the parent, once these processes are gone
         bench.out["restart_save"] = bench.restart_save()
+    bench.out["groups_made"]["end"] = len(bench.groups)
     bench.out["fp_src"] = bench.fp_src
     bench.out["step"] = bench.step
     destroy()

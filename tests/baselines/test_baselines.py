@@ -100,6 +100,8 @@ def test_the_figures_add_up(pair_run):
     assert 0 < hot["peak_staging_bytes"]
     assert m["allgather"]["recv_bytes"] > hot["recv_bytes"]  # the naive switch moves more
     assert all(record["warm_seconds"] > 0 for record in m.values())  # each method started from written memory
+    made = ranks[0]["groups_made"]  # both layouts' groups came before the methods: none made one
+    assert made["start"] > 0 and made["end"] == made["start"], made
     for name in ("dcp", "megatron"):
         assert m[name]["checkpoint_bytes"] > 0
         assert m[name]["seconds"] >= m[name]["save_seconds"] + m[name]["load_seconds"]
