@@ -36,7 +36,6 @@ switch refused before anything moved (a bad budget, on every rank) leaves the ol
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -173,8 +172,7 @@ def hot_switch(
         # storage stays untouched: the engine's writes fault the param buffer's pages in, and a
         # gradient buffer gets its memory after the engine, once the old state's memory is back
         carve = CarveBuffers(recycler, BUFFER_GROUP, zero=False, skip_copies=True) if recycler is not None else None
-        with carve or contextlib.nullcontext():
-            ddp, optimizer = build_ddp_and_optimizer(model, target, **optimizer_kwargs)
+        ddp, optimizer = build_ddp_and_optimizer(model, target, torch_function_mode=carve, **optimizer_kwargs)
         if recycler is not None:
             recycler.drop_group(BUFFER_GROUP)
             # what old state the engine frees beyond the idle cap is held for the untouched gradient

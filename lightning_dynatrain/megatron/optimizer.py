@@ -36,6 +36,7 @@ from megatron.core.optimizer.optimizer import (
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
+from torch.overrides import TorchFunctionMode
 
 from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
@@ -54,6 +55,7 @@ def build_ddp_and_optimizer(
     adam_eps: float = 1e-8,
     clip_grad: float = 0.0,
     pg_collection: ProcessGroupCollection | None = None,
+    torch_function_mode: TorchFunctionMode | None = None,
 ) -> tuple[DistributedDataParallel, MegatronOptimizer]:
     """Wrap ``model`` in megatron DDP and build its Adam optimizer for ``layout``.
 
@@ -61,6 +63,8 @@ def build_ddp_and_optimizer(
     megatron's own split of a shared embedding), ``use_distributed_optimizer = layout.zero == 1``.
     Weight decay skips biases and 1-D params (megatron's default overrides); Adam is megatron's
     ``adam`` (decoupled weight decay, i.e. ``torch.optim.AdamW`` without Apex/TE).
+    ``torch_function_mode``: a mode both are built under (``hot_switch`` passes ``CarveBuffers``);
+    on CPU it runs inside the CPU adapter's mode (``megatron_on_cpu(inner=...)``).
 
     Returns:
         ``(ddp_model, optimizer)``; the optimizer is megatron's ``ChainedOptimizer`` (one for the
@@ -96,7 +100,7 @@ def build_ddp_and_optimizer(
         loss_scale=None,
         use_distributed_optimizer=distributed,
     )
-    with megatron_on_cpu():
+    with megatron_on_cpu(inner=torch_function_mode):
         ddp_model = DistributedDataParallel(
             config=model.config, ddp_config=ddp_config, module=model, pg_collection=pgs
         )

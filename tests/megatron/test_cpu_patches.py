@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from lightning_dynatrain.megatron.cpu_patches import apply_cpu_patches, cuda_is_used, megatron_on_cpu
 
@@ -35,6 +38,37 @@ def test_cuda_requests_land_on_cpu_inside_only():
         torch.cuda.current_device()  # the real one again: this torch has no CUDA
     with pytest.raises((RuntimeError, AssertionError)):  # "Torch not compiled with CUDA enabled"
         torch.zeros(1, device="cuda")
+
+
+class _Records(TorchFunctionMode):
+    """Records the devices of the factory calls it sees and doubles every ``torch.ones``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            self.devices.append(kwargs["device"])
+        out = func(*args, **kwargs)
+        return out * 2 if func is torch.ones else out
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_inner_mode_sees_cpu_devices_and_costs_no_mode_of_its_own(nested):
+    """``megatron_on_cpu(inner=mode)``: the mode handles every call after the CUDA rewrite; at the
+    outermost entry it runs inside the adapter's mode (one mode on the stack); nested, inside an
+    adapter mode of its own on top of the outer one."""
+    inner = _Records()
+    with megatron_on_cpu() if nested else contextlib.nullcontext():
+        with megatron_on_cpu(inner=inner):
+            x = torch.ones(2, device="cuda")
+            depth = _get_current_function_mode_stack()
+    assert x.device.type == "cpu" and x.tolist() == [2.0, 2.0]
+    assert [torch.device(d).type for d in inner.devices] == ["cpu"]
+    assert len(depth) == (2 if nested else 1)
+    assert torch.ones(1).tolist() == [1.0]  # gone with the block
 
 
 class _AllocatesOnCudaInBackward(torch.autograd.Function):
