@@ -5,8 +5,8 @@ layout's megatron objects between its plan and the engine:
 ``initialize_for_layout`` (process groups), ``build_gpt_model`` (parameters, no init),
 ``build_ddp_and_optimizer`` (DDP's contiguous buffers, the optimizer, an all_gather_object),
 ``materialize_adam_state`` (moments: uninitialised for the switch, zeroed for the checkpoint
-baselines, whose loads fill only what the checkpoint holds), ``megatron_store`` and ``megatron_adopter``
-(views).
+baselines, whose loads fill only what the checkpoint holds), ``megatron_store`` (the old model's views)
+and ``megatron_store_and_adopter`` (the new one's).
 ``profiled(module)`` swaps those names in the module's namespace for timing wrappers for the
 duration of a ``with`` block and yields the seconds per step (summed over calls). The same wrappers
 also serve ``state.build_empty_state`` (the checkpoint baselines' rebuild).
@@ -28,7 +28,7 @@ from functools import wraps
 from types import ModuleType
 
 STEPS = ("plan_rank_cached", "switch_need_bytes", "check_switch_memory", "initialize_for_layout", "build_gpt_model",
-         "build_ddp_and_optimizer", "materialize_adam_state", "megatron_store", "megatron_adopter", "execute_switch")
+         "build_ddp_and_optimizer", "materialize_adam_state", "megatron_store", "megatron_store_and_adopter", "execute_switch")
 
 
 def _timed(fn, name: str, seconds: dict[str, float]):

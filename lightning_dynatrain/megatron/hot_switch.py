@@ -11,9 +11,9 @@ On every rank, between two optimizer steps:
    every element, vocabulary padding rows only the new layout has included);
 4. let the engine move every box from the old model/optimizer tensors into the new ones
    (``engine.execute_switch``): a local tensor retained whole at the same local layout is kept in
-   place (the new parameter or Adam state is rebound to the old tensor, ``megatron_adopter``; when
-   that tensor shares its storage with others, the rest of the storage is given back as the engine
-   releases it, ``OldStateMemory.kept``),
+   place (the new parameter or Adam state is rebound to the old tensor,
+   ``megatron_store_and_adopter``; when that tensor shares its storage with others, the rest of the
+   storage is given back as the engine releases it, ``OldStateMemory.kept``),
    other retained boxes are copied locally, the rest exchanged pairwise;
 5. drop the old model and optimizer.
 
@@ -56,8 +56,8 @@ from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCach
 from lightning_dynatrain.megatron.state_bridge import (
     adam_step,
     materialize_adam_state,
-    megatron_adopter,
     megatron_store,
+    megatron_store_and_adopter,
     precision_of,
 )
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -179,10 +179,8 @@ def hot_switch(
             # buffers (counted in the memory bound already), and moved into their pages at the end
             recycler.reserve(carve.untouched_bytes)
         materialize_adam_state(optimizer, step, zero=False)
-        dest = megatron_store(ddp, optimizer, spec, target, rank)
+        dest, rebind = megatron_store_and_adopter(ddp, optimizer, spec, target, rank)
         rebuild = time.perf_counter() - t0
-
-        rebind = megatron_adopter(ddp, optimizer, spec, target, rank)
 
         def adopt(key, tensor):  # kept in place: the old storage stays, minus what nobody keeps
             if not rebind(key, tensor):

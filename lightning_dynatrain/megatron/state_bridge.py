@@ -98,8 +98,30 @@ def megatron_store(
         KeyError: the model does not have the parameters the VPS says ``rank`` holds at ``layout``
             (a model built for another layout or shape).
     """
-    store: dict[StoreKey, torch.Tensor] = {}
+    return _store(*_local_views(ddp_model, optimizer, spec, layout, rank), layout, rank)
+
+
+def megatron_store_and_adopter(
+    ddp_model: torch.nn.Module,
+    optimizer: MegatronOptimizer,
+    spec: ModelSpec,
+    layout: ParallelConfig,
+    rank: int,
+) -> tuple[dict[StoreKey, torch.Tensor], MegatronRebinder]:
+    """``megatron_store`` of a model built for a switch, and an ``Adopter`` for the engine that
+    rebinds its tensors to retained source tensors (one pass matching its tensors to the keys).
+
+    A parameter, or an fp32 main param, takes the tensor as its ``.data`` when it owns its storage
+    (zero0: megatron maps params into DDP's flat buffer only under the distributed optimizer, and
+    a view into that buffer cannot be rebound); an Adam moment is replaced in the optimizer's state
+    dict. Anything else declines and is copied into.
+    """
     wanted, found = _local_views(ddp_model, optimizer, spec, layout, rank)
+    return _store(wanted, found, layout, rank), MegatronRebinder(found)
+
+
+def _store(wanted: set[StoreKey], found: dict, layout: ParallelConfig, rank: int) -> dict[StoreKey, torch.Tensor]:
+    store: dict[StoreKey, torch.Tensor] = {}
     for key, (view, kind) in found.items():
         tensor = _tensor_of(view, kind)
         if tensor is None:
@@ -112,25 +134,12 @@ def megatron_store(
     return store
 
 
-
 def _tensor_of(view, kind: StateKind) -> torch.Tensor | None:
     if kind is StateKind.PARAM:
         return view.param.data
     if kind is StateKind.MAIN_PARAM:
         return view.main_param
     return view.state.get(kind.value) if view.state is not None else None
-
-
-def megatron_adopter(ddp_model: torch.nn.Module, optimizer: MegatronOptimizer, spec: ModelSpec,
-                     layout: ParallelConfig, rank: int) -> "MegatronRebinder":
-    """An ``Adopter`` for the engine: rebinds a new model's tensor to a retained source tensor.
-
-    A parameter, or an fp32 main param, takes the tensor as its ``.data`` when it owns its storage
-    (zero0: megatron maps params into DDP's flat buffer only under the distributed optimizer, and
-    a view into that buffer cannot be rebound); an Adam moment is replaced in the optimizer's state
-    dict. Anything else declines and is copied into.
-    """
-    return MegatronRebinder(_local_views(ddp_model, optimizer, spec, layout, rank)[1])
 
 
 class MegatronRebinder:
