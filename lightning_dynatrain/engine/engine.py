@@ -68,6 +68,7 @@ from lightning_dynatrain.vps.plan import RankPlan, Transfer
 from lightning_dynatrain.vps.spec import StateKind
 
 Allocator = Callable[[StoreKey, int, torch.dtype], torch.Tensor]
+PageCopier = Callable[[torch.Tensor, torch.Tensor], int | None]
 
 #: Chunks from this size on skip the pack buffer where their storage is contiguous: at 1 MiB the
 #: per-message cost is well below the cost of copying the chunk twice (pack and unpack).
@@ -92,6 +93,7 @@ def execute_switch(
     gpus_per_node: int = 8,
     device: torch.device | None = None,
     staging_pages: StagingPages | None = None,
+    copy_pages: PageCopier | None = None,
 ) -> tuple[dict[StoreKey, torch.Tensor], SwitchReport]:
     """Move this rank's state from the source layout to the destination layout.
 
@@ -131,6 +133,10 @@ def execute_switch(
         staging_pages: backs the staging buffer by memory already touched when it is allocated, and
             takes it over when the last stage is done (``StorageRecycler`` on CPU); default: fresh
             memory, freed after the last stage.
+        copy_pages: ``copy_pages(dst, src) -> bytes moved | None`` copies a retained piece by moving
+            its whole pages (``StorageRecycler.copy_by_pages`` on CPU), or declines with ``None``
+            and the engine copies it; offered only the last read of a source tensor, whose memory
+            there is never read again.
 
     Returns:
         The destination store (every local tensor of ``dest_regions``) and this rank's report.
@@ -154,7 +160,7 @@ def execute_switch(
         if adopt is None and allocate is None:
             adopt = take_over
         run = _Switch(plan, source_store, comm, allocate, rec, agreement, src_index, dst_index, adopt,
-                      direct_min_bytes, release, adopt_views)
+                      direct_min_bytes, release, adopt_views, copy_pages)
         if broadcasts.jobs:
             subgroups.ensure(broadcasts.member_sets(), comm)  # type: ignore[union-attr]
         promoted = broadcasts.promoted(plan.rank)
@@ -230,8 +236,10 @@ class _Switch:
     def __init__(self, plan: RankPlan, source: LocalStore, comm: GroupComm, allocate: Allocator | None,
                  rec: SwitchRecorder, agreement: Agreement, src: RegionIndex, dst: RegionIndex,
                  adopt: Adopter | None, direct_min: int | None,
-                 release: Callable[[StoreKey, torch.Tensor], None] | None, adopt_views: bool = False) -> None:
+                 release: Callable[[StoreKey, torch.Tensor], None] | None, adopt_views: bool = False,
+                 copy_pages: PageCopier | None = None) -> None:
         self.plan = plan
+        self.copy_pages = copy_pages
         self.source: MutableMapping[StoreKey, torch.Tensor] = source
         self.comm = comm
         self.allocate = allocate
@@ -361,7 +369,12 @@ class _Switch:
             if not self._kept_in_place(key):
                 dest = self.write(key)  # allocated outside the copy timer
                 with self.rec.phase("copy", sync=False):
-                    box_view(dest, dst_region, sub).copy_(box_view(self.read(key), src_region, sub))
+                    to, of = box_view(dest, dst_region, sub), box_view(self.read(key), src_region, sub)
+                    moved = self.copy_pages(to, of) if self.copy_pages is not None and self.reads[key] == 1 else None
+                    if moved is None:
+                        to.copy_(of)
+                    else:
+                        self.rec.primitive("local_copy_pages", 1, moved)
                 copied += 1
                 copied_bytes += sub.numel * itemsize
             self.done_reading([key])

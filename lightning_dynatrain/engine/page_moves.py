@@ -51,15 +51,17 @@ _FAILED = ctypes.c_void_p(-1).value
 _NOT_RESIDENT = re.compile(rb"\x00+")
 
 
-def _libc_calls() -> tuple[Callable, Callable, Callable, Callable] | None:
-    """libc's ``mremap``, ``mmap``, ``mincore`` and ``madvise`` (Linux), or ``None``."""
+def _libc_calls() -> tuple[Callable, Callable, Callable, Callable, Callable] | None:
+    """libc's ``mremap``, ``mmap``, ``mincore``, ``madvise`` and ``munmap`` (Linux), or ``None``."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        mremap, mmap, mincore, madvise = libc.mremap, libc.mmap, libc.mincore, libc.madvise
+        mremap, mmap, mincore, madvise, munmap = libc.mremap, libc.mmap, libc.mincore, libc.madvise, libc.munmap
     except (OSError, AttributeError):
         return None
+    munmap.restype = ctypes.c_int
+    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     madvise.restype = ctypes.c_int
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     mremap.restype = ctypes.c_void_p
@@ -68,7 +70,7 @@ def _libc_calls() -> tuple[Callable, Callable, Callable, Callable] | None:
     mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     mincore.restype = ctypes.c_int
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return mremap, mmap, mincore, madvise
+    return mremap, mmap, mincore, madvise, munmap
 
 
 class _PageMover:
@@ -77,7 +79,7 @@ class _PageMover:
     def __init__(self) -> None:
         calls = _libc_calls()
         self.available = calls is not None
-        self._mremap, self._mmap, self._mincore, self._madvise = calls if calls is not None else (None,) * 4
+        self._mremap, self._mmap, self._mincore, self._madvise, self._munmap = calls if calls is not None else (None,) * 5
         self._dontunmap = True  # until the kernel says otherwise
         self._can_populate = True  # likewise
 
@@ -117,6 +119,24 @@ class _PageMover:
             raise OSError(ctypes.get_errno(), f"mmap could not map memory back at {src:#x} after moving its pages")
         return True
 
+    def swap(self, a: int, b: int, length: int) -> bool:
+        """Exchange the pages of ``[a, a + length)`` and ``[b, b + length)`` (page-aligned, apart)
+        through a spare mapping; ``False`` with both as they were where the first two moves fail."""
+        spare = self._mmap(None, length, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+        if spare in (None, _FAILED):
+            return False
+        try:
+            if not self.move(b, spare, length):
+                return False
+            if not self.move(a, b, length):
+                if not self.move(spare, b, length):
+                    raise OSError(ctypes.get_errno(), f"mremap could not put the pages of {b:#x} back")
+                return False
+            self.move(spare, a, length)  # else a stays empty, and b's old pages go with the spare
+            return True
+        finally:
+            self._munmap(spare, length)
+
 
 _MOVER = _PageMover()
 
@@ -144,7 +164,22 @@ def move_pages(src_start: int, src_end: int, dst_start: int, dst_end: int) -> in
         return 0
     if src < dst + length and dst < src + length:
         raise ValueError(f"move_pages: source {src:#x}+{length} and destination {dst:#x}+{length} overlap")
-    return _move(src, dst, length)
+    return length - sum(n for _, n in _move(src, dst, length))
+
+
+def swap_page_runs(src: int, dst: int, length: int) -> list[tuple[int, int]]:
+    """Exchange ``length`` bytes of whole pages between ``src`` and ``dst`` (both page-aligned, not
+    overlapping): ``dst`` then holds what ``src`` held, without a copy, and ``src`` the pages
+    ``dst`` had (memory already touched, for whoever takes ``src`` over next; where ``dst`` had no
+    pages, none). The runs that were not exchanged, as ``(offset, length)``: there both ranges are
+    as they were (their bytes still to be copied, where a copy is what the caller wants)."""
+    if not _MOVER.available:
+        return [(0, length)]
+    if src % _PAGE or dst % _PAGE or length % _PAGE:
+        raise ValueError(f"swap_page_runs: {src:#x}, {dst:#x} and {length} must be whole pages")
+    if src < dst + length and dst < src + length:
+        raise ValueError(f"swap_page_runs: source {src:#x}+{length} and destination {dst:#x}+{length} overlap")
+    return _split_on_failure(_MOVER.swap, src, dst, length)
 
 
 def private_anonymous_ranges(maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
@@ -218,13 +253,20 @@ def untouched_runs(start: int, end: int) -> list[tuple[int, int]]:
     return [(first + m.start() * _PAGE, first + m.end() * _PAGE) for m in _NOT_RESIDENT.finditer(vec)]
 
 
-def _move(src: int, dst: int, length: int) -> int:
-    if _MOVER.move(src, dst, length):
-        return length
+def _move(src: int, dst: int, length: int) -> list[tuple[int, int]]:
+    """Move what can be moved; the runs that could not, as ``(offset, length)``."""
+    return _split_on_failure(_MOVER.move, src, dst, length)
+
+
+def _split_on_failure(call: Callable[[int, int, int], bool], src: int, dst: int, length: int) -> list[tuple[int, int]]:
+    """``call`` on the whole range, else on its halves, down to ``MIN_PIECE``; the runs it failed on."""
+    if call(src, dst, length):
+        return []
     if length < 2 * MIN_PIECE:
-        return 0
+        return [(0, length)]
     half = length // 2 // _PAGE * _PAGE
-    return _move(src, dst, half) + _move(src + half, dst + half, length - half)
+    rest = _split_on_failure(call, src + half, dst + half, length - half)
+    return _split_on_failure(call, src, dst, half) + [(half + offset, n) for offset, n in rest]
 
 
 __all__ = [
@@ -235,6 +277,7 @@ __all__ = [
     "page_span",
     "populate_pages",
     "private_anonymous_ranges",
+    "swap_page_runs",
     "untouched_runs",
     "within",
 ]

@@ -59,6 +59,7 @@ from lightning_dynatrain.engine.page_moves import (
     page_span,
     populate_pages,
     private_anonymous_ranges,
+    swap_page_runs,
     untouched_runs,
     within,
 )
@@ -186,6 +187,7 @@ class StorageRecycler:
         self.tail_released_bytes = 0
         self.moved_out_bytes = 0
         self.moved_in_bytes = 0
+        self.copied_by_pages_bytes = 0
         self.reserved_bytes = 0
         # the memory old storages may give pages from (the process's maps, read again only for a
         # storage mapped since)
@@ -335,6 +337,38 @@ class StorageRecycler:
                 self.idle_bytes -= consumed
             dst += length
             moved += done
+        return moved
+
+    def copy_by_pages(self, dst: torch.Tensor, src: torch.Tensor) -> int | None:
+        """Copy ``src`` into ``dst`` (same dtype and shape, contiguous CPU tensors) by exchanging the
+        whole pages between them instead of copying their bytes, where the two lie at the same offset
+        in a page (``page_moves.swap_page_runs``): only the bytes before the first and after the last
+        whole page, and any run ``mremap`` refused, are copied. For the last read of ``src``: its
+        memory there then holds ``dst``'s old bytes (and pages, memory already touched that goes
+        wherever ``src``'s storage goes next). The bytes moved, or ``None`` (nothing written) where
+        this does not apply: below ``min_bytes``, offsets that differ within a page, memory that is
+        not the process's own private anonymous memory, pinned memory, overlapping tensors."""
+        nbytes = src.nbytes
+        if nbytes < self.min_bytes or not can_move_pages() or src.device.type != "cpu" or dst.device.type != "cpu" \
+                or src.dtype != dst.dtype or src.shape != dst.shape or not (src.is_contiguous() and dst.is_contiguous()):
+            return None
+        src_at, dst_at = src.data_ptr(), dst.data_ptr()
+        first, last = page_span(src_at, src_at + nbytes)
+        head = first - src_at
+        if last - first < MIN_PIECE or page_span(dst_at + head, dst_at + head)[0] != dst_at + head \
+                or src_at < dst_at + nbytes and dst_at < src_at + nbytes:  # other offsets in a page, or overlapping
+            return None
+        src_storage, dst_storage = src.untyped_storage(), dst.untyped_storage()
+        if src.is_pinned() or dst.is_pinned() or not _own_cpu_memory(dst_storage) \
+                or not self._movable(src_storage, src_at - src_storage.data_ptr(), src_at - src_storage.data_ptr() + nbytes):
+            return None
+        src_bytes, dst_bytes = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+        runs = [(0, head), (last - src_at, nbytes - (last - src_at))]
+        runs += [(head + offset, n) for offset, n in swap_page_runs(first, dst_at + head, last - first)]
+        for offset, n in runs:
+            dst_bytes[offset:offset + n].copy_(src_bytes[offset:offset + n])
+        moved = last - first - sum(n for _, n in runs[2:])
+        self.copied_by_pages_bytes += moved
         return moved
 
     def drop_group(self, group: str) -> None:

@@ -61,6 +61,8 @@ class SwitchReport:
             tensors the new layout took over from the old one, no copy).
         p2p_direct: the part of ``p2p`` sent from or received into state storage directly (no
             pack or unpack copy on this rank).
+        local_copy_pages: the bytes of ``local_copy`` moved by their whole pages instead of copied
+            (``execute_switch(copy_pages=...)``, CPU), and the copies that did so.
     """
 
     rank: int
@@ -87,6 +89,7 @@ class SwitchReport:
     broadcast: PrimitiveStats
     local_copy: PrimitiveStats
     in_place: PrimitiveStats
+    local_copy_pages: PrimitiveStats = PrimitiveStats()
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -112,7 +115,7 @@ class SwitchReport:
             f" retained {format_bytes(self.retained_bytes)}"
             f" | stages {self.stages} peak {format_bytes(self.peak_staging_bytes)}"
             f"/{format_bytes(self.staging_budget_bytes)}"
-            f" | p2p {self.p2p} (direct {self.p2p_direct}) bcast {self.broadcast} copy {self.local_copy} in place {self.in_place}"
+            f" | p2p {self.p2p} (direct {self.p2p_direct}) bcast {self.broadcast} copy {self.local_copy} (by pages {self.local_copy_pages}) in place {self.in_place}"
         )
 
 
@@ -130,7 +133,8 @@ class SwitchRecorder:
         self.stages = 0
         self.live_staging = 0
         self.peak_staging = 0
-        self.ops = {"p2p": [0, 0], "p2p_direct": [0, 0], "broadcast": [0, 0], "local_copy": [0, 0], "in_place": [0, 0]}
+        self.ops = {"p2p": [0, 0], "p2p_direct": [0, 0], "broadcast": [0, 0], "local_copy": [0, 0], "in_place": [0, 0],
+                    "local_copy_pages": [0, 0]}
         self._start = time.perf_counter()
 
     @contextmanager
@@ -195,6 +199,7 @@ class SwitchRecorder:
             broadcast=PrimitiveStats(*self.ops["broadcast"]),
             local_copy=PrimitiveStats(*self.ops["local_copy"]),
             in_place=PrimitiveStats(*self.ops["in_place"]),
+            local_copy_pages=PrimitiveStats(*self.ops["local_copy_pages"]),
         )
 
 

@@ -29,7 +29,10 @@ buffer after the engine (``CarveBuffers(skip_copies=True)``). Into those, and in
 new tensors no old storage could be carved for, the pages of old storage the engine freed are moved
 first (``StorageRecycler.fill``, Linux ``mremap``), so that they too are written in memory already
 touched; what the gradient buffers will take is held back for them, and their pages that no old
-memory backs are faulted in at the end, not in the first step. So old and new state overlap only
+memory backs are faulted in at the end, not in the first step. A retained piece copied for the
+last time from a contiguous old tensor into a contiguous new one at the same offset in a page (a
+param into the zero1 param buffer, say) changes its whole pages with the new tensor's instead of
+being copied (``StorageRecycler.copy_by_pages``). So old and new state overlap only
 as far as the plan's order makes them; the engine's staging budget bounds what comes on top. A
 switch refused before anything moved (a bad budget, on every rank) leaves the old state whole.
 """
@@ -212,6 +215,7 @@ def hot_switch(
             group=group,
             gpus_per_node=gpus_per_node,
             staging_pages=recycler,
+            copy_pages=recycler.copy_by_pages if recycler is not None else None,
         )
         if carve is not None:
             t0 = time.perf_counter()

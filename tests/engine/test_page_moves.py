@@ -15,6 +15,7 @@ from lightning_dynatrain.engine.page_moves import (
     page_span,
     populate_pages,
     private_anonymous_ranges,
+    swap_page_runs,
     untouched_runs,
     within,
 )
@@ -144,3 +145,49 @@ def test_populated_pages_are_in_memory_and_zero():
         assert _not_resident(tensor) >= tensor.nbytes - 2 * PAGE
         pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
     assert _not_resident(tensor) == 0 and torch.all(_whole_pages(tensor) == 0.0)
+
+
+def _at_page_offset(numel: int, offset: int, value: float) -> torch.Tensor:
+    """A ``numel``-element tensor of ``value`` starting ``offset`` bytes past a page boundary."""
+    room = torch.empty(numel + (2 * PAGE) // 4)
+    skip = (-room.data_ptr() % PAGE + offset) // 4
+    return room[skip: skip + numel].fill_(value)
+
+
+def test_swapped_pages_change_places_and_bad_ranges_are_refused():
+    a, b = _at_page_offset(MiB, 0, 1.0), _at_page_offset(MiB, 0, 2.0)  # 4 MiB each, page-aligned
+    assert swap_page_runs(a.data_ptr(), b.data_ptr(), a.nbytes) == []
+    assert torch.all(a == 2.0) and torch.all(b == 1.0)
+    with pytest.raises(ValueError, match="whole pages"):
+        swap_page_runs(a.data_ptr() + 4, b.data_ptr(), a.nbytes - PAGE)
+    with pytest.raises(ValueError, match="overlap"):
+        swap_page_runs(a.data_ptr(), a.data_ptr() + PAGE, 2 * PAGE)
+
+
+@pytest.mark.parametrize("offset", [0, 1028])
+def test_a_copy_by_pages_is_exact_and_leaves_the_source_the_old_destination_pages(offset):
+    """``StorageRecycler.copy_by_pages``: the destination gets the source's values (its whole pages by
+    an exchange, the bytes around them by a copy); the source's whole pages then hold what the
+    destination had, memory already in use: no fresh page either side."""
+    recycler = StorageRecycler(idle_cap=0)
+    src = _at_page_offset(MiB + 5, offset, 0.0).copy_(torch.arange(MiB + 5, dtype=F32))
+    dst = _at_page_offset(MiB + 5, offset, -1.0)
+    expected = src.clone()
+    moved = recycler.copy_by_pages(dst, src)
+    first, last = page_span(src.data_ptr(), src.data_ptr() + src.nbytes)
+    assert moved == last - first == recycler.copied_by_pages_bytes and torch.equal(dst, expected)
+    assert torch.all(_whole_pages(src) == -1.0) and _not_resident(src) == _not_resident(dst) == 0
+
+
+def test_a_copy_by_pages_declines_what_it_cannot_do_and_writes_nothing():
+    recycler = StorageRecycler(idle_cap=0)
+    src = _at_page_offset(MiB, 0, 3.0)
+    for dst in (_at_page_offset(MiB, 64, 0.0),  # another offset in a page
+                _at_page_offset(MiB, 0, 0.0).view(1024, 1024).t(),  # not contiguous
+                _at_page_offset(MiB, 0, 0.0).to(torch.float64)):  # another dtype
+        assert recycler.copy_by_pages(dst, src.view_as(dst) if dst.dtype == F32 else src) is None
+        assert torch.all(dst == 0.0)
+    small = _at_page_offset(1024, 0, 0.0)  # below ``min_bytes``
+    assert recycler.copy_by_pages(small, src[:1024]) is None and torch.all(small == 0.0)
+    assert recycler.copy_by_pages(src[PAGE // 4: PAGE // 4 + MiB // 2], src[:MiB // 2]) is None  # overlapping
+    assert torch.all(src == 3.0) and recycler.copied_by_pages_bytes == 0

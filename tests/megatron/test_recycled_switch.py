@@ -2,7 +2,7 @@
 its tensors to be recycled (4 gloo processes). Through dp2-tp2 -> dp4 -> dp2-tp2 -> dp1-tp2-pp2 -> dp2-tp2 ->
 dp2-tp2-zero1 -> dp2-tp2 the logical state stays bit-identical; a switch builds the new DDP buffers in the old
 gradient buffers' memory where they fit, the zero1 param buffer too (and a switch refused after
-that gives them back); dp4 -> dp2-tp2 keeps its
+that gives them back), and moves retained params into that buffer by their pages; dp4 -> dp2-tp2 keeps its
 first-axis tensor-parallel halves as slices of the old full tensors and writes the others into
 their memory; the pipeline change after it keeps those recycled tensors in place
 (every tensor the plan allows); the round trip gives back every local tensor; and training goes on
@@ -54,7 +54,7 @@ def _walk(rank: int, world_size: int) -> dict:
     run_train_step(ddp, optimizer, batch_for(first), first, 1)
     start, fingerprint = snapshot(state)
     out = {"fingerprints_equal": [], "recycled": [], "in_place": [], "skipped_copies": [], "param_bytes": [],
-           "param_buffer_in_old_grads": [], "moved_pages": [], "grad_bytes": [],
+           "param_buffer_in_old_grads": [], "moved_pages": [], "grad_bytes": [], "copied": [], "copied_by_pages": [],
            "collections": [], "gc_enabled_after": []}
     # refused at the engine's preflight, after the new DDP buffers were carved from the old gradient
     # buffers: the old gradients come back and training goes on (the checks below still hold)
@@ -85,6 +85,8 @@ def _walk(rank: int, world_size: int) -> dict:
         out["moved_pages"].append(result.moved_page_bytes)
         out["grad_bytes"].append(sum(b.grad_data.nbytes for b in state.ddp.buffers))
         out["in_place"].append(result.report.in_place.bytes)
+        out["copied"].append(result.report.local_copy.bytes)
+        out["copied_by_pages"].append(result.report.local_copy_pages.bytes)
         out["skipped_copies"].append(result.skipped_copy_bytes)
         out["param_bytes"].append(sum(p.nbytes for p in state.ddp.module.parameters()))
     end, _ = snapshot(state)
@@ -100,6 +102,56 @@ def _walk(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module")
 def walk():
     return run_distributed(_walk, 4, timeout_s=300)
+
+
+def _into_zero1_and_back(rank: int, world_size: int) -> dict:
+    """dp2 -> dp2-zero1 -> dp2 from a trained state: fingerprints, bytes copied (by pages), round trip."""
+    import torch
+
+    from lightning_dynatrain.engine.fingerprint import logical_fingerprint
+    from lightning_dynatrain.megatron.gpt import build_gpt_model
+    from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
+    from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
+    from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
+    from lightning_dynatrain.megatron.state_bridge import megatron_store
+
+    shape = GPTShape(**SIZED)
+    spec = logical_spec(shape)
+    dp2 = ParallelConfig.parse("dp2-tp1-pp1")
+    groups = ProcessGroupCache()
+    initialize_for_layout(dp2, seed=SEED, groups=groups)
+    ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, dp2, seed=SEED), dp2, **OPTIMIZER)
+    tokens = torch.randint(0, shape.vocab_size, (2, shape.seq_length + 1), generator=torch.Generator().manual_seed(5))
+    run_train_step(ddp, optimizer, {"tokens": tokens[rank:rank + 1, :-1], "labels": tokens[rank:rank + 1, 1:]}, dp2, 1)
+    state = MegatronTrainingState(layout=dp2, ddp=ddp, optimizer=optimizer)
+
+    def store():
+        return megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
+
+    start = {k: t.clone() for k, t in store().items()}
+    fingerprint = logical_fingerprint(store(), spec, dp2, rank)
+    out = {"fingerprints_equal": [], "copied": [], "copied_by_pages": []}
+    for text in ("dp2-tp1-pp1-zero1", "dp2-tp1-pp1"):
+        result = hot_switch(state, ParallelConfig.parse(text), shape=shape, seed=SEED, staging_budget="16MiB",
+                            optimizer_kwargs=OPTIMIZER, groups=groups)
+        state = result.state
+        out["fingerprints_equal"].append(logical_fingerprint(store(), spec, state.layout, rank) == fingerprint)
+        out["copied"].append(result.report.local_copy.bytes)
+        out["copied_by_pages"].append(result.report.local_copy_pages.bytes)
+    end = store()
+    out["round_trip_exact"] = start.keys() == end.keys() and all(torch.equal(start[k], end[k]) for k in start)
+    destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero1_round_trip():
+    with pytest.MonkeyPatch.context() as env:
+        # PyTorch then starts every tensor of 2 MiB or more on a 2 MiB boundary (the benchmark runs so):
+        # old params at the same offset in a page as their place in the zero1 param buffer, for the
+        # params megatron lays out at whole pages
+        env.setenv("THP_MEM_ALLOC_ENABLE", "1")
+        return run_distributed(_into_zero1_and_back, 2, timeout_s=300)
 
 
 def _kept_in_place_bytes(src: str, dst: str, rank: int, *, slices: bool = True, moments_only: bool = False) -> int:
@@ -170,6 +222,23 @@ def test_the_zero1_param_buffer_is_written_by_the_engine_alone(walk):
     for run in walk:
         assert run["skipped_copies"][INTO_ZERO1] == run["param_bytes"][INTO_ZERO1] > 0
         assert [b for i, b in enumerate(run["skipped_copies"]) if i != INTO_ZERO1] == [0] * (len(RECYCLE) - 1)
+
+
+def test_retained_params_go_into_the_zero1_param_buffer_by_their_pages(zero1_round_trip, walk):
+    """Into zero1, each rank's params (retained whole) are copied into megatron's flat param buffer:
+    those that sit at the same offset in a page as their old tensor change places with the buffer's
+    pages (``StorageRecycler.copy_by_pages``) instead of being copied byte by byte, and the state
+    stays bit-identical there and back; never with recycle=False."""
+    from lightning_dynatrain.engine.page_moves import can_move_pages
+
+    if not can_move_pages():
+        pytest.skip("mremap is Linux")
+    for run in zero1_round_trip:
+        assert run["fingerprints_equal"] == [True, True] and run["round_trip_exact"]
+        assert 0 < run["copied_by_pages"][0] <= run["copied"][0], (run["copied_by_pages"], run["copied"])
+    for run in walk:
+        assert run["copied_by_pages"][-1] == 0  # recycle=False
+        assert all(p <= c for p, c in zip(run["copied_by_pages"], run["copied"]))
 
 
 def test_tensor_parallel_halves_of_full_replicas_are_kept_as_slices(walk):
