@@ -133,10 +133,10 @@ def execute_switch(
         staging_pages: backs the staging buffer by memory already touched when it is allocated, and
             takes it over when the last stage is done (``StorageRecycler`` on CPU); default: fresh
             memory, freed after the last stage.
-        copy_pages: ``copy_pages(dst, src) -> bytes moved | None`` copies a retained piece by moving
-            its whole pages (``StorageRecycler.copy_by_pages`` on CPU), or declines with ``None``
-            and the engine copies it; offered only the last read of a source tensor, whose memory
-            there is never read again.
+        copy_pages: ``copy_pages(dst, src) -> bytes moved | None`` copies a retained piece by
+            exchanging its whole pages with the destination's (``StorageRecycler.copy_by_pages`` on
+            CPU), or declines with ``None`` and the engine copies it; offered only the last read of
+            a source tensor, whose memory there is never read again.
 
     Returns:
         The destination store (every local tensor of ``dest_regions``) and this rank's report.
