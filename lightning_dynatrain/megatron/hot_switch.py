@@ -31,7 +31,7 @@ first (``StorageRecycler.fill``, Linux ``mremap``), so that they too are written
 touched; what the gradient buffers will take is held back for them, and their pages that no old
 memory backs are faulted in at the end, not in the first step. A retained piece copied for the
 last time from a contiguous old tensor into a contiguous new one at the same offset in a page (a
-param into the zero1 param buffer, say) changes its whole pages with the new tensor's instead of
+param into the zero1 param buffer, say) exchanges its whole pages with the new tensor's instead of
 being copied (``StorageRecycler.copy_by_pages``). So old and new state overlap only
 as far as the plan's order makes them; the engine's staging budget bounds what comes on top. A
 switch refused before anything moved (a bad budget, on every rank) leaves the old state whole.
