@@ -354,13 +354,14 @@ class StorageRecycler:
             return None
         src_at, dst_at = src.data_ptr(), dst.data_ptr()
         first, last = page_span(src_at, src_at + nbytes)
-        head = first - src_at
-        if last - first < MIN_PIECE or page_span(dst_at + head, dst_at + head)[0] != dst_at + head \
-                or src_at < dst_at + nbytes and dst_at < src_at + nbytes:  # other offsets in a page, or overlapping
+        head = first - src_at  # bytes before the first whole page: the same in both, or no page lines up
+        if last - first < MIN_PIECE or page_span(dst_at, dst_at + nbytes)[0] - dst_at != head \
+                or src_at < dst_at + nbytes and dst_at < src_at + nbytes:
             return None
-        src_storage, dst_storage = src.untyped_storage(), dst.untyped_storage()
-        if src.is_pinned() or dst.is_pinned() or not _own_cpu_memory(dst_storage) \
-                or not self._movable(src_storage, src_at - src_storage.data_ptr(), src_at - src_storage.data_ptr() + nbytes):
+        src_storage = src.untyped_storage()
+        offset = src_at - src_storage.data_ptr()
+        if dst.is_pinned() or not _own_cpu_memory(dst.untyped_storage()) \
+                or not self._movable(src_storage, offset, offset + nbytes):  # pinned or not ours: not movable
             return None
         src_bytes, dst_bytes = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
         runs = [(0, head), (last - src_at, nbytes - (last - src_at))]
