@@ -1,0 +1,164 @@
+"""The training demo as a real SLURM batch job: ``sbatch`` a script that ``srun``s 4 tasks on a one-node cluster.
+
+``tests/slurm/cluster.sh`` starts munged, slurmctld and slurmd in a temporary directory (own config,
+free ports, own munge key) for this module and stops them afterwards. Unlike
+``tests/strategy/test_launchers.py::test_slurm_srun_environment``, which sets SLURM's variables by
+hand, here slurmd sets them: the job must be picked up by Lightning's ``SLURMEnvironment``, train 10
+steps at ``dp2-tp2-pp1`` and switch once to ``dp4-tp1-pp1`` at step 5.
+
+The module is skipped only when slurm-wlm and munge are missing and cannot be installed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = Path(__file__).with_name("cluster.sh")
+EXIT_INSTALL = 3  # cluster.sh install: the packages are missing and cannot be installed
+JOB_TIMEOUT_S = 240
+DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+               "BOOT_FAIL", "DEADLINE"}
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without anything of an enclosing SLURM job or another launcher."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "TORCHELASTIC_", "LOCAL_RANK", "MASTER_",
+                                "WORLD_SIZE", "RANK", "GROUP_RANK", "PL_"))}
+    env.update(extra)
+    return env
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"({e})"
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.env = _clean_env(SLURM_CONF=str(root / "slurm.conf"))
+
+    def run(self, *cmd: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def logs(self) -> str:
+        """The tails of the daemons' logs, for a failure message."""
+        return "\n".join(f"--- {name} (tail)\n{_tail(self.root / 'log' / name)}"
+                         for name in ("slurmctld.log", "slurmd.log", "munged.out"))
+
+
+def _cluster_sh(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True, timeout=timeout,
+                          env=_clean_env())
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    inst = _cluster_sh("install", timeout=900)
+    if inst.returncode == EXIT_INSTALL:
+        pytest.skip(f"no SLURM: slurm-wlm/munge are missing and cannot be installed: {inst.stderr.strip()[-500:]}")
+    assert inst.returncode == 0, f"cluster.sh install failed ({inst.returncode}):\n{inst.stdout[-2000:]}\n{inst.stderr[-2000:]}"
+    c = Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        start = _cluster_sh("start", str(c.root), timeout=120)
+        assert start.returncode == 0, (f"cluster.sh start failed ({start.returncode}):\n{start.stdout[-2000:]}\n"
+                                       f"{start.stderr[-6000:]}\n{c.logs()}")
+        yield c
+    finally:
+        stop = _cluster_sh("stop", str(c.root), timeout=120)
+        assert stop.returncode == 0, f"cluster.sh stop failed ({stop.returncode}):\n{stop.stderr[-2000:]}"
+
+
+def _wait(cluster: Cluster, job_id: str) -> dict[str, str]:
+    """``scontrol show job`` fields once the job is in a final state; scancel and fail after the timeout."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    fields: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        show = cluster.run("scontrol", "show", "job", "--oneliner", job_id)
+        if show.returncode == 0:
+            fields = dict(kv.split("=", 1) for kv in show.stdout.split() if "=" in kv)
+            if fields.get("JobState") in DONE_STATES:
+                return fields
+        time.sleep(1.0)
+    cluster.run("scancel", job_id)
+    return {**fields, "JobState": f"still {fields.get('JobState')} after {JOB_TIMEOUT_S} s (cancelled)"}
+
+
+def test_srun_demo_switches_once_under_slurm(cluster: Cluster, tmp_path: Path) -> None:
+    out, job_out = tmp_path / "out", tmp_path / "job.out"
+    venv_python = ROOT / ".venv" / "bin" / "python"  # by its absolute path, not resolved (that leaves the venv)
+    python = venv_python if venv_python.exists() else Path(sys.executable).absolute()
+    demo = (f"srun -n 4 --ntasks-per-node 4 --oversubscribe {python} examples/train_gpt.py --devices 4 "
+            f"--max-steps 10 --layout dp2-tp2-pp1 --schedule 5:dp4-tp1-pp1 --out {out}")
+    script = tmp_path / "job.sh"
+    # Everything the job needs is set here. MASTER_PORT: Lightning would take 15000 + the job id, the
+    # same port for every fresh cluster's first job, so parallel runs would collide.
+    script.write_text(f"""#!/bin/bash
+#SBATCH --job-name=dynatrain-slurm-test
+#SBATCH --nodes=1
+#SBATCH --ntasks=4
+#SBATCH --ntasks-per-node=4
+#SBATCH --oversubscribe
+#SBATCH --time=10
+#SBATCH --output={job_out}
+set -euo pipefail
+cd {ROOT}
+export SLURM_CONF={cluster.root / 'slurm.conf'}
+export PYTHONPATH={ROOT}
+export OMP_NUM_THREADS=1
+export MASTER_PORT={_free_port()}
+echo "[job] $SLURM_JOB_ID on $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks"
+{demo}
+""")
+    started = time.monotonic()
+    sub = cluster.run("sbatch", "--parsable", str(script))
+    assert sub.returncode == 0, f"sbatch failed:\n{sub.stdout}\n{sub.stderr}\n{cluster.logs()}"
+    job_id = sub.stdout.strip().split(";")[0]
+    job = _wait(cluster, job_id)
+    seconds = time.monotonic() - started
+
+    output = job_out.read_text(errors="replace") if job_out.exists() else ""
+
+    def why(msg: str) -> str:
+        tail = "\n".join(output.splitlines()[-60:])
+        return (f"{msg}\njob {job_id}: JobState={job.get('JobState')} ExitCode={job.get('ExitCode')} "
+                f"Reason={job.get('Reason')} after {seconds:.0f} s\n--- {job_out.name} (tail)\n{tail}\n{cluster.logs()}")
+
+    assert job.get("JobState") == "COMPLETED" and job.get("ExitCode") == "0:0", why("the job did not succeed")
+
+    # Rank 0 alone logs the layout line, so exactly one of it also says the ranks came from SLURM_PROCID.
+    layout_line = "[dynatrain] layout dp2-tp2-pp1 on 4 processes (gloo, SLURMEnvironment)"
+    assert output.count(layout_line) == 1, why(f"expected exactly one line {layout_line!r}")
+
+    switches_file, metrics_file = out / "switches.jsonl", out / "metrics.csv"
+    assert switches_file.exists() and metrics_file.exists(), why(f"missing outputs: {sorted(os.listdir(tmp_path))}")
+    switches = [json.loads(line) for line in switches_file.read_text().splitlines() if line.strip()]
+    assert [(s["step"], s["src"], s["dst"]) for s in switches] == [(5, "dp2-tp2-pp1", "dp4-tp1-pp1")], \
+        why(f"switches.jsonl: {switches}")
+
+    with open(metrics_file, newline="") as f:
+        rows = list(csv.DictReader(f))
+    losses = [float(r["loss"]) for r in rows]
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses), why(f"metrics.csv: {rows}")
+    assert [r["layout"] for r in rows] == ["dp2-tp2-pp1"] * 5 + ["dp4-tp1-pp1"] * 5, why(f"metrics.csv: {rows}")
