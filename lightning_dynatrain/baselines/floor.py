@@ -110,7 +110,8 @@ def switch_floor(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank
     Uses the uncached ``plan_rank``: a hot switch timed later still pays for its own plan.
     """
     plan = plan_rank(spec, src, dst, rank, precision=precision, gpus_per_node=gpus_per_node)
-    mine = torch.tensor([plan.bytes(plan.recvs, precision), plan.bytes(plan.retains, precision)], dtype=torch.int64)
+    mine = torch.tensor([plan.bytes(plan.recvs, spec, precision), plan.bytes(plan.retains, spec, precision)],
+                        dtype=torch.int64)
     table = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(table, mine, group=group)
     recv = [int(t[0]) for t in table]

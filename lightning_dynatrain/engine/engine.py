@@ -45,7 +45,7 @@ from lightning_dynatrain.engine.collectives import BroadcastJob, BroadcastPlan, 
 from lightning_dynatrain.engine.comm import GroupComm
 from lightning_dynatrain.engine.errors import StateStoreError
 from lightning_dynatrain.engine.packing import StagingArena, StagingPages, buffer_view, pack_box, unpack_box
-from lightning_dynatrain.engine.preflight import Agreement, preflight
+from lightning_dynatrain.engine.preflight import preflight
 from lightning_dynatrain.engine.report import SwitchRecorder, SwitchReport
 from lightning_dynatrain.engine.schedule import active_steps
 from lightning_dynatrain.engine.staging import Chunk, Slot, Stage, high_offset, parse_bytes, plan_stages
@@ -60,6 +60,7 @@ from lightning_dynatrain.engine.store import (
     local_numel,
     stack_axes,
     stack_indices,
+    torch_dtype,
     with_stack,
 )
 from lightning_dynatrain.vps.box import Box
@@ -156,10 +157,10 @@ def execute_switch(
     with rec.phase("plan"):
         src_index, dst_index = RegionIndex(source_regions), RegionIndex(dest_regions)
         world = max(ParallelConfig.parse(plan.src).world_size, ParallelConfig.parse(plan.dst).world_size)
-        agreement = preflight(plan, comm, world, source_store, src_index, dst_index, budget)
+        preflight(plan, comm, world, source_store, src_index, dst_index, budget)
         if adopt is None and allocate is None:
             adopt = take_over
-        run = _Switch(plan, source_store, comm, allocate, rec, agreement, src_index, dst_index, adopt,
+        run = _Switch(plan, source_store, comm, allocate, rec, src_index, dst_index, adopt,
                       direct_min_bytes, release, adopt_views, copy_pages)
         if broadcasts.jobs:
             subgroups.ensure(broadcasts.member_sets(), comm)  # type: ignore[union-attr]
@@ -167,7 +168,7 @@ def execute_switch(
         sends = [t for t in plan.sends if (plan.rank, t.peer, t.tensor, t.kind, t.box) not in promoted]
         recvs = [t for t in plan.recvs if (t.peer, plan.rank, t.tensor, t.kind, t.box) not in promoted]
         exchanges = _plan_exchanges(plan.rank, world, sends, recvs, run.itemsize, budget)
-        jobs = [(job, plan_stages([(b, run.itemsize(k)) for _, k, b in job.items], [], budget))
+        jobs = [(job, plan_stages([(b, run.itemsize(t, k)) for t, k, b in job.items], [], budget))
                 for job in broadcasts.jobs_of(plan.rank)]
         run.count_reads(_source_reads(plan, exchanges, jobs))
         largest = max([s.nbytes for *_, st in exchanges for s in st] + [s.nbytes for _, st in jobs for s in st],
@@ -211,7 +212,7 @@ def _source_reads(plan: RankPlan, exchanges: list[Exchange], jobs: list[tuple[Br
 
 
 def _plan_exchanges(rank: int, world: int, sends: list[Transfer], recvs: list[Transfer],
-                    itemsize: Callable[[StateKind], int], budget: int) -> list[Exchange]:
+                    itemsize: Callable[[str, StateKind], int], budget: int) -> list[Exchange]:
     """Per XOR step with traffic: ``(peer, my sends, my receives, stages)``."""
     if rank >= world:
         return []
@@ -225,7 +226,8 @@ def _plan_exchanges(rank: int, world: int, sends: list[Transfer], recvs: list[Tr
     for step in active_steps(rank, world, lambda p: p in send_to or p in recv_from):
         mine, theirs = send_to.get(step.peer, []), recv_from.get(step.peer, [])
         low, high = (mine, theirs) if rank < step.peer else (theirs, mine)
-        stages = plan_stages([(t.box, itemsize(t.kind)) for t in low], [(t.box, itemsize(t.kind)) for t in high], budget)
+        stages = plan_stages([(t.box, itemsize(t.tensor, t.kind)) for t in low],
+                             [(t.box, itemsize(t.tensor, t.kind)) for t in high], budget)
         out.append((step.peer, mine, theirs, stages))
     return out
 
@@ -234,7 +236,7 @@ class _Switch:
     """The mutable state of one running switch on one rank: stores, read counts, the recorder."""
 
     def __init__(self, plan: RankPlan, source: LocalStore, comm: GroupComm, allocate: Allocator | None,
-                 rec: SwitchRecorder, agreement: Agreement, src: RegionIndex, dst: RegionIndex,
+                 rec: SwitchRecorder, src: RegionIndex, dst: RegionIndex,
                  adopt: Adopter | None, direct_min: int | None,
                  release: Callable[[StoreKey, torch.Tensor], None] | None, adopt_views: bool = False,
                  copy_pages: PageCopier | None = None) -> None:
@@ -244,7 +246,6 @@ class _Switch:
         self.comm = comm
         self.allocate = allocate
         self.rec = rec
-        self.agreement = agreement
         self.src = src
         self.dst = dst
         self.dest_locals = dst.local_tensors()
@@ -263,8 +264,14 @@ class _Switch:
             for key, tensor in source.items():
                 self._sharing.setdefault(tensor.untyped_storage().data_ptr(), set()).add(key)
 
-    def itemsize(self, kind: StateKind) -> int:
-        return self.agreement.dtypes[kind].itemsize
+    def dtype(self, tensor: str, kind: StateKind) -> torch.dtype:
+        """The dtype ``kind`` of ``tensor`` is stored in (the regions say: every rank agrees)."""
+        name = self.dst.dtype_name(tensor, kind) or self.src.dtype_name(tensor, kind)
+        assert name is not None, f"{tensor}:{kind.value} is in neither layout of rank {self.plan.rank}"
+        return torch_dtype(name)
+
+    def itemsize(self, tensor: str, kind: StateKind) -> int:
+        return self.dtype(tensor, kind).itemsize
 
     # ---------------------------------------------------------------- storage
     def count_reads(self, reads: list[tuple[str, StateKind, Box]]) -> None:
@@ -312,7 +319,7 @@ class _Switch:
 
     def _allocate(self, key: StoreKey) -> torch.Tensor:
         region = self.dest_locals[key]
-        dtype = self.agreement.dtypes[key[1]]
+        dtype = self.dtype(key[0], key[1])
         numel = local_numel(region)
         with self.rec.phase("allocate", sync=False):
             if self.allocate is None:
@@ -363,7 +370,7 @@ class _Switch:
         src_region = self.src.find(t.tensor, t.kind, t.box)
         dst_region = self.dst.find(t.tensor, t.kind, t.box)
         pieces = list(box_pieces(t.tensor, t.kind, dst_region, t.box))
-        itemsize = self.itemsize(t.kind)
+        itemsize = self.itemsize(t.tensor, t.kind)
         copied = copied_bytes = 0
         for key, sub in pieces:  # piece by piece: each old local tensor goes as soon as it is copied
             if not self._kept_in_place(key):
@@ -397,7 +404,7 @@ class _Switch:
             for chunk, offset in slots:
                 t = transfers[chunk.item]
                 region = self.src.find(t.tensor, t.kind, chunk.box)
-                view = buffer_view(buf, base + offset, chunk.box, self.agreement.dtypes[t.kind])
+                view = buffer_view(buf, base + offset, chunk.box, self.dtype(t.tensor, t.kind))
                 pack_box(self.read, region, t.tensor, t.kind, chunk.box, view)
                 keys.extend(k for k, _ in box_pieces(t.tensor, t.kind, region, chunk.box))
         return keys
@@ -410,7 +417,7 @@ class _Switch:
                 self.write(key)
         with self.rec.phase("unpack"):
             for (chunk, offset, t), region in zip(placed, regions):
-                view = buffer_view(buf, base + offset, chunk.box, self.agreement.dtypes[t.kind])
+                view = buffer_view(buf, base + offset, chunk.box, self.dtype(t.tensor, t.kind))
                 unpack_box(self.write, region, t.tensor, t.kind, chunk.box, view)
 
     def _parts(self, transfers: list[Transfer], slots: tuple[Slot, ...], index: RegionIndex) -> tuple[Slot, ...]:

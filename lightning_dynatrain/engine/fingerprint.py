@@ -4,7 +4,7 @@ For every ``(tensor, kind)`` the fingerprint is ``(H, n)``: ``n`` elements held,
 
     H = sum over elements x of  bits(x) * prod_axis u_axis[x_axis]   (mod 2**32)
 
-with ``bits`` the float32's bit pattern and ``u_axis`` fixed random odd 32-bit weights per logical
+with ``bits`` the element's bit pattern (a float32's 32 bits; a bf16's or fp16's 16, sign-extended) and ``u_axis`` fixed random odd 32-bit weights per logical
 axis (seeded by the tensor's name). ``H`` is a sum over elements, so it does not depend on how the
 tensor is cut into boxes: two layouts holding the same logical state give the same fingerprint, and
 a moved, transposed or corrupted element changes it (but for a 2**-32 chance). Each piece is hashed
@@ -44,9 +44,12 @@ def _weights(tensor: str, axis: int, size: int) -> torch.Tensor:
 
 
 def _as_int32(view: torch.Tensor) -> torch.Tensor:
-    if view.dtype != torch.float32:
-        raise TypeError(f"the fingerprint covers fp32 state only, got {view.dtype}")
-    return view.view(torch.int32)
+    """The elements' bit patterns as int32 (16-bit floats sign-extended)."""
+    if view.dtype == torch.float32:
+        return view.view(torch.int32)
+    if view.dtype in (torch.bfloat16, torch.float16):
+        return view.view(torch.int16).to(torch.int32)
+    raise TypeError(f"the fingerprint covers fp32, bf16 and fp16 state, got {view.dtype}")
 
 
 def hash_box(view: torch.Tensor, lo: tuple[int, ...], tensor: str, logical_shape: tuple[int, ...]) -> int:
@@ -80,7 +83,7 @@ def local_terms(store: dict, spec: ModelSpec, layout: ParallelConfig, rank: int,
 def logical_fingerprint(store: dict, spec: ModelSpec, layout: ParallelConfig, rank: int,
                         precision: Precision = Precision.FP32, group: dist.ProcessGroup | None = None) -> Fingerprint:
     """The fingerprint of the full logical state (collective: every rank calls it; same result)."""
-    keys = [(t.name, kind) for t in spec.tensors for kind, _ in precision.kinds]
+    keys = [(t.name, kind) for t in spec.tensors for kind, _ in precision.kinds_of(t)]
     terms = local_terms(store, spec, layout, rank, precision)
     table = torch.tensor([terms.get(k, (0, 0)) for k in keys], dtype=torch.int64)
     dist.all_reduce(table, group=group)

@@ -16,13 +16,13 @@ Example::
 
     plan = plan_rank(spec, src, dst, rank)
     need = switch_peak_bytes(plan, rank_regions(spec, src, rank), rank_regions(spec, dst, rank),
-                             itemsizes={k: 4 for k in StateKind}, staging_budget="256MiB")
+                             staging_budget="256MiB")
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from lightning_dynatrain.engine.adoption import adoptable_keys
 from lightning_dynatrain.engine.engine import _plan_exchanges, _source_reads
@@ -34,11 +34,9 @@ from lightning_dynatrain.vps.spec import StateKind
 
 
 class _Ledger:
-    def __init__(self, src: RegionIndex, dst: RegionIndex, itemsizes: Mapping[StateKind, int],
-                 kept: frozenset[StoreKey], shared: frozenset[StateKind], preallocated: frozenset[StateKind]) -> None:
+    def __init__(self, src: RegionIndex, dst: RegionIndex, kept: frozenset[StoreKey], shared: frozenset[StateKind], preallocated: frozenset[StateKind]) -> None:
         self.src, self.dst = src, dst
         self.src_locals, self.dst_locals = src.local_tensors(), dst.local_tensors()
-        self.itemsizes = itemsizes
         self.kept, self.shared, self.preallocated = kept, shared, preallocated
         self.reads: Counter[StoreKey] = Counter()
         self.written: set[StoreKey] = set()
@@ -56,7 +54,7 @@ class _Ledger:
                 continue
             self.written.add(key)
             if key[1] not in self.preallocated:
-                self.net += local_numel(self.dst_locals[key]) * self.itemsizes[key[1]]
+                self.net += local_numel(self.dst_locals[key]) * self.dst_locals[key].itemsize
         self.peak = max(self.peak, self.net)
 
     def done_reading(self, t: Transfer, box) -> None:
@@ -72,7 +70,7 @@ class _Ledger:
 
     def _give_back(self, key: StoreKey) -> None:
         if key not in self.kept and key[1] not in self.shared:
-            self.net -= local_numel(self.src_locals[key]) * self.itemsizes[key[1]]
+            self.net -= local_numel(self.src_locals[key]) * self.src_locals[key].itemsize
 
 
 def switch_peak_bytes(
@@ -80,7 +78,6 @@ def switch_peak_bytes(
     source_regions: RegionMap,
     dest_regions: RegionMap,
     *,
-    itemsizes: Mapping[StateKind, int],
     staging_budget: int | str,
     keeps_in_place: bool = True,
     shared_source_kinds: Iterable[StateKind] = (),
@@ -94,10 +91,10 @@ def switch_peak_bytes(
     budget = parse_bytes(staging_budget)
     src, dst = RegionIndex(source_regions), RegionIndex(dest_regions)
     kept = adoptable_keys(plan.retains, src, dst) if keeps_in_place else frozenset()
-    ledger = _Ledger(src, dst, itemsizes, kept, frozenset(shared_source_kinds), frozenset(preallocated_kinds))
+    ledger = _Ledger(src, dst, kept, frozenset(shared_source_kinds), frozenset(preallocated_kinds))
     world = max(ParallelConfig.parse(plan.src).world_size, ParallelConfig.parse(plan.dst).world_size)
     exchanges = _plan_exchanges(plan.rank, world, list(plan.sends), list(plan.recvs),
-                                lambda kind: itemsizes[kind], budget)
+                                lambda tensor, kind: dst.itemsize(tensor, kind) or src.itemsize(tensor, kind), budget)
     ledger.count_reads(_source_reads(plan, exchanges, []))
     ledger.give_back_unread()
     for t in plan.fills:

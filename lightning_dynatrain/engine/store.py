@@ -23,7 +23,7 @@ import torch
 
 from lightning_dynatrain.engine.errors import EngineInternalError, StateStoreError
 from lightning_dynatrain.vps.box import Box, iter_cells
-from lightning_dynatrain.vps.mapping import Region
+from lightning_dynatrain.vps.mapping import DTYPE_SIZES, Region
 from lightning_dynatrain.vps.spec import StateKind
 
 StoreKey = tuple[str, StateKind, tuple[int, ...]]
@@ -90,8 +90,10 @@ class RegionIndex:
         self._by_tensor: dict[tuple[str, StateKind], list[Region]] = {}
         self._locals: dict[StoreKey, Region] = {}
         self._n_stack: dict[tuple[str, StateKind], int] = {}
+        self._dtypes: dict[tuple[str, StateKind], str] = {}
         for (tensor, kind), lst in regions.items():
             for region in lst:
+                self._dtypes.setdefault((tensor, kind), region.dtype)
                 n = self._n_stack.setdefault((tensor, kind), stack_axes(region))
                 if region.flat is not None:
                     stack = region.box.lo[:n]
@@ -119,9 +121,23 @@ class RegionIndex:
             "the engine were computed for different layouts, ranks or models"
         )
 
+    def dtype_name(self, tensor: str, kind: StateKind) -> str | None:
+        """The dtype (name) ``tensor``'s ``kind`` is stored in, or ``None`` when the rank holds none of it."""
+        return self._dtypes.get((tensor, kind))
+
+    def itemsize(self, tensor: str, kind: StateKind) -> int | None:
+        """Bytes per element of ``tensor``'s ``kind``, or ``None`` when the rank holds none of it."""
+        name = self._dtypes.get((tensor, kind))
+        return None if name is None else DTYPE_SIZES[name]
+
     def local_tensors(self) -> dict[StoreKey, Region]:
         """Every local tensor of the rank, with one region that lives in it (for its size)."""
         return dict(self._locals)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a region's ``dtype`` names (``"bfloat16"`` -> ``torch.bfloat16``)."""
+    return getattr(torch, name)
 
 
 def check_local(key: StoreKey, tensor: torch.Tensor, region: Region, *, where: str) -> None:
@@ -147,5 +163,6 @@ __all__ = [
     "local_numel",
     "stack_axes",
     "stack_indices",
+    "torch_dtype",
     "with_stack",
 ]

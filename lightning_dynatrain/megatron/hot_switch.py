@@ -54,7 +54,7 @@ from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
 from lightning_dynatrain.megatron.memory_check import check_switch_memory, switch_need_bytes
 from lightning_dynatrain.megatron.old_state import OldStateMemory
-from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
+from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, copy_group_settings
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
 from lightning_dynatrain.megatron.state_bridge import (
     adam_step,
@@ -165,7 +165,7 @@ def hot_switch(
     try:
         t0 = time.perf_counter()
         initialize_for_layout(target, seed=seed, groups=groups)
-        model = build_gpt_model(shape, target, seed=seed, params_dtype=old_param.dtype, initialize=False)
+        model = build_gpt_model(shape, target, seed=seed, params_dtype=current.ddp.module.config.params_dtype, initialize=False)
         if device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
             model = model.to(device)
         # DDP's buffers go into the old gradients' memory, not zeroed: megatron's step zeroes the
@@ -181,6 +181,7 @@ def hot_switch(
             # what old state the engine frees beyond the idle cap is held for the untouched gradient
             # buffers (counted in the memory bound already), and moved into their pages at the end
             recycler.reserve(carve.untouched_bytes)
+        copy_group_settings(current.optimizer, optimizer)
         materialize_adam_state(optimizer, step, zero=False)
         dest, rebind = megatron_store_and_adopter(ddp, optimizer, spec, target, rank)
         rebuild = time.perf_counter() - t0

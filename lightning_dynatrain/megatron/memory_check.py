@@ -51,27 +51,30 @@ def local_numels(spec: ModelSpec, layout: ParallelConfig, rank: int,
                  precision: Precision = Precision.FP32) -> dict[StateKind, int]:
     """Elements of each state kind the rank stores at ``layout`` (padding rows included; none off the layout)."""
     regions = rank_regions(spec, layout, rank, precision) if rank < layout.world_size else {}
-    return _numels(regions, precision)
+    return _sizes(regions, precision)[0]
 
 
-def _numels(regions: RegionMap, precision: Precision) -> dict[StateKind, int]:
-    out: dict[StateKind, int] = {kind: 0 for kind, _ in precision.kinds}
+def _sizes(regions: RegionMap, precision: Precision) -> tuple[dict[StateKind, int], dict[StateKind, int]]:
+    """Elements and bytes of each state kind in ``regions``' local tensors."""
+    numels: dict[StateKind, int] = {kind: 0 for kind, _ in precision.kinds}
+    nbytes = dict(numels)
     for key, region in RegionIndex(regions).local_tensors().items():
-        out[key[1]] += local_numel(region)
-    return out
+        numels[key[1]] += local_numel(region)
+        nbytes[key[1]] += local_numel(region) * region.itemsize
+    return numels, nbytes
 
 
 def new_buffer_bytes(spec: ModelSpec, dst: ParallelConfig, rank: int, precision: Precision,
                      dest_regions: RegionMap | None = None) -> int:
     """What building the new layout's DDP model and optimizer allocates and writes at once (before the engine)."""
-    n = local_numels(spec, dst, rank, precision) if dest_regions is None else _numels(dest_regions, precision)
-    params = n[StateKind.PARAM]
-    total = GRAD_BYTES_PER_ELEMENT * params
-    if dst.zero:  # the distributed optimizer's flat param buffer
-        total += precision.element_size(StateKind.PARAM) * params
-    if StateKind.MAIN_PARAM in n:  # bf16: the optimizer's fp32 main params, made at construction
-        total += precision.element_size(StateKind.MAIN_PARAM) * n[StateKind.MAIN_PARAM]
-    return total
+    if dest_regions is None:
+        dest_regions = rank_regions(spec, dst, rank, precision) if rank < dst.world_size else {}
+    numels, nbytes = _sizes(dest_regions, precision)
+    total = GRAD_BYTES_PER_ELEMENT * numels[StateKind.PARAM]
+    if dst.zero:  # the distributed optimizer's flat param buffers (one per param dtype)
+        total += nbytes[StateKind.PARAM]
+    # bf16: the optimizer's fp32 main params, made at construction (none for params kept in fp32)
+    return total + nbytes.get(StateKind.MAIN_PARAM, 0)
 
 
 def switch_need_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, *,
@@ -91,19 +94,18 @@ def switch_need_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig,
         old_grad_bytes = GRAD_BYTES_PER_ELEMENT * local_numels(spec, src, rank, precision)[StateKind.PARAM]
     if rank >= dst.world_size:  # a rank leaving builds nothing
         return 0
-    itemsizes = dict(precision.kinds)
     preallocated = [StateKind.PARAM] if dst.zero else []  # the flat param buffer, zeroed by megatron
-    if StateKind.MAIN_PARAM in itemsizes:  # bf16 main params: cloned from the params at construction
+    if precision is Precision.BF16:  # bf16 main params: cloned from the params at construction
         preallocated.append(StateKind.MAIN_PARAM)
     plan = plan_rank_cached(spec, src, dst, rank, precision, gpus_per_node)
     # the staging buffers never hold more than the rank sends and receives in all
-    staging = min(staging_bytes, plan.bytes(plan.sends, precision) + plan.bytes(plan.recvs, precision))
+    staging = min(staging_bytes, plan.bytes(plan.sends, spec, precision) + plan.bytes(plan.recvs, spec, precision))
     if source_regions is None:
         source_regions = rank_regions(spec, src, rank, precision) if rank < src.world_size else {}
     if dest_regions is None:
         dest_regions = rank_regions(spec, dst, rank, precision)
     engine = switch_peak_bytes(
-        plan, source_regions, dest_regions, itemsizes=itemsizes,
+        plan, source_regions, dest_regions,
         staging_budget=staging_bytes, preallocated_kinds=preallocated,
         shared_source_kinds=[StateKind.PARAM] if src.zero else [],  # views into one flat buffer
     )

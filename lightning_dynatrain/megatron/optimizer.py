@@ -110,6 +110,32 @@ def build_ddp_and_optimizer(
     return ddp_model, optimizer
 
 
+#: what tells megatron's param groups apart (``_get_param_groups``): the same in every layout, but
+#: ``is_expert_parallel``, which is set only where experts are sharded (ep > 1)
+_GROUP_KEY = ("wd_mult", "lr_mult", "is_decoupled_lr")
+#: what a training loop sets on each group between steps (megatron's ``OptimizerParamScheduler``,
+#: ``strategy.megatron_step.set_lr_and_wd``); a freshly built optimizer has the config's values
+_GROUP_SETTINGS = ("lr", "weight_decay")
+
+
+def copy_group_settings(source: MegatronOptimizer, target: MegatronOptimizer) -> None:
+    """Give ``target``'s param groups the learning rate and weight decay ``source``'s groups of the
+    same kind have now (same multipliers), as after a switch: megatron builds a new optimizer with
+    the config's LR and weight decay in every group, where the old one had the scheduled LR and no
+    weight decay on biases and norms.
+
+    Raises:
+        ValueError: a group of ``target`` has no counterpart in ``source`` (not the same model).
+    """
+    settings = {tuple(g.get(k) for k in _GROUP_KEY): {k: g[k] for k in _GROUP_SETTINGS} for g in source.param_groups}
+    for group in target.param_groups:
+        found = settings.get(tuple(group.get(k) for k in _GROUP_KEY))
+        if found is None:
+            raise ValueError(f"no param group like {({k: group.get(k) for k in _GROUP_KEY})} in the old optimizer; "
+                             "HINT: switch between optimizers built for the same model and optimizer settings")
+        group.update(found)
+
+
 # ------------------------------------------------------------------------------------ state views
 @dataclass(frozen=True, slots=True)
 class BufferInfo:
@@ -349,6 +375,7 @@ __all__ = [
     "BufferInfo",
     "ParamStateView",
     "build_ddp_and_optimizer",
+    "copy_group_settings",
     "optimizer_state_views",
     "run_train_step",
 ]

@@ -25,9 +25,10 @@ from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 
 def precision_of(model: torch.nn.Module) -> Precision:
-    """``bf16`` when the model's params are bf16 (with fp32 main params), else ``fp32``."""
-    dtype = next(model.parameters()).dtype
-    return Precision.BF16 if dtype == torch.bfloat16 else Precision.FP32
+    """``bf16`` when the model's params are bf16 (with fp32 main params; megatron keeps some, the
+    norms, in fp32 even then), else ``fp32``."""
+    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
+    return Precision.BF16 if bf16 else Precision.FP32
 
 
 def _inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:

@@ -150,14 +150,19 @@ class LayoutSwitching:
 
         from lightning_dynatrain.engine.fingerprint import logical_fingerprint
         from lightning_dynatrain.megatron.gpt import logical_spec
-        from lightning_dynatrain.megatron.state_bridge import adam_step, materialize_adam_state, megatron_store
+        from lightning_dynatrain.megatron.state_bridge import (
+            adam_step,
+            materialize_adam_state,
+            megatron_store,
+            precision_of,
+        )
 
         if adam_step(state.optimizer) is None:  # before the first step: zero moments, as hot_switch makes them
             materialize_adam_state(state.optimizer, 0)
         spec = logical_spec(self.recipe.shape)
         rank = dist.get_rank()
         store = megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
-        return logical_fingerprint(store, spec, state.layout, rank)
+        return logical_fingerprint(store, spec, state.layout, rank, precision_of(state.ddp.module))
 
 
 class SwitchVerificationError(RuntimeError):

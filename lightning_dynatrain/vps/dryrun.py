@@ -113,9 +113,9 @@ def dry_run(
         warm_max = max(warm_max, dt)
         if only_rank is not None:
             kept_plans[r] = plan
-        send_intra, send_inter = _split_bytes(plan.sends, r, gpus_per_node, precision)
-        recv_intra, recv_inter = _split_bytes(plan.recvs, r, gpus_per_node, precision)
-        kept = plan.bytes(plan.retains, precision)
+        send_intra, send_inter = _split_bytes(plan.sends, r, gpus_per_node, spec, precision)
+        recv_intra, recv_inter = _split_bytes(plan.recvs, r, gpus_per_node, spec, precision)
+        kept = plan.bytes(plan.retains, spec, precision)
         moved += recv_intra + recv_inter
         intra += recv_intra
         inter += recv_inter
@@ -142,12 +142,12 @@ def dry_run(
     return report, kept_plans
 
 
-def _split_bytes(transfers, rank: int, gpus_per_node: int, precision: Precision) -> tuple[int, int]:
+def _split_bytes(transfers, rank: int, gpus_per_node: int, spec: ModelSpec, precision: Precision) -> tuple[int, int]:
     """Bytes of ``transfers`` to/from peers on the same node, and on other nodes."""
     node = rank // gpus_per_node
     intra = inter = 0
     for t in transfers:
-        b = t.box.numel * precision.element_size(t.kind)
+        b = t.box.numel * spec.itemsize(t.tensor, t.kind, precision)
         if t.peer // gpus_per_node == node:
             intra += b
         else:

@@ -59,6 +59,9 @@ class GPTDims:
         num_experts: 0 for a dense model; else every layer is MoE.
         moe_ffn_hidden: per-expert MLP width.
         shared_expert_ffn: width of the shared expert (0 = none).
+        norms_fp32: norms stay fp32 under bf16 training (``LogicalTensor.always_fp32``): megatron's
+            local layer spec builds them as plain torch norms, without a dtype. Transformer
+            Engine's norms take the params dtype.
     """
 
     num_layers: int
@@ -80,6 +83,7 @@ class GPTDims:
     num_experts: int = 0
     moe_ffn_hidden: int = 0
     shared_expert_ffn: int = 0
+    norms_fp32: bool = True
 
     @property
     def groups(self) -> int:
@@ -100,20 +104,21 @@ def build_gpt_spec(name: str, dims: GPTDims, *, published_parameters: int | None
     tensors: list[LogicalTensor] = []
 
     def add(local: str, shape: tuple[int, ...], axes: tuple[str, ...], *, group: Group = Group.DENSE,
-            place: Place = Place.LAYERS, megatron: str | None = None, last: str | None = None) -> None:
+            place: Place = Place.LAYERS, megatron: str | None = None, last: str | None = None,
+            fp32: bool = False) -> None:
         if place is Place.LAYERS:
             full = "decoder.layers." + local
             megatron = megatron or _LAYERS + local
         else:
             full = local
             megatron = megatron or local
-        tensors.append(LogicalTensor(full, shape, axes, group, place, megatron, last))
+        tensors.append(LogicalTensor(full, shape, axes, group, place, megatron, last, always_fp32=fp32))
 
     def add_norm(prefix: str, width: int, *, place: Place = Place.LAYERS) -> None:
         lead, lead_axes = ((L,), (LAYER,)) if place is Place.LAYERS else ((), ())
-        add(prefix + ".weight", lead + (width,), lead_axes + (NONE,), place=place)
+        add(prefix + ".weight", lead + (width,), lead_axes + (NONE,), place=place, fp32=dims.norms_fp32)
         if norm_bias:
-            add(prefix + ".bias", lead + (width,), lead_axes + (NONE,), place=place)
+            add(prefix + ".bias", lead + (width,), lead_axes + (NONE,), place=place, fp32=dims.norms_fp32)
 
     # ---- pre-process (first stage); vocabulary rows: Megatron's padding at the largest valid tp
     multiple = dims.make_vocab_size_divisible_by * g

@@ -24,9 +24,12 @@ from lightning_dynatrain.vps.box import Box, decompose_flat, ravel
 from lightning_dynatrain.vps.grid import Cell, GridPlacement, grid_placement
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
-from lightning_dynatrain.vps.zero_buffer import ShardBuffer, buffer_group, shard_buffer
+from lightning_dynatrain.vps.zero_buffer import ShardBuffer, buffer_group, param_dtype_of, shard_buffer
 
 Piece = tuple[Box, tuple[int, ...]]
+
+#: bytes per element of the dtypes state is stored in (``Region.dtype``)
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class Region(NamedTuple):
@@ -36,13 +39,20 @@ class Region(NamedTuple):
     is the first local layer/expert. ``view_shape`` is one local tensor viewed on the non-stack
     logical axes, padding included. ``flat`` is ``None`` for whole local tensors; for a zero1 shard it
     is the ``[start, stop)`` of the local tensor's row-major flattening that the rank's 1-D shard
-    covers (the box is then inside one local tensor and contiguous in it).
+    covers (the box is then inside one local tensor and contiguous in it). ``dtype`` names the torch
+    dtype the state is stored in (``"float32"``, ``"bfloat16"``).
     """
 
     box: Box
     origin: tuple[int, ...]
     view_shape: tuple[int, ...]
     flat: tuple[int, int] | None
+    dtype: str = "float32"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the state this region holds."""
+        return DTYPE_SIZES[self.dtype]
 
     def shard_offset(self) -> int:
         """For a zero1 region: offset of the box's first element in the rank's 1-D shard."""
@@ -79,11 +89,12 @@ class GridState:
 class ZeroState:
     """Optimizer state sharded over data parallel as Megatron's distributed optimizer shards it."""
 
-    def __init__(self, spec: ModelSpec, grid: GridPlacement) -> None:
+    def __init__(self, spec: ModelSpec, grid: GridPlacement, precision: Precision = Precision.FP32) -> None:
         self.spec = spec
         self.grid = grid
         self.tensor = grid.tensor
         self.group = buffer_group(self.tensor, grid.layout)
+        self.precision = precision
         self._atoms: dict[tuple, list[tuple[Box, int]]] = {}
 
     # where shard index d sits on the mesh
@@ -101,7 +112,8 @@ class ZeroState:
         return layout.dp_cp_index(rank)
 
     def _buffer(self, stage: int) -> ShardBuffer:
-        return shard_buffer(self.spec, self.grid.layout, stage, self.group)
+        return shard_buffer(self.spec, self.grid.layout, stage, self.group, self.precision,
+                            param_dtype_of(self.tensor, self.precision))
 
     def _stage_of_cell(self, cell: Cell) -> tuple[int, ...]:
         for (_, dim, _, _), index in zip(self.grid.splits, cell):
@@ -197,10 +209,12 @@ StatePlacement = GridState | ZeroState
 
 
 @lru_cache(maxsize=8192)
-def state_placement(spec: ModelSpec, layout: ParallelConfig, tensor: str, sharded: bool) -> StatePlacement:
-    """How one tensor's state is distributed: ``sharded`` for zero1 optimizer state."""
+def state_placement(spec: ModelSpec, layout: ParallelConfig, tensor: str, sharded: bool,
+                    precision: Precision = Precision.FP32) -> StatePlacement:
+    """How one tensor's state is distributed: ``sharded`` for zero1 optimizer state (which follows
+    megatron's buffers, one per param dtype: ``precision`` says which a tensor is in)."""
     grid = grid_placement(spec, tensor, layout)
-    return ZeroState(spec, grid) if sharded else GridState(grid)
+    return ZeroState(spec, grid, precision) if sharded else GridState(grid)
 
 
 def is_sharded(layout: ParallelConfig, kind: StateKind) -> bool:
@@ -214,8 +228,11 @@ def rank_regions(
     """F_P(layout, rank): every (tensor, state kind) the rank holds, with its regions."""
     out: dict[tuple[str, StateKind], list[Region]] = {}
     for tensor in spec.tensors:
-        for kind, _ in precision.kinds:
-            regions = state_placement(spec, layout, tensor.name, is_sharded(layout, kind)).regions(rank)
+        for kind, _ in precision.kinds_of(tensor):
+            sharded = is_sharded(layout, kind)
+            regions = state_placement(spec, layout, tensor.name, sharded, precision if sharded else Precision.FP32
+                                      ).regions(rank)
+            dtype = precision.dtype_name(kind, tensor)
             if regions:
-                out[(tensor.name, kind)] = regions
+                out[(tensor.name, kind)] = regions if dtype == "float32" else [r._replace(dtype=dtype) for r in regions]
     return out

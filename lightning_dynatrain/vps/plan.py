@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_dynatrain.vps.box import Box
-from lightning_dynatrain.vps.spec import Precision, StateKind
+from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 
 class Transfer(NamedTuple):
@@ -44,8 +44,9 @@ class RankPlan:
     def peers(self) -> tuple[int, ...]:
         return tuple(sorted({t.peer for t in self.sends} | {t.peer for t in self.recvs}))
 
-    def bytes(self, transfers: tuple[Transfer, ...], precision: Precision) -> int:
-        return sum(t.box.numel * precision.element_size(t.kind) for t in transfers)
+    def bytes(self, transfers: tuple[Transfer, ...], spec: ModelSpec, precision: Precision) -> int:
+        """Bytes of ``transfers`` of ``spec``'s state at ``precision``."""
+        return sum(t.box.numel * spec.itemsize(t.tensor, t.kind, precision) for t in transfers)
 
     def sends_to(self, peer: int) -> tuple[Transfer, ...]:
         return tuple(t for t in self.sends if t.peer == peer)

@@ -49,9 +49,10 @@ def _candidates(holders: tuple[int, ...], node: int, gpus_per_node: int) -> tupl
     return local or holders
 
 
-def _kind_groups(src: ParallelConfig, dst: ParallelConfig, precision: Precision) -> list[tuple[bool, bool, tuple[StateKind, ...]]]:
-    """State kinds grouped by how they are distributed: (src sharded, dst sharded, kinds)."""
-    optimizer = tuple(k for k, _ in precision.kinds if k is not StateKind.PARAM)
+def _kind_groups(src: ParallelConfig, dst: ParallelConfig, kinds: tuple[tuple[StateKind, int], ...]
+                 ) -> list[tuple[bool, bool, tuple[StateKind, ...]]]:
+    """A tensor's state ``kinds`` grouped by how they are distributed: (src sharded, dst sharded, kinds)."""
+    optimizer = tuple(k for k, _ in kinds if k is not StateKind.PARAM)
     return [(False, False, (StateKind.PARAM,)), (src.zero == 1, dst.zero == 1, optimizer)]
 
 
@@ -92,10 +93,11 @@ def _plan_rank(
     fills: list[Transfer] = []
     in_src = rank < src.world_size
     in_dst = rank < dst.world_size
-    for src_sharded, dst_sharded, kinds in _kind_groups(src, dst, precision):
+    for group in (0, 1):  # params first, then the optimizer's state
         for tensor in spec.tensors:
-            source = state_placement(spec, src, tensor.name, src_sharded)
-            target = state_placement(spec, dst, tensor.name, dst_sharded)
+            src_sharded, dst_sharded, kinds = _kind_groups(src, dst, precision.kinds_of(tensor))[group]
+            source = state_placement(spec, src, tensor.name, src_sharded, precision if src_sharded else Precision.FP32)
+            target = state_placement(spec, dst, tensor.name, dst_sharded, precision if dst_sharded else Precision.FP32)
             vocab_axis = tensor.axis_of(VOCAB)
             if in_dst:
                 for region in target.regions(rank):

@@ -66,7 +66,9 @@ class StateKind(str, enum.Enum):
 class Precision(str, enum.Enum):
     """How state is stored: which kinds exist and how many bytes per element each takes.
 
-    ``bf16``: bf16 params with fp32 main params and Adam moments (how large runs train).
+    ``bf16``: bf16 params with fp32 main params and Adam moments (how large runs train). A tensor
+    megatron keeps in fp32 even then (``LogicalTensor.always_fp32``: the local layer spec's norms)
+    has fp32 params, no main param, and lives in megatron's fp32 buffer.
     ``fp32``: fp32 params (the optimizer updates them directly, Megatron keeps no main copy).
     """
 
@@ -75,19 +77,34 @@ class Precision(str, enum.Enum):
 
     @property
     def kinds(self) -> tuple[tuple[StateKind, int], ...]:
+        """The state kinds of a parameter stored at this precision, with bytes per element."""
         if self is Precision.BF16:
             return ((StateKind.PARAM, 2), (StateKind.MAIN_PARAM, 4), (StateKind.EXP_AVG, 4), (StateKind.EXP_AVG_SQ, 4))
         return ((StateKind.PARAM, 4), (StateKind.EXP_AVG, 4), (StateKind.EXP_AVG_SQ, 4))
+
+    def of(self, tensor: "LogicalTensor") -> "Precision":
+        """The precision ``tensor`` is stored at: this one, or fp32 for an ``always_fp32`` tensor."""
+        return Precision.FP32 if tensor.always_fp32 else self
+
+    def kinds_of(self, tensor: "LogicalTensor") -> tuple[tuple[StateKind, int], ...]:
+        """``kinds`` of one tensor (see ``of``)."""
+        return self.of(tensor).kinds
 
     @property
     def bytes_per_element(self) -> int:
         return sum(b for _, b in self.kinds)
 
-    def element_size(self, kind: StateKind) -> int:
-        for k, b in self.kinds:
+    def element_size(self, kind: StateKind, tensor: "LogicalTensor | None" = None) -> int:
+        """Bytes per element of ``kind`` (of ``tensor``, when given: see ``of``)."""
+        for k, b in (self.kinds if tensor is None else self.kinds_of(tensor)):
             if k is kind:
                 return b
-        raise KeyError(f"state kind {kind} does not exist at precision {self.value}")
+        raise KeyError(f"state kind {kind} does not exist at precision {self.value}"
+                       + (f" for {tensor.name}" if tensor is not None else ""))
+
+    def dtype_name(self, kind: StateKind, tensor: "LogicalTensor") -> str:
+        """The torch dtype's name (``"bfloat16"``, ``"float32"``) of ``kind`` of ``tensor``."""
+        return "bfloat16" if self.element_size(kind, tensor) == 2 else "float32"
 
 
 #: Optimizer scalars: identical on every rank, kept out of the box plan and carried whole.
@@ -107,6 +124,7 @@ class LogicalTensor:
         megatron_name: the parameter name in a Megatron ``GPTModel`` with ``{layer}``/``{expert}``
             placeholders for the *stage-local* layer and *rank-local* expert index.
         last_stage_name: for a tied embedding, the name of Megatron's copy on the last stage.
+        always_fp32: see the field.
     """
 
     name: str
@@ -116,6 +134,9 @@ class LogicalTensor:
     place: Place
     megatron_name: str
     last_stage_name: str | None = None
+    always_fp32: bool = False
+    """Megatron keeps the parameter in fp32 under mixed precision (no separate main param): the
+    local layer spec's norms, plain torch modules built without a dtype."""
     stack_axes: int = field(init=False, default=0, compare=False)
     """Number of leading axes that index separate local tensors (layer, then expert)."""
 
@@ -214,4 +235,13 @@ class ModelSpec:
 
     def state_bytes(self, precision: Precision) -> int:
         """Bytes of one full logical copy of params and optimizer state."""
-        return self.parameters * precision.bytes_per_element
+        total = 0
+        for t in self.tensors:
+            axis = t.axis_of(VOCAB)
+            numel = t.numel if axis is None else t.numel // t.shape[axis] * self.vocab_size
+            total += numel * precision.of(t).bytes_per_element
+        return total
+
+    def itemsize(self, tensor: str, kind: StateKind, precision: Precision) -> int:
+        """Bytes per element of ``kind`` of the logical tensor named ``tensor`` at ``precision``."""
+        return precision.element_size(kind, self.by_name[tensor])

@@ -1,7 +1,9 @@
 """Megatron's distributed-optimizer buffer, recomputed from the spec: who owns which flat range.
 
 Megatron-core 0.16 (``distributed/param_and_grad_buffer.py``, ``optimizer/distrib_optimizer.py``)
-lays the parameters of one pipeline stage into one flat buffer per (dtype, dense|expert):
+lays the parameters of one pipeline stage into one flat buffer per (param dtype, dense|expert)
+(under bf16 the bf16 params share one buffer and the params megatron keeps in fp32, the norms,
+another: ``LogicalTensor.always_fp32``):
 
 - parameters in *reverse* registration order (to follow backprop);
 - each parameter's start padded to a multiple of 64 elements;
@@ -26,7 +28,7 @@ from typing import NamedTuple
 
 from lightning_dynatrain.vps.grid import grid_placement
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.spec import EXPERT, Group, LogicalTensor, ModelSpec, Place
+from lightning_dynatrain.vps.spec import EXPERT, Group, LogicalTensor, ModelSpec, Place, Precision
 
 PARAM_START_ALIGN = 64
 BUCKET_ALIGN = 128
@@ -115,10 +117,18 @@ def _registration_order(spec: ModelSpec, layout: ParallelConfig, stage: int) -> 
     return out
 
 
+def param_dtype_of(tensor: LogicalTensor, precision: Precision) -> str:
+    """The dtype (name) of ``tensor``'s params at ``precision``: which of a stage's buffers it is in."""
+    return "float32" if precision.of(tensor) is Precision.FP32 else "bfloat16"
+
+
 @lru_cache(maxsize=1024)
-def shard_buffer(spec: ModelSpec, layout: ParallelConfig, stage: int, group: Group) -> ShardBuffer:
-    """The distributed-optimizer buffer of ``group`` on pipeline ``stage``, laid out as Megatron does."""
-    params = [(t, s) for t, s in _registration_order(spec, layout, stage) if buffer_group(t, layout) is group]
+def shard_buffer(spec: ModelSpec, layout: ParallelConfig, stage: int, group: Group,
+                 precision: Precision = Precision.FP32, param_dtype: str = "float32") -> ShardBuffer:
+    """The distributed-optimizer buffer of ``group`` and ``param_dtype`` on pipeline ``stage``, laid
+    out as Megatron does (``param_dtype_of`` says which tensors are in it at ``precision``)."""
+    params = [(t, s) for t, s in _registration_order(spec, layout, stage)
+              if buffer_group(t, layout) is group and param_dtype_of(t, precision) == param_dtype]
     D = shard_group_size(group, layout)
     bucket_divisor = math.lcm(D, BUCKET_ALIGN)
 

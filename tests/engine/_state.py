@@ -18,14 +18,15 @@ import torch
 
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
-from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
+from lightning_dynatrain.vps.spec import LogicalTensor, ModelSpec, Precision, StateKind
 
 PAD = -7
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def dtype_of(kind: StateKind, precision: Precision) -> torch.dtype:
-    return torch.bfloat16 if precision is Precision.BF16 and kind is StateKind.PARAM else torch.float32
+def dtype_of(kind: StateKind, precision: Precision, tensor: LogicalTensor) -> torch.dtype:
+    """bf16 params at bf16 precision, except tensors megatron keeps in fp32 (``always_fp32``)."""
+    return torch.bfloat16 if precision.of(tensor) is Precision.BF16 and kind is StateKind.PARAM else torch.float32
 
 
 def offsets(spec: ModelSpec, precision: Precision) -> dict[tuple[str, StateKind], int]:
@@ -77,7 +78,7 @@ def local_state(spec: ModelSpec, layout: ParallelConfig | str, rank: int, precis
                 )
                 valid = (coords < np.array(logical)).all(axis=1)
                 index = np.ravel_multi_index(tuple(np.minimum(coords, np.array(logical) - 1).T), logical)
-                dtype = dtype_of(kind, precision)
+                dtype = dtype_of(kind, precision, spec.tensor(name))
                 values = np.where(valid, _encode(base[(name, kind)] + index, dtype.itemsize), PAD)
                 vocab = spec.tensor(name).axis_of("vocab")
                 if filled_from is not None and vocab is not None:

@@ -13,7 +13,6 @@ from lightning_dynatrain.vps.planner import plan_rank
 from lightning_dynatrain.vps.spec import Precision, StateKind
 
 FP32 = Precision.FP32
-ITEMSIZES = {kind: 4 for kind in StateKind}
 SPEC = build_gpt_spec("tiny", GPTDims(num_layers=4, hidden=16, num_heads=4, num_query_groups=4, head_dim=4, ffn_hidden=32,
                               vocab_size=64, seq_length=8, make_vocab_size_divisible_by=8, tied_embeddings=False))
 
@@ -22,7 +21,7 @@ def _peak(src: str, dst: str, rank: int, **kwargs) -> int:
     a, b = ParallelConfig.parse(src), ParallelConfig.parse(dst)
     plan = plan_rank(SPEC, a, b, rank, precision=FP32)
     return switch_peak_bytes(plan, rank_regions(SPEC, a, rank, FP32), rank_regions(SPEC, b, rank, FP32),
-                             itemsizes=ITEMSIZES, staging_budget="1MiB", **kwargs)
+                             staging_budget="1MiB", **kwargs)
 
 
 def _local_bytes(layout: str, rank: int, kinds=tuple(StateKind)) -> dict:

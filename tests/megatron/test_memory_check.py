@@ -14,7 +14,9 @@ from lightning_dynatrain.megatron.memory_check import (
     refusal,
     switch_need_bytes,
 )
+from lightning_dynatrain.engine.store import RegionIndex, local_numel
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.spec import Precision, StateKind
 from tests.dist import run_distributed
 from tests.megatron.jobs import DENSE, MOE, SEED
@@ -37,8 +39,10 @@ def test_switching_to_the_same_layout_needs_only_what_megatron_builds_beside_the
     for rank in range(4):
         for precision in Precision:
             n = local_numels(spec, parsed, rank, precision)
-            built = (precision.element_size(StateKind.PARAM) * n[StateKind.PARAM] if parsed.zero else 0) + \
-                4 * n.get(StateKind.MAIN_PARAM, 0)
+            regions = rank_regions(spec, parsed, rank, precision)
+            param_bytes = sum(local_numel(r) * r.itemsize
+                              for k, r in RegionIndex(regions).local_tensors().items() if k[1] is StateKind.PARAM)
+            built = (param_bytes if parsed.zero else 0) + 4 * n.get(StateKind.MAIN_PARAM, 0)
             assert _need(spec, layout, layout, rank, precision=precision) == built
             assert built > 0 or (precision is Precision.FP32 and not parsed.zero)
 
