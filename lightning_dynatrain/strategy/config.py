@@ -27,8 +27,9 @@ class MegatronRecipe:
     """Samples per optimizer step over all data-parallel ranks; kept across switches."""
     micro_batch_size: int
     """Samples per micro-batch; micro-batches per step = global // (dp * micro)."""
-    params_dtype: torch.dtype = torch.float32
-    """Parameter dtype (bf16 gets fp32 main params in the optimizer)."""
+    params_dtype: torch.dtype | None = None
+    """Parameter dtype (bf16 gets fp32 main params in the optimizer); ``None`` follows
+    ``Trainer(precision=...)`` (``strategy.precision``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

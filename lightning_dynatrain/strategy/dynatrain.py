@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -63,6 +64,7 @@ from lightning_dynatrain.data.sampler import GlobalBatchSampler
 from lightning_dynatrain.strategy.checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.optimizer_handle import MegatronOptimizerHandle
+from lightning_dynatrain.strategy.precision import MegatronPrecision, megatron_precision, resolve_params_dtype
 from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.switching import LayoutSwitching
 from lightning_dynatrain.strategy.validation import WorldSizeError, validate_target
@@ -95,8 +97,9 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         timeout: timeout of collectives (``init_process_group``).
         cluster_environment: Lightning's cluster environment; ``None`` lets the Trainer detect it.
         seed: seed of megatron's RNG trackers (model weights are seeded by the module's recipe).
-        parallel_devices, checkpoint_io, precision_plugin: as for any Lightning ``ParallelStrategy``
-            (only 32-bit precision plugins are supported: the parameter dtype is the recipe's).
+        parallel_devices, checkpoint_io: as for any Lightning ``ParallelStrategy``.
+        precision_plugin: leave it out and pass ``Trainer(precision="bf16-mixed" | "32-true")``: the
+            strategy runs megatron's own mixed precision (``strategy.precision``), never autocast.
 
     Raises:
         LayoutError: ``layout`` cannot be parsed (at construction) or does not fit the world or the
@@ -161,6 +164,19 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def precision_plugin(self) -> MegatronPrecision:
+        """Megatron's own mixed precision, as ``Trainer(precision=...)`` asked (``strategy.precision``)."""
+        return self._precision_plugin if self._precision_plugin is not None else MegatronPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # None stays None until the Trainer sets its plugin: Lightning reads a strategy's own plugin
+        # as the user's choice and would then ignore Trainer(precision=...)
+        self._precision_plugin = None if plugin is None else megatron_precision(plugin)
 
     @property
     def num_processes(self) -> int:
@@ -262,6 +278,7 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
                         global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size)
         from lightning_dynatrain.strategy.megatron_step import build_model
 
+        recipe = replace(recipe, params_dtype=resolve_params_dtype(recipe.params_dtype, self.precision_plugin))
         self._recipe = recipe
         self._gpt_model = build_model(recipe, self.layout, device=self.root_device)
         return self._gpt_model
@@ -270,10 +287,6 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if type(self.precision_plugin) is not Precision:
-            raise TypeError(
-                f"DynaTrainStrategy runs megatron's own precision; got {type(self.precision_plugin).__name__}. "
-                "HINT: leave Trainer(precision=...) at '32-true' and set MegatronRecipe(params_dtype=torch.bfloat16)")
         if self._gpt_model is None:
             raise TypeError(
                 "DynaTrainStrategy needs the megatron model built through the strategy. HINT: in "

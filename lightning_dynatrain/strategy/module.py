@@ -61,7 +61,8 @@ class GPTLightningModule(pl.LightningModule):
             ``max_steps=None`` keeps the peak after warmup.
         betas, eps, clip_grad: Adam and gradient clipping.
         seed: weight initialisation seed (the same logical model at every layout).
-        params_dtype: ``torch.float32`` or ``torch.bfloat16``.
+        params_dtype: ``None`` (default) follows ``Trainer(precision=...)``: ``"bf16-mixed"`` builds bf16
+            params with fp32 main params; ``torch.bfloat16`` or ``torch.float32`` says it here instead.
 
     Logs ``train/loss`` (the global mean loss, the same float on every rank) and ``train/lr`` each step.
     """
@@ -81,7 +82,7 @@ class GPTLightningModule(pl.LightningModule):
         eps: float = 1e-8,
         clip_grad: float = 1.0,
         seed: int = 1234,
-        params_dtype: torch.dtype = torch.float32,
+        params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.shape = shape

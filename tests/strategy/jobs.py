@@ -9,7 +9,9 @@ sets up and tears down megatron's groups; the gloo WORLD belongs to the harness 
    a scheduled switch over ``switch_memory_limit``, refused when it comes, before anything moved;
 4. switching: 30 steps with real hot switches (a request made inside step 2 is deferred to its end,
    schedule entries fire at the step boundary), ``verify=True`` fingerprinting the full logical state
-   around each switch, against 30 steps at the first layout without any switch.
+   around each switch, against 30 steps at the first layout without any switch;
+5. bf16: ``Trainer(precision="bf16-mixed")`` with scheduled switches (``verify=True``) against a
+   static bf16 run.
 
 Lightning sees ``LOCAL_RANK`` (so it launches nothing) and finds ``torch.distributed`` initialised.
 """
@@ -196,6 +198,26 @@ def _switching(results: dict, tmp: Path) -> None:
     )
 
 
+#: the bf16-mixed run: megatron's bf16 params with fp32 main params (norms fp32), switched across
+#: dp/tp/pp and zero1 on and off, against the same steps at its first layout
+BF16_SCHEDULE = {4: "dp1-tp2-pp2-zero1", 8: "dp4-tp1-pp1", 10: "dp2-tp1-pp2-zero1"}
+BF16_STEPS = 12
+
+
+def _bf16_switching(results: dict) -> None:
+    from lightning_dynatrain.callbacks import ScheduledReconfig
+    from lightning_dynatrain.strategy import DynaTrainStrategy
+
+    runs = {}
+    for name, callbacks in (("switched", [ScheduledReconfig(BF16_SCHEDULE)]), ("static", [])):
+        module, strategy = _module(max_steps=BF16_STEPS, eps=SWITCH_EPS), DynaTrainStrategy("dp2-tp2-pp1", verify=True)
+        _trainer(strategy, BF16_STEPS, precision="bf16-mixed", callbacks=callbacks).fit(module, datamodule=_data())
+        runs[name] = dict(losses=[l for _, l in module.losses], plugin=repr(strategy.precision_plugin),
+                          dtypes=sorted({str(p.dtype) for p in module.model.parameters()}),
+                          history=[(h.step, h.src, h.dst) for h in strategy.switch_history])
+    results["bf16"] = runs
+
+
 def _world4_job(rank: int, world_size: int, tmp: str) -> dict:
     import torch
 
@@ -208,6 +230,7 @@ def _world4_job(rank: int, world_size: int, tmp: str) -> dict:
     _memory_refusal(results)
     _resume(results, Path(tmp) / "ckpt")
     _switching(results, Path(tmp) / "logs")
+    _bf16_switching(results)
     return results
 
 

@@ -126,3 +126,60 @@ def test_reports_follow_the_protocol_and_log_their_figures(capsys) -> None:
     assert logged[0][0] == 200 and logged[0][1]["dynatrain/moved_bytes"] == 4000
     log_switch(trainer, ReconfigReport(step=3, src="dp4-tp1-pp1", dst="dp4-tp1-pp1"), is_global_zero=False)
     assert capsys.readouterr().out == "" and len(logged) == 1  # no-op: no metrics; rank != 0: no line
+
+
+@pytest.mark.parametrize("precision, dtype", [("32-true", "float32"), ("bf16-mixed", "bfloat16"),
+                                              ("bf16", "bfloat16"), (32, "float32")])
+def test_trainer_precision_becomes_megatrons_mixed_precision(precision, dtype) -> None:
+    """Lightning's autocast plugin is replaced by one that leaves casting to megatron."""
+    import torch
+    from lightning.pytorch import Trainer
+
+    from lightning_dynatrain.strategy.precision import MegatronPrecision
+
+    strategy = DynaTrainStrategy("dp1")
+    Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, logger=False)
+    plugin = strategy.precision_plugin
+    assert isinstance(plugin, MegatronPrecision) and plugin.params_dtype == getattr(torch, dtype)
+    with plugin.forward_context():
+        assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("precision, words", [("16-true", "pure fp16"), ("bf16-true", "pure bf16"),
+                                              ("64-true", "fp64")])
+def test_precisions_megatron_does_not_run_are_refused(precision, words) -> None:
+    from lightning.pytorch import Trainer
+
+    from lightning_dynatrain.strategy.precision import PrecisionError
+
+    with pytest.raises(PrecisionError, match=words) as err:
+        Trainer(accelerator="cpu", devices=1, strategy=DynaTrainStrategy("dp1"), precision=precision, logger=False)
+    assert 'precision="bf16-mixed"' in str(err.value)
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available:UserWarning")
+def test_fp16_mixed_is_refused_with_the_reason() -> None:
+    """On a GPU Lightning hands over "16-mixed" (on CPU it makes it "bf16-mixed" itself, with a warning)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_dynatrain.strategy.precision import PrecisionError, megatron_precision
+
+    with pytest.raises(PrecisionError, match="loss scaler"):
+        megatron_precision(MixedPrecision("16-mixed", "cuda"))
+
+
+def test_the_recipe_and_the_trainer_cannot_disagree_silently() -> None:
+    import torch
+
+    from lightning_dynatrain.strategy.precision import MegatronPrecision, PrecisionError, resolve_params_dtype
+
+    fp32, bf16 = MegatronPrecision("32-true"), MegatronPrecision("bf16-mixed")
+    assert resolve_params_dtype(None, bf16) == torch.bfloat16
+    assert resolve_params_dtype(None, fp32) == torch.float32
+    assert resolve_params_dtype(torch.bfloat16, bf16) == torch.bfloat16
+    # the recipe's bf16 refines Lightning's default, as before Trainer(precision=...) was mapped
+    assert resolve_params_dtype(torch.bfloat16, fp32) == torch.bfloat16
+    with pytest.raises(PrecisionError, match="disagree"):
+        resolve_params_dtype(torch.float32, bf16)
+    with pytest.raises(PrecisionError, match="not supported"):
+        resolve_params_dtype(torch.float16, fp32)
