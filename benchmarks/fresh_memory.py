@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=5.0, help="seconds between freeing and the 'freed before' zeroing")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = p.parse_args(argv)
-    from lightning_dynatrain.baselines.launch import spawn_job
+    from benchmarks.baselines.launch import spawn_job
 
     nbytes = int(args.gib * 2**30)
     rows = []

@@ -35,6 +35,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: ``benchmarks.baselines``
 import _switch_report as report  # noqa: E402  (light: the spawned children import this module too)
 
 WORLD = 4
@@ -110,7 +111,7 @@ def vocab_divisor(vocab: int, tps: set[int]) -> int:
 
 
 def build_setup(args: argparse.Namespace, pairs: list[tuple[str, str]]):
-    from lightning_dynatrain.baselines.state import BenchSetup
+    from benchmarks.baselines.state import BenchSetup
     from lightning_dynatrain.megatron.gpt import GPTShape
     from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -123,9 +124,9 @@ def build_setup(args: argparse.Namespace, pairs: list[tuple[str, str]]):
 
 def run_pair(setup, src: str, dst: str, methods: tuple[str, ...], margin: int, workdir: str) -> dict:
     """Job 1 (every method but the restart's load), then job 2 (fresh processes load)."""
-    from lightning_dynatrain.baselines.launch import JobError, spawn_job
-    from lightning_dynatrain.baselines.memory import fmt_gb, mem_available, world_state_bytes
-    from lightning_dynatrain.baselines.pair import PairConfig, pair_job, restart_job
+    from benchmarks.baselines.launch import JobError, spawn_job
+    from benchmarks.baselines.memory import fmt_gb, mem_available, world_state_bytes
+    from benchmarks.baselines.pair import PairConfig, pair_job, restart_job
     from lightning_dynatrain.vps.layout import ParallelConfig
 
     def missing(layout: str) -> str | None:  # a fresh job holding the state at ``layout``
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup = build_setup(args, pairs)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    from lightning_dynatrain.baselines.pair import METHODS
+    from benchmarks.baselines.pair import METHODS
 
     if unknown := [m for m in methods if m not in METHODS]:
         raise SystemExit(f"--methods: unknown {unknown}; choose among {list(METHODS)} "

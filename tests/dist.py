@@ -3,7 +3,7 @@
 No mocks: each child initialises a real ``torch.distributed`` gloo group, runs the function and
 sends back its return value or its traceback text. The parent re-raises the children's
 tracebacks, and fails (killing the children it started) when the run exceeds the timeout. The
-spawning is the library's (``lightning_dynatrain.baselines.launch.spawn_job``).
+spawning is the library's (``benchmarks.baselines.launch.spawn_job``).
 
 Example::
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_dynatrain.baselines.launch import JobError, free_port, spawn_job
+from benchmarks.baselines.launch import JobError, free_port, spawn_job
 
 
 class DistributedTestError(AssertionError):

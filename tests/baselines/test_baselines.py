@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_dynatrain.engine.fingerprint import hash_box
-from lightning_dynatrain.baselines.pair import METHODS, megatron_skip_reason
+from benchmarks.baselines.pair import METHODS, megatron_skip_reason
 from lightning_dynatrain.engine.pieces import layout_pieces
 from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -57,7 +57,7 @@ def test_megatron_cannot_toggle_zero1():
 def _pair_then_restart(rank: int, world: int, cfg) -> tuple[dict, dict]:
     import torch.distributed as dist
 
-    from lightning_dynatrain.baselines.pair import pair_job, restart_job
+    from benchmarks.baselines.pair import pair_job, restart_job
 
     out = pair_job(rank, world, cfg)
     box = [out if rank == 0 else None]
@@ -68,9 +68,9 @@ def _pair_then_restart(rank: int, world: int, cfg) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def pair_run(tmp_path_factory):
-    from lightning_dynatrain.baselines.launch import spawn_job
-    from lightning_dynatrain.baselines.pair import PairConfig
-    from lightning_dynatrain.baselines.state import BenchSetup
+    from benchmarks.baselines.launch import spawn_job
+    from benchmarks.baselines.pair import PairConfig
+    from benchmarks.baselines.state import BenchSetup
 
     cfg = PairConfig(setup=BenchSetup(shape=GPTShape(**TOY), staging_budget="64KiB"), src=SRC, dst=DST,
                      workdir=str(tmp_path_factory.mktemp("ckpt")), margin_bytes=0, probe_bytes=2**20)

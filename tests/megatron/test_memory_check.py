@@ -104,7 +104,7 @@ OPTIMIZER = dict(lr=1e-3)
 def _measured_switch(rank: int, world_size: int) -> dict:
     import torch
 
-    from lightning_dynatrain.baselines.memory import peak_rss, reset_peak_rss, rss, trim_heap
+    from benchmarks.baselines.memory import peak_rss, reset_peak_rss, rss, trim_heap
     from lightning_dynatrain.megatron.gpt import build_gpt_model
     from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.baselines import dcp, megatron_ckpt
-from lightning_dynatrain.baselines.allgather import CHUNK_ELEMENTS, allgather_switch
+from benchmarks.baselines import dcp, megatron_ckpt
+from benchmarks.baselines.allgather import CHUNK_ELEMENTS, allgather_switch
 from lightning_dynatrain.engine.fingerprint import Fingerprint, diff, logical_fingerprint
-from lightning_dynatrain.baselines.floor import measure_speeds, switch_floor
-from lightning_dynatrain.baselines.memory import (
+from benchmarks.baselines.floor import measure_speeds, switch_floor
+from benchmarks.baselines.memory import (
     GiB,
     fmt_gb,
     hot_switch_extra_bytes,
@@ -50,9 +50,9 @@ from lightning_dynatrain.baselines.memory import (
     unsharded_optimizer_bytes,
     world_state_bytes,
 )
-from lightning_dynatrain.baselines import state as state_module
-from lightning_dynatrain.baselines.profile import STEPS, profiled
-from lightning_dynatrain.baselines.state import BenchSetup, build_empty_state, build_trained_state, step_of, store_of
+from benchmarks.baselines import state as state_module
+from benchmarks.baselines.profile import STEPS, profiled
+from benchmarks.baselines.state import BenchSetup, build_empty_state, build_trained_state, step_of, store_of
 from lightning_dynatrain.engine.staging import parse_bytes
 from lightning_dynatrain.megatron import hot_switch as hot_switch_module
 from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch

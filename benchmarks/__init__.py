@@ -1,0 +1,1 @@
+"""Benchmark scripts and the harness they share (not part of the installed package)."""
