@@ -14,8 +14,10 @@ import sys
 from lightning_dynatrain.vps.dryrun import GB, LinkModel, dry_run
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.planner import union_world
 from lightning_dynatrain.vps.presets import preset, preset_names
 from lightning_dynatrain.vps.spec import Precision
+from lightning_dynatrain.vps.topology import Topology
 
 _DEFAULTS = LinkModel()
 
@@ -53,9 +55,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise DynaTrainError(f"--gpus-per-node {args.gpus_per_node} is not positive", hint="use e.g. 8")
     links = LinkModel(intra_node=args.intra_node_gbps * GB, inter_node=args.inter_node_gbps * GB,
                       local_copy=args.copy_gbps * GB)
+    topology = Topology.uniform(union_world(src, dst), args.gpus_per_node)
     try:
         report, plans = dry_run(spec, src, dst, precision=Precision(args.precision),
-                                gpus_per_node=args.gpus_per_node, links=links, only_rank=args.rank)
+                                topology=topology, links=links, only_rank=args.rank)
     except IndexError as err:
         raise DynaTrainError(str(err), hint="pass a rank inside the larger of the two worlds") from None
     figures = report.as_dict()

@@ -8,7 +8,7 @@ buffer ranges, so a checkpoint is only meaningful at the layout that wrote it. T
 another layout, resume at the saved one and ``reconfigure`` (an in-memory switch).
 
 A tensor is written with its whole storage (``torch.save``). After a switch, a kept slice of an old
-tensor or a tensor carved from an old storage (``engine.recycling``) may live in a storage much
+tensor or a tensor carved from an old storage (``memory.recycler``) may live in a storage much
 larger than the tensors the checkpoint names in it; such tensors are written as compact copies
 (``compact_storages``), so a file holds the state, not the old layouts' leftovers.
 

@@ -27,9 +27,10 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import state_placement
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
 from lightning_dynatrain.vps.spec import VOCAB, ModelSpec, Precision, StateKind
+from lightning_dynatrain.vps.topology import Topology
 
 
-def choose_source(holders: tuple[int, ...], dest: int, gpus_per_node: int) -> int:
+def choose_source(holders: tuple[int, ...], dest: int, topology: Topology) -> int:
     """The holder ``dest`` reads an atom from: same node first, then the nearest in XOR distance.
 
     The engine pairs ``dest`` with holder ``h`` in XOR step ``dest ^ h``, so the nearest holder is
@@ -39,13 +40,13 @@ def choose_source(holders: tuple[int, ...], dest: int, gpus_per_node: int) -> in
     ``dp2-tp2 -> dp1-tp4`` ranks 1 and 2 read from ranks 0 and 3 at once in step 1, instead of rank
     2 waiting for rank 1 to finish its own receive first.
     """
-    candidates = _candidates(holders, dest // gpus_per_node, gpus_per_node)
+    candidates = _candidates(holders, topology.node_of(dest), topology)
     return min(candidates, key=lambda h: h ^ dest)
 
 
 @lru_cache(maxsize=65536)
-def _candidates(holders: tuple[int, ...], node: int, gpus_per_node: int) -> tuple[int, ...]:
-    local = tuple(h for h in holders if h // gpus_per_node == node)
+def _candidates(holders: tuple[int, ...], node: int, topology: Topology) -> tuple[int, ...]:
+    local = tuple(h for h in holders if topology.node_of(h) == node)
     return local or holders
 
 
@@ -72,18 +73,28 @@ def plan_rank(
     rank: int,
     *,
     precision: Precision = Precision.FP32,
-    gpus_per_node: int = 8,
+    topology: Topology | None = None,
 ) -> RankPlan:
-    """The plan of ``rank`` for the switch ``src -> dst``. Ranks beyond a world only send or only receive."""
+    """The plan of ``rank`` for the switch ``src -> dst``. Ranks beyond a world only send or only receive.
+
+    ``topology``: the node of every rank of the union world (sources on the rank's own node are
+    preferred); ``None`` assumes nodes of 8 ranks in rank order.
+    """
     _check_same_model(spec, src, dst)
+    topology = default_topology(src, dst) if topology is None else topology.covers(union_world(src, dst))
     # Planning allocates many small acyclic tuples; a cyclic-GC pass over a training process's
-    # large heap in the middle of it costs more than the plan itself (measured: 4x the worst rank).
+    # large heap in the middle of it can cost more than the plan itself.
     with automatic_gc_paused():
-        return _plan_rank(spec, src, dst, rank, precision, gpus_per_node)
+        return _plan_rank(spec, src, dst, rank, precision, topology)
+
+
+def default_topology(src: ParallelConfig, dst: ParallelConfig) -> Topology:
+    """Nodes of 8 ranks in rank order over the union world (what a dry run assumes)."""
+    return Topology.uniform(union_world(src, dst), 8)
 
 
 def _plan_rank(
-    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, gpus_per_node: int
+    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, topology: Topology
 ) -> RankPlan:
     order = {t.name: i for i, t in enumerate(spec.tensors)}
     kind_order = {k: i for i, (k, _) in enumerate(precision.kinds)}
@@ -110,7 +121,7 @@ def _plan_rank(
                             if rank in holders:
                                 retains.extend(Transfer(rank, tensor.name, k, box) for k in kinds)
                             else:
-                                peer = choose_source(holders, rank, gpus_per_node)
+                                peer = choose_source(holders, rank, topology)
                                 recvs.extend(Transfer(peer, tensor.name, k, box) for k in kinds)
             if in_src:
                 for region in source.regions(rank):
@@ -120,7 +131,7 @@ def _plan_rank(
                             for dest in dholders:
                                 if dest in held:
                                     continue
-                                if choose_source(holders, dest, gpus_per_node) == rank:
+                                if choose_source(holders, dest, topology) == rank:
                                     sends.extend(Transfer(dest, tensor.name, k, box) for k in kinds)
 
     def key(t: Transfer) -> tuple:
@@ -128,8 +139,8 @@ def _plan_rank(
 
     return RankPlan(
         rank=rank,
-        src=str(src),
-        dst=str(dst),
+        src=src,
+        dst=dst,
         sends=tuple(sorted(sends, key=key)),
         recvs=tuple(sorted(recvs, key=key)),
         retains=tuple(sorted(retains, key=key)),
@@ -148,10 +159,11 @@ def _beyond(box: Box, axis: int, limit: int) -> Box | None:
 
 @lru_cache(maxsize=256)
 def plan_rank_cached(
-    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, gpus_per_node: int
+    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision,
+    topology: Topology | None = None,
 ) -> RankPlan:
     """``plan_rank`` memoised on its inputs (plans are frozen, so sharing them is safe)."""
-    return plan_rank(spec, src, dst, rank, precision=precision, gpus_per_node=gpus_per_node)
+    return plan_rank(spec, src, dst, rank, precision=precision, topology=topology)
 
 
 def union_world(src: ParallelConfig, dst: ParallelConfig) -> int:
@@ -164,12 +176,12 @@ def plan_all(
     dst: ParallelConfig,
     *,
     precision: Precision = Precision.FP32,
-    gpus_per_node: int = 8,
+    topology: Topology | None = None,
     ranks: Iterable[int] | None = None,
 ) -> dict[int, RankPlan]:
     """Plans of every rank of the union world (or of ``ranks``)."""
     ranks = range(union_world(src, dst)) if ranks is None else ranks
-    return {r: plan_rank(spec, src, dst, r, precision=precision, gpus_per_node=gpus_per_node) for r in ranks}
+    return {r: plan_rank(spec, src, dst, r, precision=precision, topology=topology) for r in ranks}
 
 
-__all__ = ["choose_source", "plan_all", "plan_rank", "plan_rank_cached", "union_world"]
+__all__ = ["choose_source", "default_topology", "plan_all", "plan_rank", "plan_rank_cached", "union_world"]

@@ -10,11 +10,20 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
+from lightning_dynatrain.engine import DIRECT_MIN_BYTES, LinkCosts, SwitchProgram, compile_switch, parse_bytes
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.gpt_spec import GPTDims, build_gpt_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.mapping import rank_regions
+from lightning_dynatrain.vps.planner import plan_rank, union_world
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
+from lightning_dynatrain.vps.topology import Topology
 from lightning_dynatrain.vps.validate import layout_problems
+
+
+def regions(spec: ModelSpec, layout: ParallelConfig, rank: int, precision: Precision) -> dict:
+    """``rank_regions``, empty for a rank outside the layout's world."""
+    return rank_regions(spec, layout, rank, precision) if rank < layout.world_size else {}
 
 
 class Case(NamedTuple):
@@ -29,6 +38,21 @@ class Case(NamedTuple):
 
     def spec(self) -> ModelSpec:
         return build_gpt_spec("tiny-moe" if self.dims.num_experts else "tiny", self.dims)
+
+    def program(self, rank: int, src: str, dst: str, *, costs: LinkCosts | None = None,
+                direct_min_bytes: int | None = DIRECT_MIN_BYTES) -> SwitchProgram:
+        """This rank's compiled program for ``src -> dst`` (with promotion where ``costs`` say so)."""
+        spec, a, b = self.spec(), ParallelConfig.parse(src), ParallelConfig.parse(dst)
+        topology = Topology.uniform(union_world(a, b), self.gpus_per_node)
+
+        def plan(r: int):
+            return plan_rank(spec, a, b, r, precision=self.precision, topology=topology)
+
+        mine = plan(rank)
+        peers = {r: plan(r) for r in {t.peer for t in mine.recvs}} if costs is not None else {}
+        return compile_switch(mine, regions(spec, a, rank, self.precision), regions(spec, b, rank, self.precision),
+                              staging_budget=parse_bytes(self.budget), direct_min_bytes=direct_min_bytes,
+                              link_costs=costs, peer_plans=peers, topology=topology)
 
     def __str__(self) -> str:
         return f"{self.src}->{self.dst} {self.precision.value} budget={self.budget} ({self.dims})"

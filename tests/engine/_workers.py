@@ -6,31 +6,23 @@ picklable summaries the parent asserts on; element checks happen in the children
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.engine import (
+    DIRECT_MIN_BYTES,
     LinkCosts,
     StagingBudgetError,
     SubgroupCache,
     SwitchReport,
     execute_switch,
     measure_link_costs,
-    plan_broadcasts,
 )
-from lightning_dynatrain.engine.adoption import take_over
-from lightning_dynatrain.engine.engine import DIRECT_MIN_BYTES
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.mapping import rank_regions
-from lightning_dynatrain.vps.planner import plan_all, plan_rank
 from tests.engine._cases import Case
-from tests.engine._state import compare, local_state, padded_empty
-
-
-def _regions(spec, layout: ParallelConfig, rank: int, precision) -> dict:
-    return rank_regions(spec, layout, rank, precision) if rank < layout.world_size else {}
+from tests.engine._memory import CheckedMemory
+from tests.engine._state import compare, local_state
 
 
 def summary(case: Case, report: SwitchReport) -> dict:
@@ -44,17 +36,15 @@ def summary(case: Case, report: SwitchReport) -> dict:
     }
 
 
-def switch_and_check(rank: int, case: Case, store: dict, src: str, dst: str, *, device: str = "cpu",
-                     **kwargs) -> tuple[dict, SwitchReport]:
+def switch_and_check(rank: int, case: Case, store: dict, src: str, dst: str, *, memory: CheckedMemory | None = None,
+                     costs: LinkCosts | None = None, subgroups: SubgroupCache | None = None,
+                     direct_min_bytes: int | None = DIRECT_MIN_BYTES, device: str = "cpu") -> tuple[dict, SwitchReport]:
     """Run ``src -> dst`` on this rank's ``store`` and check every element of the result."""
     spec = case.spec()
     a, b = ParallelConfig.parse(src), ParallelConfig.parse(dst)
-    plan = plan_rank(spec, a, b, rank, precision=case.precision, gpus_per_node=case.gpus_per_node)
-    new, report = execute_switch(
-        plan, store, _regions(spec, a, rank, case.precision), _regions(spec, b, rank, case.precision),
-        functools.partial(padded_empty, device=device), staging_budget=case.budget,
-        gpus_per_node=case.gpus_per_node, **kwargs,
-    )
+    program = case.program(rank, src, dst, costs=costs, direct_min_bytes=direct_min_bytes)
+    new, report = execute_switch(program, store, memory if memory is not None else CheckedMemory(),
+                                 subgroups=subgroups)
     assert all(t.device.type == torch.device(device).type for t in new.values()), "state left its device"
     assert not store, f"rank {rank}: source tensors left in the store: {list(store)[:3]}"
     want = local_state(spec, b, rank, case.precision, filled_from=spec.padded_vocab(a.tp))
@@ -96,30 +86,28 @@ def run_in_place(rank: int, world: int, cases: list[Case]) -> list[dict]:
         store = local_state(case.spec(), case.src, rank, case.precision)
         original = _round_trip_expectation(case, store, rank)
         storage = {k: v.data_ptr() for k, v in store.items()}
-        new, report = switch_and_check(rank, case, store, case.src, case.dst, adopt=take_over)
+        new, report = switch_and_check(rank, case, store, case.src, case.dst, memory=CheckedMemory(keep=True))
         kept = sorted(str(k) for k, v in new.items() if storage.get(k) == v.data_ptr())
-        back, _ = switch_and_check(rank, case, new, case.dst, case.src, adopt=take_over)
+        back, _ = switch_and_check(rank, case, new, case.dst, case.src, memory=CheckedMemory(keep=True))
         compare(back, original, f"rank {rank} round trip {case}")
         out.append({**summary(case, report), "kept_tensors": kept, "in_place_ops": report.in_place.ops})
     return out
 
 
 def run_slices(rank: int, world: int, cases: list[Case]) -> list[dict]:
-    """Cases where local tensors are retained whole as one run of a larger source tensor, with
-    ``adopt`` and ``adopt_views``: such a destination tensor must be a view into its source tensor,
-    ``release`` must get exactly the rest of that source tensor, and every element is still exact."""
+    """Cases where local tensors are retained whole as one run of a larger source tensor, kept in
+    place: such a destination tensor must be a view into its source tensor, the policy must release
+    exactly the rest of that source tensor, and every element is still exact."""
     out = []
     for case in cases:
         store = local_state(case.spec(), case.src, rank, case.precision)
         original = _round_trip_expectation(case, store, rank)
         spans = {k: (v.data_ptr(), v.data_ptr() + v.nbytes) for k, v in store.items()}
+        memory = CheckedMemory(keep=True)
+        new, report = switch_and_check(rank, case, store, case.src, case.dst, memory=memory)
         released: dict = {}
-
-        def release(key, tensor):
-            released.setdefault(key, []).append((tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes))
-
-        new, report = switch_and_check(rank, case, store, case.src, case.dst, adopt=take_over, adopt_views=True,
-                                       release=release)
+        for key, lo, hi in memory.released:
+            released.setdefault(key, []).append((lo, hi))
         kept = {}  # kept in place, whole or as a slice
         for key, tensor in new.items():
             lo, hi = spans[key]
@@ -140,14 +128,10 @@ def run_slices(rank: int, world: int, cases: list[Case]) -> list[dict]:
 
 def run_too_small(rank: int, world: int, case: Case) -> str:
     """A budget below the largest row: every rank raises StagingBudgetError and keeps its state."""
-    spec = case.spec()
-    store = local_state(spec, case.src, rank, case.precision)
+    store = local_state(case.spec(), case.src, rank, case.precision)
     original = {k: v.clone() for k, v in store.items()}
-    src, dst = ParallelConfig.parse(case.src), ParallelConfig.parse(case.dst)
-    plan = plan_rank(spec, src, dst, rank, precision=case.precision)
     try:
-        execute_switch(plan, store, _regions(spec, src, rank, case.precision), _regions(spec, dst, rank, case.precision),
-                       staging_budget=case.budget)
+        execute_switch(case.program(rank, case.src, case.dst), store)
     except StagingBudgetError as err:
         compare(store, original, f"rank {rank}: state after a refused switch")
         # the group is still usable: nothing is left in flight
@@ -161,19 +145,14 @@ def run_broadcast(rank: int, world: int, cases: list[Case], costs: LinkCosts | N
     cache = SubgroupCache()
     out = []
     for case in cases:
-        spec = case.spec()
-        src, dst = ParallelConfig.parse(case.src), ParallelConfig.parse(case.dst)
-        plans = plan_all(spec, src, dst, precision=case.precision, gpus_per_node=case.gpus_per_node)
-        promoted = plan_broadcasts(plans, costs, precision=case.precision)
-        store = local_state(spec, src, rank, case.precision)
+        store = local_state(case.spec(), case.src, rank, case.precision)
         original = _round_trip_expectation(case, store, rank)
-        new, report = switch_and_check(rank, case, store, case.src, case.dst, broadcasts=promoted, subgroups=cache)
-        back_plans = plan_all(spec, dst, src, precision=case.precision, gpus_per_node=case.gpus_per_node)
-        back_promoted = plan_broadcasts(back_plans, costs, precision=case.precision)
-        back, _ = switch_and_check(rank, case, new, case.dst, case.src, broadcasts=back_promoted, subgroups=cache)
+        program = case.program(rank, case.src, case.dst, costs=costs)
+        new, report = switch_and_check(rank, case, store, case.src, case.dst, costs=costs, subgroups=cache)
+        back, _ = switch_and_check(rank, case, new, case.dst, case.src, costs=costs, subgroups=cache)
         compare(back, original, f"rank {rank} round trip {case}")
         row = summary(case, report)
-        row["jobs"] = len(promoted.jobs)
+        row["jobs"] = len(program.broadcast_groups)
         row["subgroups"] = len(cache)
         out.append(row)
     return out
@@ -207,25 +186,21 @@ def run_bad_inputs(rank: int, world: int, case: Case) -> dict[str, str]:
     """Mistakes found before anything moves: every rank stops, with the culprit's error on its rank."""
     from lightning_dynatrain.engine import StateStoreError, SwitchAbortedError
 
-    spec = case.spec()
-    src, dst = ParallelConfig.parse(case.src), ParallelConfig.parse(case.dst)
-    plan = plan_rank(spec, src, dst, rank, precision=case.precision)
-    regions = (_regions(spec, src, rank, case.precision), _regions(spec, dst, rank, case.precision))
+    program = case.program(rank, case.src, case.dst)
     out = {}
 
-    store = local_state(spec, src, rank, case.precision)
+    store = local_state(case.spec(), case.src, rank, case.precision)
     if rank == world - 1:
         store.pop(next(iter(store)))  # the last rank lost a tensor
     try:
-        execute_switch(plan, store, *regions, staging_budget=case.budget)
+        execute_switch(program, store)
         raise AssertionError("a missing source tensor was accepted")
     except (StateStoreError, SwitchAbortedError) as err:
         out["missing"] = type(err).__name__
 
-    store = local_state(spec, src, rank, case.precision)
+    store = local_state(case.spec(), case.src, rank, case.precision)
     try:
-        execute_switch(plan, store, *regions, lambda key, numel, dtype: torch.empty(numel + 1, dtype=dtype),
-                       staging_budget=case.budget)
+        execute_switch(program, store, CheckedMemory(extra=1))
         raise AssertionError("a wrong-sized destination tensor was accepted")
     except StateStoreError as err:
         out["allocator"] = str(err)

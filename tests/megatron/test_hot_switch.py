@@ -18,6 +18,7 @@ from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.spec import Precision, StateKind
+from lightning_dynatrain.vps.topology import Topology
 from tests.dist import run_distributed
 from tests.megatron.jobs import DENSE, GLOBAL_BATCH, MICROBATCHES, MOE, SEED
 
@@ -59,7 +60,8 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     import torch.distributed as dist
 
     from lightning_dynatrain.megatron.gpt import build_gpt_model
-    from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
+    from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
+    from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
     from lightning_dynatrain.strategy.megatron_step import set_lr_and_wd
@@ -81,29 +83,31 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
         return [run_train_step(state.ddp, state.optimizer, batch, state.layout, MICROBATCHES) for _ in range(steps)]
 
     first = ParallelConfig.parse(chain[0])
-    initialize_for_layout(first, seed=SEED)
+    pgs = initialize_for_layout(first, seed=SEED)
     model = build_gpt_model(shape, first, seed=SEED, params_dtype=dtype)
-    state = MegatronTrainingState(layout=first, **dict(zip(("ddp", "optimizer"),
-                                  build_ddp_and_optimizer(model, first, **OPTIMIZER))))
+    state = MegatronState(layout=first, groups=pgs, **dict(zip(("ddp", "optimizer"),
+                          build_ddp_and_optimizer(model, first, **OPTIMIZER))))
+    topology = Topology.uniform(4, 2)
+
+    def setup(budget: int) -> SwitchSetup:
+        return SwitchSetup(shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=budget, topology=topology)
     out = {"losses": train(state, 2), "switches": []}
     # a switch refused before anything moves (budget below a row, on every rank) leaves the state
     # whole: gradient buffers and megatron's groups come back, and training goes on (losses below)
     from lightning_dynatrain.engine.errors import StagingBudgetError
     try:
-        hot_switch(state, ParallelConfig.parse(refused_target), shape=shape, seed=SEED, staging_budget=8,
-                   optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2)
+        hot_switch(state, ParallelConfig.parse(refused_target), setup(8))
     except StagingBudgetError as err:
         out["refused"] = str(err)
     for text in chain[1:]:
         target = ParallelConfig.parse(text)
         before = _snapshot(state, spec, state.layout, rank)
-        result = hot_switch(state, target, shape=shape, seed=SEED, staging_budget=staging_budget,
-                            optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2)
+        result = hot_switch(state, target, setup(staging_budget))
         state = result.state
         after = _snapshot(state, spec, target, rank)
         out["switches"].append(dict(src=result.report.src, dst=result.report.dst, before=before, after=after,
                                     report=str(result.report), peak=result.report.peak_staging_bytes,
-                                    in_place=result.report.in_place.bytes, freed=result.old_freed_bytes))
+                                    in_place=result.report.in_place.bytes, freed=result.memory.freed_bytes))
         out["losses"] += train(state, 1)
     # A -> B -> A with no training in between must give back every local tensor bit for bit
     # (twice, with a process group cache: the second round trip creates no group)
@@ -113,8 +117,7 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     start = _snapshot(state, spec, home, rank)
     cache, cached = ProcessGroupCache(), []
     for target in (away, home, away, home):
-        state = hot_switch(state, target, shape=shape, seed=SEED, staging_budget=staging_budget,
-                           optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2, groups=cache).state
+        state = hot_switch(state, target, setup(staging_budget), groups=cache).state
         cached.append(len(cache))
     out["round_trip"] = (start, _snapshot(state, spec, home, rank))
     out["cached_groups"] = cached
@@ -126,9 +129,10 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     out["tags"] = (tags(build_gpt_model(shape, home, seed=SEED)), tags(build_gpt_model(shape, home, seed=SEED,
                                                                                         initialize=False)))
     # the same training without any switch, in the same processes
-    initialize_for_layout(first, seed=SEED)
+    pgs = initialize_for_layout(first, seed=SEED)
     fresh = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=SEED, params_dtype=dtype), first, **OPTIMIZER)
-    out["reference"] = train(MegatronTrainingState(layout=first, ddp=fresh[0], optimizer=fresh[1]), len(out["losses"]))
+    out["reference"] = train(MegatronState(layout=first, groups=pgs, ddp=fresh[0], optimizer=fresh[1]),
+                             len(out["losses"]))
     destroy()
     dist.barrier()
     return out
@@ -170,7 +174,7 @@ def _common(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @pytest.fixture(scope="module", params=sorted(CHAINS))
 def chain_run(request):
     shape_kwargs, chain = CHAINS[request.param]
-    runs = run_distributed(_chain, 4, shape_kwargs, chain, "64KiB", REFUSED[request.param],
+    runs = run_distributed(_chain, 4, shape_kwargs, chain, 64 * 1024, REFUSED[request.param],
                            DTYPES.get(request.param, "float32"), timeout_s=240)
     return request.param, shape_kwargs, chain, runs
 

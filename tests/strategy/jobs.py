@@ -80,7 +80,7 @@ def _probe():
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             s = trainer.strategy
-            self.seen.append((trainer.global_step, str(s.layout), s.megatron.dp_size, s.megatron.num_microbatches,
+            self.seen.append((trainer.global_step, str(s.layout), s.megatron.dp_size, s.num_microbatches,
                               s.distributed_sampler_kwargs, tuple(batch["tokens"].shape)))
 
     return Probe()

@@ -1,22 +1,21 @@
 """Writing a switch's new state into memory its old state already touched (for CPU memory).
 
-On CPU, the first write to a fresh tensor faults its pages in and the kernel zeroes each one. Here
-that makes writing new state into fresh memory about twice as slow as writing into touched memory.
-An accelerator's caching allocator reuses freed blocks by itself. PyTorch's CPU allocator hands
+On CPU, the first write to a fresh tensor faults its pages in and the kernel zeroes each one, which
+makes writing new state into fresh memory slower than writing into touched memory
+(``benchmarks/fresh_memory.py``). An accelerator's caching allocator reuses freed blocks by itself. PyTorch's CPU allocator hands
 large blocks back to the OS, so ``StorageRecycler`` keeps the storages the switch is done with
 (``give``) and carves new local tensors out of them (``take``).
 
-The same goes for buffers built inside library code: under ``CarveBuffers`` a ``torch.zeros`` call
-(megatron's DDP allocating its gradient and zero1 param buffers) takes a whole old storage held for
-it (``give(..., hold=True)``: the old gradient buffers), with no fresh pages; zeroed, or with
-``zero=False`` as it is, for a caller that overwrites it anyway.
+The same goes for buffers built inside library code: a whole old storage held for them
+(``give(..., hold=True)``: the old gradient buffers) serves them (``take_whole``), with no fresh
+pages (megatron's DDP buffers: ``megatron.carve_buffers.CarveBuffers``).
 
 A new tensor that fits no free run of one old storage, or one that must keep its own storage (a
 buffer megatron built, a tensor that cannot be rebound), takes old memory by its pages instead:
 ``fill`` moves the pages of idle arenas into those of its pages not in memory yet
 (``page_moves``, Linux ``mremap``; no copy). A buffer that stays untouched until the end of the
 switch (a gradient buffer no old one could hold) has idle old storage held for it (``reserve``) and
-filled at the end (``CarveBuffers.fault_in_untouched``).
+filled at the end.
 
 Rules that keep memory bounded:
 
@@ -49,21 +48,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from lightning_dynatrain.engine.page_moves import (
+from lightning_dynatrain.memory.page_moves import (
     MIN_PIECE,
     can_move_pages,
     discard_pages,
     move_pages,
     page_span,
-    populate_pages,
     private_anonymous_ranges,
     swap_page_runs,
     untouched_runs,
     within,
 )
-from lightning_dynatrain.engine.store import StoreKey
+from lightning_dynatrain.engine.program import StoreKey
 
 MiB = 2**20
 #: the group of old gradient buffers held for the new model's DDP buffers (``CarveBuffers``)
@@ -402,101 +399,9 @@ class StorageRecycler:
         self.idle_bytes = 0
 
 
-class CarveBuffers(TorchFunctionMode):
-    """Inside this mode, ``torch.zeros(n, ...)`` of a CPU tensor of at least the recycler's
-    ``min_bytes`` is served by ``take_whole`` from ``group`` (memory already touched: no page
-    faults), else allocated as usual, after the storages held for ``group`` are freed (one that
-    fits none of them would otherwise come on top of them). Wraps the construction of megatron's
-    DDP buffers.
-
-    ``zero``: zero what is served, as ``torch.zeros`` promises. ``zero=False`` hands it over with
-    the old storage's bytes, for buffers whose elements are each written before they are read (or
-    never read); megatron's DDP buffers are such (``hot_switch``), which saves one pass over them.
-
-    ``skip_copies``: for a model whose params are uninitialised and written later, element by
-    element (a switch's new model: the engine writes them). A ``Tensor.copy_`` into a buffer served
-    here is skipped (megatron's DDP copies each param into its zero1 param buffer), and a buffer
-    that does not fit a held storage is served untouched (``torch.empty``): the one a copy targeted
-    (the param buffer) is left to its writer, whose writes fault its pages in once; the others
-    (gradient buffers) get their memory from ``fault_in_untouched``, which the caller calls when
-    their pages should come, e.g. once the old state's memory is back. Their bytes are never
-    zeroed here: megatron zeroes a gradient buffer before its first use.
-    """
-
-    def __init__(self, recycler: StorageRecycler, group: str, *, zero: bool = True, skip_copies: bool = False) -> None:
-        super().__init__()
-        self.recycler, self.group, self.zero, self.skip_copies = recycler, group, zero, skip_copies
-        self._served: dict[int, tuple[torch.Tensor, bool]] = {}  # storage address -> (buffer, fresh)
-        self._written_later: set[int] = set()  # storage addresses of buffers a copy targeted
-        self.skipped_copy_bytes = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.copy_ and self.skip_copies and self._served:
-            address = args[0].untyped_storage().data_ptr()
-            if address in self._served:
-                self._written_later.add(address)
-                self.skipped_copy_bytes += args[0].nbytes
-                return args[0]
-        if func is torch.zeros and len(args) == 1 and isinstance(args[0], int) and "out" not in kwargs \
-                and torch.device(kwargs.get("device") or "cpu").type == "cpu":
-            dtype = kwargs.get("dtype") or torch.get_default_dtype()
-            requires_grad = bool(kwargs.get("requires_grad", False))
-            carved = self.recycler.take_whole(args[0], dtype, self.group)
-            if carved is not None:
-                if self.zero:
-                    carved.zero_()
-                return self._serve(carved, fresh=False).requires_grad_(requires_grad)
-            if args[0] * dtype.itemsize >= self.recycler.min_bytes:
-                # no held storage fits: their pages go into the new buffer (``fill``), what is left is
-                # freed before the buffer takes fresh memory, so the two never add up
-                buffer = torch.empty(args[0], dtype=dtype)
-                self.recycler.fill(buffer, self.group)
-                self.recycler.drop_group(self.group)
-                if self.skip_copies:  # untouched until ``fault_in_untouched`` or the caller writes it
-                    return self._serve(buffer, fresh=True).requires_grad_(requires_grad)
-                return buffer.zero_().requires_grad_(requires_grad)
-        return func(*args, **kwargs)
-
-    def _serve(self, buffer: torch.Tensor, *, fresh: bool) -> torch.Tensor:
-        if self.skip_copies:
-            self._served[buffer.untyped_storage().data_ptr()] = (buffer, fresh)
-        return buffer
-
-    def _untouched(self) -> list[torch.Tensor]:
-        return [b for address, (b, fresh) in self._served.items() if fresh and address not in self._written_later]
-
-    @property
-    def untouched_bytes(self) -> int:
-        """Bytes of the fresh buffers ``fault_in_untouched`` takes care of that are not in memory yet
-        (all of them where the page map cannot be read); known once the buffers are built."""
-        if not can_move_pages():
-            return sum(b.nbytes for b in self._untouched())
-        return sum(hi - lo for b in self._untouched() for lo, hi in untouched_runs(b.data_ptr(), b.data_ptr() + b.nbytes))
-
-    def fault_in_untouched(self) -> int:
-        """Give the fresh buffers no copy targeted (``skip_copies``: gradient buffers) their memory now,
-        rather than in their first use: the pages the recycler holds idle first (``fill``; they
-        keep the old bytes, as a carved buffer does), fresh pages for the rest, faulted in as the
-        kernel zeroes them (``populate_pages``; else a zeroing pass). The bytes of those buffers.
-        Only for buffers their user zeroes before use (megatron's step: ``zero_grad_buffer``)."""
-        pending = self._untouched()
-        self._served.clear()
-        for buffer in pending:
-            self.recycler.fill(buffer)
-            if not can_move_pages():  # no page map to read: a pass over the whole buffer
-                buffer.zero_()
-                continue
-            flat = buffer.view(-1).view(torch.uint8)
-            for lo, hi in untouched_runs(buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes):
-                if not populate_pages(lo, hi):
-                    flat[lo - buffer.data_ptr(): hi - buffer.data_ptr()].zero_()
-        return sum(b.nbytes for b in pending)
-
-
 def state_group(kind) -> str:
     """The arena group of a state kind: params (and fp32 main params) or Adam moments."""
     return "moment" if kind.value.startswith("exp_avg") else "param"
 
 
-__all__ = ["ALIGNMENT", "BUFFER_GROUP", "PAGES_GROUP", "CarveBuffers", "StorageRecycler", "can_release_pages", "free_storage", "release_pages", "release_tail", "state_group"]
+__all__ = ["ALIGNMENT", "BUFFER_GROUP", "PAGES_GROUP", "StorageRecycler", "can_release_pages", "free_storage", "release_pages", "release_tail", "state_group"]

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from lightning_dynatrain.engine.page_moves import MIN_PIECE, can_move_pages, untouched_runs
-from lightning_dynatrain.engine.recycling import (
+from lightning_dynatrain.memory.page_moves import MIN_PIECE, can_move_pages, untouched_runs
+from lightning_dynatrain.megatron.carve_buffers import CarveBuffers
+from lightning_dynatrain.memory.recycler import (
     ALIGNMENT,
-    CarveBuffers,
     StorageRecycler,
     release_pages,
     release_tail,
