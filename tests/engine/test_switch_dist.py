@@ -17,8 +17,8 @@ from lightning_dynatrain.engine import LinkCosts
 from lightning_dynatrain.vps.gpt_spec import GPTDims
 from lightning_dynatrain.vps.spec import Precision
 from tests.dist import run_distributed
-from tests.engine._cases import Case, random_cases
-from tests.engine._workers import run_suite
+from tests.engine.cases import Case, random_cases
+from tests.engine.jobs import run_suite
 
 BF16, FP32 = Precision.BF16, Precision.FP32
 

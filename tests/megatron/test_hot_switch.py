@@ -13,13 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_dynatrain.engine.pieces import stored_shape
 from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.spec import Precision, StateKind
 from lightning_dynatrain.vps.topology import Topology
 from tests.dist import run_distributed
+from tests.logical_state import assemble, common
 from tests.megatron.jobs import DENSE, GLOBAL_BATCH, MICROBATCHES, MOE, SEED
 
 CHAINS = {
@@ -138,39 +137,6 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     return out
 
 
-def _assemble(spec, layout: ParallelConfig, per_rank: list[dict], precision: Precision) -> dict:
-    """The full logical state's bits from every rank's local tensors (replicas must agree bit for bit)."""
-    from lightning_dynatrain.engine.store import box_pieces, box_view
-
-    import torch
-
-    full: dict = {}
-    for rank, store in enumerate(per_rank):
-        for (tensor, kind), regions in rank_regions(spec, layout, rank, precision).items():
-            shape = spec.tensor(tensor).shape
-            bits = np.dtype(np.int16 if regions[0].itemsize == 2 else np.int32)
-            logical, seen = full.setdefault((tensor, kind), (np.zeros(shape, bits), np.zeros(shape, bool)))
-            for region in regions:
-                for key, box in box_pieces(tensor, kind, region, region.box):
-                    values = box_view(torch.from_numpy(store[key]), region, box).numpy().reshape(box.shape)
-                    where = box.relative_to((0,) * len(box.lo))
-                    known = seen[where]
-                    assert np.array_equal(logical[where][known], values[known]), f"replicas of {tensor}:{kind} {box} differ"
-                    logical[where], seen[where] = values, True
-    out = {}
-    for key, (value, seen) in full.items():  # the vocabulary axis as far as the layout pads it
-        stored = tuple(slice(0, n) for n in stored_shape(spec, key[0], layout))
-        assert seen[stored].all(), f"{key}: some elements are held by no rank"
-        out[key] = value[stored]
-    return out
-
-
-def _common(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Both arrays cut to the rows both layouts store (a larger tp pads the vocabulary further)."""
-    common = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, b.shape))
-    return a[common], b[common]
-
-
 @pytest.fixture(scope="module", params=sorted(CHAINS))
 def chain_run(request):
     shape_kwargs, chain = CHAINS[request.param]
@@ -187,11 +153,11 @@ def test_every_switch_keeps_the_full_logical_state_bit_for_bit(chain_run):
     precision = Precision.BF16 if name == "bf16" else Precision.FP32
     for i, (src, dst) in enumerate(zip(chain, chain[1:])):
         sides = [r["switches"][i] for r in runs]
-        before = _assemble(spec, ParallelConfig.parse(src), [s["before"]["tensors"] for s in sides], precision)
-        after = _assemble(spec, ParallelConfig.parse(dst), [s["after"]["tensors"] for s in sides], precision)
+        before = assemble(spec, ParallelConfig.parse(src), [s["before"]["tensors"] for s in sides], precision)
+        after = assemble(spec, ParallelConfig.parse(dst), [s["after"]["tensors"] for s in sides], precision)
         assert before.keys() == after.keys()
         for key in before:
-            assert np.array_equal(*_common(before[key], after[key])), f"{name} {src} -> {dst}: {key} changed"
+            assert np.array_equal(*common(before[key], after[key])), f"{name} {src} -> {dst}: {key} changed"
         for s in sides:
             assert s["after"]["step"] == s["before"]["step"] > 0
             assert s["after"]["groups"] == s["before"]["groups"], f"{name} {src} -> {dst}: param groups changed"

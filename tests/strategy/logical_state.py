@@ -13,12 +13,12 @@ import numpy as np
 from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import Precision
-from tests.megatron.test_hot_switch import _assemble, _common
+from tests.logical_state import assemble, common
 
 
 def logical_state(shape: GPTShape, layout: str, per_rank: list[dict]) -> dict:
     """``{(tensor, kind): bits}`` of the whole state at ``layout`` from each rank's ``_local_state``."""
-    return _assemble(logical_spec(shape), ParallelConfig.parse(layout), [r["tensors"] for r in per_rank],
+    return assemble(logical_spec(shape), ParallelConfig.parse(layout), [r["tensors"] for r in per_rank],
                      Precision.FP32)
 
 
@@ -31,7 +31,7 @@ def switch_differences(shape: GPTShape, runs: list[dict], step: int) -> list[str
     new = logical_state(shape, after[0]["layout"], after)
     out = [f"{key} is missing on one side" for key in set(old) ^ set(new)]
     out += [f"{key} changed" for key in sorted(set(old) & set(new), key=str)
-            if not np.array_equal(*_common(old[key], new[key]))]
+            if not np.array_equal(*common(old[key], new[key]))]
     for b, a in zip(before, after):
         if (a["step"], a["groups"]) != (b["step"], b["groups"]):
             out.append(f"Adam's step or the param groups changed: {b['step'], b['groups']} -> {a['step'], a['groups']}")

@@ -55,7 +55,6 @@ class SimulationResult:
 def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP32) -> SimulationResult:
     """Run ``plans`` (every rank of the union world) and assert the destination state is exact."""
     offsets = _offsets(spec, precision)
-    world = max(src.world_size, dst.world_size)
     src_regions = {r: rank_regions(spec, src, r, precision) for r in range(src.world_size)}
     dst_regions = {r: rank_regions(spec, dst, r, precision) for r in range(dst.world_size)}
     # source storage: each region holds the global indices of its elements

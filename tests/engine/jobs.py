@@ -20,9 +20,9 @@ from lightning_dynatrain.engine import (
     measure_link_costs,
 )
 from lightning_dynatrain.vps.layout import ParallelConfig
-from tests.engine._cases import Case
-from tests.engine._memory import CheckedMemory
-from tests.engine._state import compare, local_state
+from tests.engine.cases import Case
+from tests.engine.memory import CheckedMemory
+from tests.engine.state import compare, local_state
 
 
 def summary(case: Case, report: SwitchReport) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from lightning_dynatrain.memory import PlainMemory
-from tests.engine._state import padded_empty
+from tests.engine.state import padded_empty
 
 
 class CheckedMemory(PlainMemory):
