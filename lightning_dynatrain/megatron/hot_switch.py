@@ -38,12 +38,13 @@ import torch.distributed as dist
 
 from lightning_dynatrain.engine.collectives import LinkCosts, SubgroupCache
 from lightning_dynatrain.engine.compiler import switch_program
+from lightning_dynatrain.engine.errors import mark_refused
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.walker import execute_switch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
-from lightning_dynatrain.megatron.memory_check import check_switch_memory, switch_need_bytes
+from lightning_dynatrain.megatron.memory_check import SwitchMemoryError, check_switch_memory, switch_need_bytes
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, copy_group_settings
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
@@ -55,6 +56,7 @@ from lightning_dynatrain.megatron.state_bridge import (
     precision_of,
 )
 from lightning_dynatrain.memory.policy import MemoryFigures, PlainMemory, switch_memory
+from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.planner import default_topology
 from lightning_dynatrain.vps.spec import ModelSpec
@@ -138,7 +140,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     Raises:
         SwitchMemoryError: the switch would not fit in memory (or exceed ``setup.memory_limit``).
         StagingBudgetError, StateStoreError, SwitchAbortedError: refused before anything moved.
-        In each case on every rank, with the old state whole.
+        In each case on every rank, with the old state whole (``engine.errors.was_refused``).
     """
     start, phase = time.perf_counter(), _Phases()
     rank = dist.get_rank(group)
@@ -158,18 +160,23 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         if setup.check_memory or setup.memory_limit is not None:
             old_grads = sum(t.nbytes for t in current.gradient_buffers())
             need = switch_need_bytes(program, old_grad_bytes=old_grads, held_bytes=memory.held_bytes)
-            check_switch_memory(need, device=device, what=f"{src} -> {target}", limit_bytes=setup.memory_limit,
-                                group=group, read_free=setup.check_memory)
+            try:
+                check_switch_memory(need, device=device, what=f"{src} -> {target}", limit_bytes=setup.memory_limit,
+                                    group=group, read_free=setup.check_memory)
+            except SwitchMemoryError as err:
+                raise mark_refused(err)
     memory.take_old_buffers(current.gradient_buffers())  # the new buffers take their place (or memory)
     try:
         new = _rebuild(current, target, setup, step, memory, phase, groups)
         memory.bind(MegatronTarget(new, spec, rank))
         with phase("engine"):
             _, report = execute_switch(program, source, memory, group=group, subgroups=subgroups)
-    except BaseException:
+    except BaseException as err:
         if not memory.started:  # refused before anything moved: training can go on at ``src``
             memory.restore_old_buffers()
             initialize_for_layout(src, seed=setup.seed, groups=groups)
+            if isinstance(err, DynaTrainError):  # every rank agreed on it (the engine's preflight)
+                mark_refused(err)
         raise
     return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
                            memory=memory.figures(), need_bytes=need)

@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dynatrain.data.sampler import GlobalBatchSampler
+from lightning_dynatrain.engine.errors import mark_refused
 from lightning_dynatrain.strategy.base import MegatronProcessStrategy
 from lightning_dynatrain.strategy.checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
@@ -63,6 +64,7 @@ from lightning_dynatrain.strategy.precision import resolve_params_dtype
 from lightning_dynatrain.strategy.report import ReconfigReport, log_switch
 from lightning_dynatrain.strategy.switching import LayoutSwitcher
 from lightning_dynatrain.strategy.validation import validate_target
+from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
@@ -342,8 +344,14 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             LayoutError: the target is malformed or does not fit the model (the message names the rule).
             WorldSizeError: the target needs a different number of processes.
             BatchSizeError: the global batch does not split into micro-batches at the target.
+            SwitchMemoryError, StagingBudgetError: the switch does not fit (memory, staging budget).
+            Each of these on every rank, before anything moved (``engine.errors.was_refused``):
+            training can go on at the old layout.
         """
-        layout = self.check_layout(target)
+        try:
+            layout = self.check_layout(target)
+        except DynaTrainError as err:
+            raise mark_refused(err)
         if self._step_in_progress:
             if self._pending is not None and self._pending != layout:
                 rank_zero_info(f"[dynatrain] pending switch to {self._pending} replaced by {layout}")

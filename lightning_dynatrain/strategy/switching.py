@@ -90,18 +90,26 @@ class LayoutSwitcher:
         before = fingerprint(state, setup) if self.verify else None
         result = hot_switch(state, target, setup, groups=self.groups, subgroups=self.subgroups)
         if before is not None:
-            after = fingerprint(result.state, setup)
-            if after != before:
-                from lightning_dynatrain.engine.fingerprint import diff
-
-                raise SwitchVerificationError(
-                    f"the logical state changed in the switch to {target}: {'; '.join(diff(before, after))}",
-                    hint="this is a bug in lightning-dynatrain; please report it with the two layouts")
+            verify_unchanged(before, result.state, setup)
         return result.state, ReconfigReport.gather(result, step=step, deferred=deferred)
 
 
+def verify_unchanged(before: dict, state: "MegatronState", setup: "SwitchSetup") -> None:
+    """Raise ``SwitchVerificationError`` on every rank, naming what differs, when ``state``'s
+    fingerprint is not ``before`` (collective)."""
+    after = fingerprint(state, setup)
+    if after != before:
+        from lightning_dynatrain.engine.fingerprint import diff
+
+        raise SwitchVerificationError(
+            f"the logical state changed in the switch to {state.layout}: {'; '.join(diff(before, after))}",
+            hint="this is a bug in lightning-dynatrain; please report it with the two layouts")
+
+
 def fingerprint(state: "MegatronState", setup: "SwitchSetup") -> dict:
-    """Layout-independent fingerprint of the full logical state (collective)."""
+    """Layout-independent fingerprint of the full logical state (collective): params in their dtype
+    (bf16 or fp32), fp32 main params, both Adam moments, every tensor bit for bit
+    (``engine.fingerprint``). Adam's step and the param groups are scalars checked by the switch."""
     from lightning_dynatrain.engine.fingerprint import logical_fingerprint
     from lightning_dynatrain.megatron.state_bridge import (
         adam_step,
@@ -117,4 +125,4 @@ def fingerprint(state: "MegatronState", setup: "SwitchSetup") -> dict:
     return logical_fingerprint(store, setup.spec, state.layout, rank, precision_of(state.model))
 
 
-__all__ = ["LayoutSwitcher", "SwitchVerificationError", "fingerprint"]
+__all__ = ["LayoutSwitcher", "SwitchVerificationError", "fingerprint", "verify_unchanged"]

@@ -138,10 +138,23 @@ def _memory_refusal(results: dict) -> None:
 
     module = _module()
     strategy = DynaTrainStrategy("dp2-tp2-pp1", switch_memory_limit=1024)
-    trainer = _trainer(strategy, STEPS, callbacks=[ScheduledReconfig({2: "dp4-tp1-pp1"})])
+    trainer = _trainer(strategy, STEPS, callbacks=[ScheduledReconfig({2: "dp4-tp1-pp1"}, on_refused="raise")])
     kind, text = _error_of(lambda: trainer.fit(module, datamodule=_data()))
     results["memory_refusal"] = dict(kind=kind, text=text, global_step=trainer.global_step, layout=str(strategy.layout),
                                      history=len(strategy.switch_history), losses=[l for _, l in module.losses])
+    # the default: the refusal is a warning and a record, and training goes on at the old layout
+    module, strategy = _module(), DynaTrainStrategy("dp2-tp2-pp1", switch_memory_limit=1024)
+    schedule = ScheduledReconfig({2: "dp4-tp1-pp1"})
+    trainer = _trainer(strategy, STEPS, callbacks=[schedule])
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kind, _ = _error_of(lambda: trainer.fit(module, datamodule=_data()))
+    results["memory_refusal_continue"] = dict(
+        kind=kind, global_step=trainer.global_step, layout=str(strategy.layout), refusals=schedule.refusals,
+        state=schedule.state_dict(), losses=[l for _, l in module.losses],
+        warned=[str(w.message) for w in caught if "was refused" in str(w.message)])
 
 
 def _switching(results: dict, tmp: Path) -> None:

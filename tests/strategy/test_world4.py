@@ -89,6 +89,19 @@ def test_a_switch_over_the_memory_limit_is_refused_before_anything_moves(world4:
     assert world4[0]["memory_refusal"]["losses"] == world4[0][("parity", "dp2-tp2-pp1")]["losses"][:2]
 
 
+def test_a_refused_scheduled_switch_is_a_warning_and_training_goes_on(world4: list[dict]) -> None:
+    """ScheduledReconfig's default (on_refused="continue"): the refusal is logged and recorded (and
+    kept in the callback's state), and the fit reaches max_steps at the old layout."""
+    for rank, results in enumerate(world4):
+        run = results["memory_refusal_continue"]
+        assert run["kind"] == "" and run["global_step"] == STEPS and run["layout"] == "dp2-tp2-pp1"
+        (step, layout, kind, text), = run["refusals"]
+        assert (step, layout, kind) == (2, "dp4-tp1-pp1", "SwitchMemoryError") and "switch_memory_limit" in text
+        assert run["state"]["refusals"] == [[step, layout, kind, text]]
+        assert bool(run["warned"]) == (rank == 0)  # rank-zero warning
+        assert run["losses"] == world4[0][("parity", "dp2-tp2-pp1")]["losses"]
+
+
 def test_mid_step_request_is_deferred_and_switches_are_logged(world4: list[dict]) -> None:
     """reconfigure() inside step 2 returns None and runs when the step returns; schedule entries fire at
     the step boundary (a repeated entry is a no-op); every switch's real figures reach the logger."""
