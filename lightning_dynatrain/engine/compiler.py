@@ -59,6 +59,7 @@ from lightning_dynatrain.engine.store import RegionIndex, RegionMap, box_pieces,
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import Region, rank_regions
+from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
 from lightning_dynatrain.vps.planner import plan_rank_cached
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
@@ -137,18 +138,21 @@ def compile_switch(
 @lru_cache(maxsize=64)
 def switch_program(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, *,
                    staging_budget: int, topology: Topology, link_costs: LinkCosts | None = None,
-                   direct_min_bytes: int | None = DIRECT_MIN_BYTES) -> SwitchProgram:
-    """``rank``'s program for ``src -> dst`` of ``spec``: planned and compiled, cached by everything
-    it depends on (a new world has a new topology, new link costs: a new program)."""
-    plan = plan_rank_cached(spec, src, dst, rank, precision, topology)
-    peers = {r: plan_rank_cached(spec, src, dst, r, precision, topology)
+                   direct_min_bytes: int | None = DIRECT_MIN_BYTES, members: Members | None = None) -> SwitchProgram:
+    """Process ``rank``'s program for ``src -> dst`` of ``spec``: planned and compiled, cached by
+    everything it depends on (a new world has new members, a new topology, new link costs: a new
+    program). ``members``: which process holds each layout rank (default: the same)."""
+    members = members or Members.same(src.world_size, dst.world_size)
+    plan = plan_rank_cached(spec, src, dst, rank, precision, topology, members)
+    peers = {r: plan_rank_cached(spec, src, dst, r, precision, topology, members)
              for r in sorted({t.peer for t in plan.recvs})} if link_costs is not None else {}
 
-    def regions(layout: ParallelConfig) -> RegionMap:
-        return rank_regions(spec, layout, rank, precision) if rank < layout.world_size else {}
+    def regions(layout: ParallelConfig, layout_rank: int | None) -> RegionMap:
+        return rank_regions(spec, layout, layout_rank, precision) if layout_rank is not None else {}
 
-    return compile_switch(plan, regions(src), regions(dst), staging_budget=staging_budget,
-                          direct_min_bytes=direct_min_bytes, link_costs=link_costs, peer_plans=peers, topology=topology)
+    return compile_switch(plan, regions(src, members.src_rank(rank)), regions(dst, members.dst_rank(rank)),
+                          staging_budget=staging_budget, direct_min_bytes=direct_min_bytes, link_costs=link_costs,
+                          peer_plans=peers, topology=topology)
 
 
 # ----------------------------------------------------------------------------- what moves where

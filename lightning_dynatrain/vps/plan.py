@@ -41,11 +41,13 @@ class RankPlan:
     recvs: tuple[Transfer, ...]
     retains: tuple[Transfer, ...]
     fills: tuple[Transfer, ...] = ()
+    group_size: int = 0
+    """Processes of the switch's group (``Members.size``); 0: the larger of the two worlds."""
 
     @property
     def world(self) -> int:
-        """Ranks of the union of both worlds (the switch's group)."""
-        return max(self.src.world_size, self.dst.world_size)
+        """Processes of the switch's group (by default the union of both worlds)."""
+        return self.group_size or max(self.src.world_size, self.dst.world_size)
 
     def peers(self) -> tuple[int, ...]:
         return tuple(sorted({t.peer for t in self.sends} | {t.peer for t in self.recvs}))

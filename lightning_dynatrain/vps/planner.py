@@ -25,6 +25,7 @@ from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.errors import PlanError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import state_placement
+from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
 from lightning_dynatrain.vps.spec import VOCAB, ModelSpec, Precision, StateKind
 from lightning_dynatrain.vps.topology import Topology
@@ -74,18 +75,30 @@ def plan_rank(
     *,
     precision: Precision = Precision.FP32,
     topology: Topology | None = None,
+    members: Members | None = None,
 ) -> RankPlan:
-    """The plan of ``rank`` for the switch ``src -> dst``. Ranks beyond a world only send or only receive.
+    """The plan of process ``rank`` for the switch ``src -> dst``. A process outside a layout's
+    world only sends (it leaves) or only receives (it joins).
 
-    ``topology``: the node of every rank of the union world (sources on the rank's own node are
-    preferred); ``None`` assumes nodes of 8 ranks in rank order.
+    ``topology``: the node of every process (sources on the process's own node are preferred);
+    ``None`` assumes nodes of 8 in order. ``members``: which process holds each source and each
+    destination rank (a world change that renumbers); ``None``: process ``p`` is rank ``p`` of both.
     """
     _check_same_model(spec, src, dst)
-    topology = default_topology(src, dst) if topology is None else topology.covers(union_world(src, dst))
+    members = Members.same(src.world_size, dst.world_size) if members is None else _checked(members, src, dst)
+    topology = Topology.uniform(members.size, 8) if topology is None else topology.covers(members.size)
     # Planning allocates many small acyclic tuples; a cyclic-GC pass over a training process's
     # large heap in the middle of it can cost more than the plan itself.
     with automatic_gc_paused():
-        return _plan_rank(spec, src, dst, rank, precision, topology)
+        return _plan_rank(spec, src, dst, rank, precision, topology, members)
+
+
+def _checked(members: Members, src: ParallelConfig, dst: ParallelConfig) -> Members:
+    if (len(members.src), len(members.dst)) != (src.world_size, dst.world_size):
+        raise PlanError(f"{members} does not name a process for each of the {src.world_size} source and "
+                        f"{dst.world_size} destination ranks of {src} -> {dst}",
+                        hint="build Members with one process per rank of each layout")
+    return members
 
 
 def default_topology(src: ParallelConfig, dst: ParallelConfig) -> Topology:
@@ -94,7 +107,8 @@ def default_topology(src: ParallelConfig, dst: ParallelConfig) -> Topology:
 
 
 def _plan_rank(
-    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, topology: Topology
+    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, topology: Topology,
+    members: Members,
 ) -> RankPlan:
     order = {t.name: i for i, t in enumerate(spec.tensors)}
     kind_order = {k: i for i, (k, _) in enumerate(precision.kinds)}
@@ -102,33 +116,37 @@ def _plan_rank(
     recvs: list[Transfer] = []
     retains: list[Transfer] = []
     fills: list[Transfer] = []
-    in_src = rank < src.world_size
-    in_dst = rank < dst.world_size
+    src_rank, dst_rank = members.src_rank(rank), members.dst_rank(rank)
+    # layout ranks -> processes (the identity within one world)
+    as_src = (lambda holders: holders) if members.is_identity else (lambda h: tuple(members.src[r] for r in h))
+    as_dst = (lambda holders: holders) if members.is_identity else (lambda h: tuple(members.dst[r] for r in h))
     for group in (0, 1):  # params first, then the optimizer's state
         for tensor in spec.tensors:
             src_sharded, dst_sharded, kinds = _kind_groups(src, dst, precision.kinds_of(tensor))[group]
             source = state_placement(spec, src, tensor.name, src_sharded, precision if src_sharded else Precision.FP32)
             target = state_placement(spec, dst, tensor.name, dst_sharded, precision if dst_sharded else Precision.FP32)
             vocab_axis = tensor.axis_of(VOCAB)
-            if in_dst:
-                for region in target.regions(rank):
+            if dst_rank is not None:
+                for region in target.regions(dst_rank):
                     if vocab_axis is not None:
                         fill = _beyond(region.box, vocab_axis, source.grid.limits[vocab_axis])
                         if fill is not None:
                             fills.extend(Transfer(rank, tensor.name, k, fill) for k in kinds)
                     for dbox, _ in target.pieces(region.box):
-                        for box, holders in source.pieces(dbox):
+                        for box, src_holders in source.pieces(dbox):
+                            holders = as_src(src_holders)
                             if rank in holders:
                                 retains.extend(Transfer(rank, tensor.name, k, box) for k in kinds)
                             else:
                                 peer = choose_source(holders, rank, topology)
                                 recvs.extend(Transfer(peer, tensor.name, k, box) for k in kinds)
-            if in_src:
-                for region in source.regions(rank):
-                    for abox, holders in source.pieces(region.box):
+            if src_rank is not None:
+                for region in source.regions(src_rank):
+                    for abox, src_holders in source.pieces(region.box):
+                        holders = as_src(src_holders)
                         held = frozenset(holders)
                         for box, dholders in target.pieces(abox):
-                            for dest in dholders:
+                            for dest in as_dst(dholders):
                                 if dest in held:
                                     continue
                                 if choose_source(holders, dest, topology) == rank:
@@ -141,6 +159,7 @@ def _plan_rank(
         rank=rank,
         src=src,
         dst=dst,
+        group_size=members.size,
         sends=tuple(sorted(sends, key=key)),
         recvs=tuple(sorted(recvs, key=key)),
         retains=tuple(sorted(retains, key=key)),
@@ -160,10 +179,10 @@ def _beyond(box: Box, axis: int, limit: int) -> Box | None:
 @lru_cache(maxsize=256)
 def plan_rank_cached(
     spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision,
-    topology: Topology | None = None,
+    topology: Topology | None = None, members: Members | None = None,
 ) -> RankPlan:
     """``plan_rank`` memoised on its inputs (plans are frozen, so sharing them is safe)."""
-    return plan_rank(spec, src, dst, rank, precision=precision, topology=topology)
+    return plan_rank(spec, src, dst, rank, precision=precision, topology=topology, members=members)
 
 
 def union_world(src: ParallelConfig, dst: ParallelConfig) -> int:
@@ -178,10 +197,12 @@ def plan_all(
     precision: Precision = Precision.FP32,
     topology: Topology | None = None,
     ranks: Iterable[int] | None = None,
+    members: Members | None = None,
 ) -> dict[int, RankPlan]:
-    """Plans of every rank of the union world (or of ``ranks``)."""
-    ranks = range(union_world(src, dst)) if ranks is None else ranks
-    return {r: plan_rank(spec, src, dst, r, precision=precision, topology=topology) for r in ranks}
+    """Plans of every process of the switch (or of ``ranks``)."""
+    size = members.size if members is not None else union_world(src, dst)
+    ranks = range(size) if ranks is None else ranks
+    return {r: plan_rank(spec, src, dst, r, precision=precision, topology=topology, members=members) for r in ranks}
 
 
 __all__ = ["choose_source", "default_topology", "plan_all", "plan_rank", "plan_rank_cached", "union_world"]

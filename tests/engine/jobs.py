@@ -205,3 +205,44 @@ def run_bad_inputs(rank: int, world: int, case: Case) -> dict[str, str]:
     except StateStoreError as err:
         out["allocator"] = str(err)
     return out
+
+
+def run_renumbered(rank: int, world: int, cases: list[tuple[Case, tuple[int, ...], tuple[int, ...]]]) -> list[dict]:
+    """World changes that renumber: process ``p`` holds source rank ``src_procs.index(p)`` and will
+    hold destination rank ``dst_procs.index(p)``; every element checked there and back."""
+    from lightning_dynatrain.engine import compile_switch, parse_bytes
+    from lightning_dynatrain.vps.members import Members
+    from lightning_dynatrain.vps.planner import plan_rank
+    from tests.engine.cases import regions
+
+    out = []
+    for case, src_procs, dst_procs in cases:
+        spec, precision = case.spec(), case.precision
+        layouts = {"src": ParallelConfig.parse(case.src), "dst": ParallelConfig.parse(case.dst)}
+        procs = {"src": src_procs, "dst": dst_procs}
+
+        def layout_rank(side: str) -> int | None:
+            return procs[side].index(rank) if rank in procs[side] else None
+
+        def state(side: str, **kwargs) -> dict:
+            r = layout_rank(side)
+            return local_state(spec, layouts[side], r, precision, **kwargs) if r is not None else {}
+
+        def switch(store: dict, a: str, b: str) -> tuple[dict, SwitchReport]:
+            members = Members(src=procs[a], dst=procs[b], size=world)
+            plan = plan_rank(spec, layouts[a], layouts[b], rank, precision=precision, members=members)
+            ra, rb = layout_rank(a), layout_rank(b)
+            program = compile_switch(plan, regions(spec, layouts[a], ra, precision) if ra is not None else {},
+                                     regions(spec, layouts[b], rb, precision) if rb is not None else {},
+                                     staging_budget=parse_bytes(case.budget))
+            return execute_switch(program, store, CheckedMemory())
+
+        start = state("src")
+        original = {k: v.clone() for k, v in start.items()}
+        new, report = switch(start, "src", "dst")
+        compare(new, state("dst", filled_from=spec.padded_vocab(layouts["src"].tp)), f"process {rank} {case}")
+        back, _ = switch(new, "dst", "src")
+        if spec.padded_vocab(layouts["dst"].tp) >= spec.padded_vocab(layouts["src"].tp):
+            compare(back, original, f"process {rank} round trip {case}")
+        out.append({**summary(case, report), "src_rank": layout_rank("src"), "dst_rank": layout_rank("dst")})
+    return out

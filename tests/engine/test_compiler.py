@@ -22,7 +22,8 @@ from lightning_dynatrain.engine.store import box_pieces, box_view
 from lightning_dynatrain.vps.gpt_spec import GPTDims, build_gpt_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
-from lightning_dynatrain.vps.planner import plan_all, union_world
+from lightning_dynatrain.vps.members import Members
+from lightning_dynatrain.vps.planner import plan_all
 from lightning_dynatrain.vps.spec import Precision
 from lightning_dynatrain.vps.topology import Topology
 from tests.vps.strategies import layouts, small_specs
@@ -31,17 +32,18 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 FAVOUR_BROADCAST = LinkCosts(p2p_bytes_per_s=1.0, broadcast_bytes_per_s=1e12, broadcast_setup_s=0.0)
 
 
-def _programs(spec, src, dst, precision, budget, direct_min, costs) -> dict[int, SwitchProgram]:
-    world = union_world(src, dst)
-    topology = Topology.uniform(world, 4)
-    plans = plan_all(spec, src, dst, precision=precision, topology=topology)
+def _programs(spec, src, dst, precision, budget, direct_min, costs, members=None) -> dict[int, SwitchProgram]:
+    members = members or Members.same(src.world_size, dst.world_size)
+    topology = Topology.uniform(members.size, 4)
+    plans = plan_all(spec, src, dst, precision=precision, topology=topology, members=members)
 
     def regions(layout, rank):
-        return rank_regions(spec, layout, rank, precision) if rank < layout.world_size else {}
+        return rank_regions(spec, layout, rank, precision) if rank is not None else {}
 
-    return {r: compile_switch(plans[r], regions(src, r), regions(dst, r), staging_budget=budget,
-                              direct_min_bytes=direct_min, link_costs=costs, peer_plans=plans, topology=topology)
-            for r in range(world)}
+    return {p: compile_switch(plans[p], regions(src, members.src_rank(p)), regions(dst, members.dst_rank(p)),
+                              staging_budget=budget, direct_min_bytes=direct_min, link_costs=costs, peer_plans=plans,
+                              topology=topology)
+            for p in range(members.size)}
 
 
 @st.composite
@@ -53,17 +55,22 @@ def switches(draw):
     budget = draw(st.sampled_from([64, 256, 4096, 2**20]))
     direct_min = draw(st.sampled_from([None, 16, 2**20]))
     costs = draw(st.sampled_from([None, FAVOUR_BROADCAST]))
-    return spec, src, dst, precision, budget, direct_min, costs
+    members = None
+    if draw(st.booleans()):  # a world change that renumbers: processes leave, join, change rank
+        size = max(src.world_size, dst.world_size) + draw(st.integers(0, 1))
+        members = Members(src=tuple(draw(st.permutations(range(size)))[:src.world_size]),
+                          dst=tuple(draw(st.permutations(range(size)))[:dst.world_size]), size=size)
+    return spec, src, dst, precision, budget, direct_min, costs, members
 
 
 @settings(max_examples=60, **SETTINGS)
 @given(switches())
 def test_programs_are_exact_matched_deadlock_free_and_bounded(case):
-    spec, src, dst, precision, budget, direct_min, costs = case
-    largest_row = max((p.needed_budget for p in _programs(spec, src, dst, precision, 2**30, direct_min, None).values()),
-                      default=0)
+    spec, src, dst, precision, budget, direct_min, costs, members = case
+    largest_row = max((p.needed_budget for p in
+                       _programs(spec, src, dst, precision, 2**30, direct_min, None, members).values()), default=0)
     budget = max(budget, largest_row)  # below a row, every rank refuses the switch at run time
-    programs = _programs(spec, src, dst, precision, budget, direct_min, costs)
+    programs = _programs(spec, src, dst, precision, budget, direct_min, costs, members)
     for program in programs.values():
         _check_life_times(program)
         _check_writes_exactly_once(program)

@@ -7,6 +7,7 @@ sender, sends and receives mirror each other in order, and the moved elements ar
 
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
+from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.planner import plan_all, union_world
 from lightning_dynatrain.vps.spec import Precision
 from lightning_dynatrain.vps.topology import Topology
@@ -106,3 +107,21 @@ def test_a_holder_on_the_receivers_node_is_preferred_over_the_nearest_in_xor_ord
     assert choose_source((1, 3), 2, uneven) == 1  # rank 3 is nearer in XOR order but on the other node
     assert choose_source((1, 3), 2, Topology.uniform(4, 2)) == 3  # neither on rank 2's node: the nearest
     assert str(uneven) == "3,1 ranks per node" and str(Topology.uniform(8, 2)) == "2(x4) ranks per node"
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(st.data())
+def test_world_changes_that_renumber_are_exact_and_minimal(data):
+    """Processes that leave, join or change rank (a world change renumbers the survivors): the plan
+    for processes is exact and moves the minimum."""
+    spec = data.draw(small_specs())
+    src = data.draw(layouts(spec, max_world=8))
+    dst = data.draw(layouts(spec, max_world=8))
+    size = max(src.world_size, dst.world_size) + data.draw(st.integers(0, 2))
+    processes = list(range(size))
+    members = Members(src=tuple(data.draw(st.permutations(processes))[:src.world_size]),
+                      dst=tuple(data.draw(st.permutations(processes))[:dst.world_size]), size=size)
+    plans = plan_all(spec, src, dst, members=members, topology=Topology.uniform(size, 2))
+    result = simulate(spec, src, dst, plans, members=members)
+    assert result.moved_elements == minimum_moved(spec, src, dst, members=members)
+    assert result.moved_elements + result.retained_elements + result.filled_elements == result.dest_elements
