@@ -24,6 +24,7 @@ _EXPORTS = {
     "MegatronRecipe": "lightning_dynatrain.strategy.config",
     "ReconfigReport": "lightning_dynatrain.strategy.report",
     "ScheduledReconfig": "lightning_dynatrain.callbacks.scheduled",
+    "OnNodeChange": "lightning_dynatrain.callbacks.node_change",
     "GlobalBatchSampler": "lightning_dynatrain.data.sampler",
     "StdlibBytes": "lightning_dynatrain.data.stdlib_text",
     "StdlibTextDataModule": "lightning_dynatrain.data.datamodule",

@@ -1,4 +1,5 @@
-"""``dynatrain``: command-line entry point. ``dynatrain plan`` dry-runs a switch at any scale.
+"""``dynatrain``: command-line entry point. ``dynatrain plan`` dry-runs a switch at any scale;
+``dynatrain store`` hosts an elastic job's store.
 
 Example::
 
@@ -11,6 +12,7 @@ import argparse
 import json
 import sys
 
+from lightning_dynatrain.elastic import store_cli
 from lightning_dynatrain.vps.dryrun import GB, LinkModel, dry_run
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dynatrain", description="lightning-dynatrain tools")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
+    store_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

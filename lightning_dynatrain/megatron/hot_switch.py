@@ -29,16 +29,19 @@ Example (every rank)::
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.engine.collectives import LinkCosts, SubgroupCache
+from lightning_dynatrain.engine.comm import group_rank
 from lightning_dynatrain.engine.compiler import switch_program
 from lightning_dynatrain.engine.errors import mark_refused
+from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.walker import execute_switch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
@@ -58,8 +61,10 @@ from lightning_dynatrain.megatron.state_bridge import (
 from lightning_dynatrain.memory.policy import MemoryFigures, PlainMemory, switch_memory
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.planner import default_topology
-from lightning_dynatrain.vps.spec import ModelSpec
+
+from lightning_dynatrain.vps.spec import ModelSpec, Precision
 from lightning_dynatrain.vps.topology import Topology
 
 
@@ -130,12 +135,14 @@ class _Phases:
 @automatic_gc_paused()
 def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, *,
                groups: ProcessGroupCache | None = None, subgroups: SubgroupCache | None = None,
-               group: dist.ProcessGroup | None = None) -> HotSwitchResult:
+               group: dist.ProcessGroup | None = None, members: Members | None = None) -> HotSwitchResult:
     """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over ``group``
     (default the world). Python's automatic garbage collection is paused meanwhile.
 
     ``groups`` keeps megatron's process groups across layouts (a layout seen before costs no group
-    creation), ``subgroups`` the broadcasts' groups.
+    creation), ``subgroups`` the broadcasts' groups. ``members``: which process of ``group`` holds
+    each rank of A and B (a world change; default process ``p`` is rank ``p`` of both). The target's
+    megatron groups are made on the default group (the new world, installed before).
 
     Raises:
         SwitchMemoryError: the switch would not fit in memory (or exceed ``setup.memory_limit``).
@@ -143,32 +150,23 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         In each case on every rank, with the old state whole (``engine.errors.was_refused``).
     """
     start, phase = time.perf_counter(), _Phases()
-    rank = dist.get_rank(group)
     src, spec = current.layout, setup.spec
+    process, members = group_rank(group), members or Members.same(src.world_size, target.world_size)
     with phase("plan"):
-        topology = setup.topology or default_topology(src, target)
-        program = switch_program(spec, src, target, rank, precision_of(current.model),
-                                 staging_budget=setup.staging_budget, topology=topology, link_costs=setup.link_costs)
+        program = _program(setup, src, target, process, precision_of(current.model), members)
         step = adam_step(current.optimizer) or 0
         if step == 0:
             materialize_adam_state(current.optimizer, 0)
-        source = megatron_store(current.ddp, current.optimizer, spec, src, rank)
+        source = megatron_store(current.ddp, current.optimizer, spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
     memory = switch_memory(device, recycle=setup.recycle, idle_cap=setup.staging_budget, buffer_mode=switch_buffers)
-    need = None
+    old_grads = sum(t.nbytes for t in current.gradient_buffers())
     with phase("memory_check"):
-        if setup.check_memory or setup.memory_limit is not None:
-            old_grads = sum(t.nbytes for t in current.gradient_buffers())
-            need = switch_need_bytes(program, old_grad_bytes=old_grads, held_bytes=memory.held_bytes)
-            try:
-                check_switch_memory(need, device=device, what=f"{src} -> {target}", limit_bytes=setup.memory_limit,
-                                    group=group, read_free=setup.check_memory)
-            except SwitchMemoryError as err:
-                raise mark_refused(err)
+        need = _check_memory(program, setup, device, f"{src} -> {target}", group, old_grads, memory.held_bytes)
     memory.take_old_buffers(current.gradient_buffers())  # the new buffers take their place (or memory)
     try:
         new = _rebuild(current, target, setup, step, memory, phase, groups)
-        memory.bind(MegatronTarget(new, spec, rank))
+        memory.bind(MegatronTarget(new, spec, members.dst_rank(process)))
         with phase("engine"):
             _, report = execute_switch(program, source, memory, group=group, subgroups=subgroups)
     except BaseException as err:
@@ -180,6 +178,73 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         raise
     return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
                            memory=memory.figures(), need_bytes=need)
+
+
+def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, src: ParallelConfig,
+                  target: ParallelConfig, setup: SwitchSetup, *, step: int, members: Members,
+                  group: dist.ProcessGroup | None = None) -> HotSwitchResult:
+    """A process that joins: its state at ``target`` filled with the others' state at Adam step
+    ``step``; the other side of their ``hot_switch`` (or ``send_state``) over ``group``, whose
+    process ``members`` says holds no source rank. ``model`` is its shard (weights not needed);
+    ``build()`` makes its DDP and optimizer around it, after the memory check as ``hot_switch``
+    does (megatron's optimizer runs collectives as it is built: the order must match)."""
+    start, phase, process = time.perf_counter(), _Phases(), group_rank(group)
+    assert members.src_rank(process) is None, f"process {process} holds a source rank: it switches, not joins"
+    device = next(model.parameters()).device
+    with phase("plan"):
+        program = _program(setup, src, target, process, precision_of(model), members)
+    with phase("memory_check"):
+        need = _check_memory(program, setup, device, f"joining at {target}", group, 0, 0)
+    with phase("ddp_optimizer"):
+        new = build()
+    with phase("optimizer_state"):
+        materialize_adam_state(new.optimizer, step, zero=False)
+    memory = PlainMemory()
+    memory.bind(MegatronTarget(new, setup.spec, members.dst_rank(process)))
+    with phase("engine"):
+        _, report = execute_switch(program, {}, memory, group=group)
+    return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
+                           memory=memory.figures(), need_bytes=need)
+
+
+def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, *, members: Members,
+               group: dist.ProcessGroup | None = None) -> SwitchReport:
+    """A process that leaves: its state goes to the processes that hold ``target`` (the other side
+    of their ``hot_switch`` over ``group``); it keeps nothing."""
+    process = group_rank(group)
+    assert members.dst_rank(process) is None, f"process {process} holds a target rank: it switches, not leaves"
+    src = current.layout
+    program = _program(setup, src, target, process, precision_of(current.model), members)
+    if adam_step(current.optimizer) is None:
+        materialize_adam_state(current.optimizer, 0)
+    source = megatron_store(current.ddp, current.optimizer, setup.spec, src, members.src_rank(process))
+    device = next(current.model.parameters()).device
+    _check_memory(program, setup, device, f"leaving {src}", group, 0, 0)
+    _, report = execute_switch(program, source, PlainMemory(), group=group)
+    return report
+
+
+def _program(setup: SwitchSetup, src: ParallelConfig, dst: ParallelConfig, process: int, precision: Precision,
+             members: Members) -> SwitchProgram:
+    """This process's compiled program (cached by its inputs); broadcasts only within one world."""
+    topology = setup.topology or default_topology(src, dst)
+    return switch_program(setup.spec, src, dst, process, precision, staging_budget=setup.staging_budget,
+                          topology=topology, link_costs=setup.link_costs if members.is_identity else None,
+                          members=members)
+
+
+def _check_memory(program: SwitchProgram, setup: SwitchSetup, device: torch.device, what: str,
+                  group: dist.ProcessGroup | None, old_grads: int, held: int) -> int | None:
+    """Every process's bound checked against its free memory and the limit (collective), or nothing."""
+    if not (setup.check_memory or setup.memory_limit is not None):
+        return None
+    need = switch_need_bytes(program, old_grad_bytes=old_grads, held_bytes=held)
+    try:
+        check_switch_memory(need, device=device, what=what, limit_bytes=setup.memory_limit, group=group,
+                            read_free=setup.check_memory)
+    except SwitchMemoryError as err:
+        raise mark_refused(err)
+    return need
 
 
 def _rebuild(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, step: int, memory: PlainMemory,
@@ -203,4 +268,4 @@ def _rebuild(current: MegatronState, target: ParallelConfig, setup: SwitchSetup,
     return MegatronState(layout=target, groups=pgs, ddp=ddp, optimizer=optimizer)
 
 
-__all__ = ["HotSwitchResult", "SwitchSetup", "hot_switch"]
+__all__ = ["HotSwitchResult", "SwitchSetup", "hot_switch", "receive_state", "send_state"]

@@ -145,9 +145,14 @@ class MegatronProcessStrategy(ParallelStrategy):
         trainer = self._trainer()
         return trainer.global_step if trainer is not None else 0
 
+    def _collectives_are_local(self) -> bool:
+        """While ``True`` the collectives Lightning asks for are local no-ops (a process that joins
+        a running fit and catches up, or one that left)."""
+        return False
+
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()) or self._collectives_are_local():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -156,7 +161,7 @@ class MegatronProcessStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()) or self._collectives_are_local():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -165,6 +170,8 @@ class MegatronProcessStrategy(ParallelStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Agree over every process (not only data-parallel replicas): stopping is a job-wide decision."""
+        if self._collectives_are_local():
+            return decision
         value = torch.tensor(int(decision), device=self.root_device)
         value = _sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
         return bool(value == self.world_size) if all else bool(value)

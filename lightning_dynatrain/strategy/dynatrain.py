@@ -36,6 +36,7 @@ switch itself is ``switching.LayoutSwitcher``'s.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed, _sync_ddp_if_available
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -72,7 +74,9 @@ if TYPE_CHECKING:
 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from lightning_dynatrain.callbacks.node_change import OnNodeChange
     from lightning_dynatrain.megatron.state import MegatronState
+    from lightning_dynatrain.strategy.elastic import ElasticDriver
 
 
 def _parse_budget(value: int | str) -> int:
@@ -148,6 +152,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         self._megatron: MegatronState | None = None
         self._step_in_progress = False
         self._pending: ParallelConfig | None = None
+        self._elastic: ElasticDriver | None = None  # with an OnNodeChange callback
+        self._without_tensors = False
         #: Every switch that ran (no-ops excluded), in order; the same on every rank.
         self.switch_history: list[ReconfigReport] = []
 
@@ -175,6 +181,29 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         return self._recipe
 
     @property
+    def switcher(self) -> LayoutSwitcher:
+        """What every switch of this run shares (made in ``setup_environment``)."""
+        assert self._switcher is not None, "setup_environment makes the switcher"
+        return self._switcher
+
+    @property
+    def adam(self) -> AdamSettings:
+        """The optimizer settings ``configure_optimizers`` returned."""
+        assert self._adam is not None, "setup_optimizers reads them"
+        return self._adam
+
+    @property
+    def model_shard(self) -> torch.nn.Module:
+        """This rank's megatron model shard (built in ``configure_model``)."""
+        assert self._gpt_model is not None, "configure_model builds it"
+        return self._gpt_model
+
+    @property
+    def elastic(self) -> "ElasticDriver | None":
+        """The elastic side (an ``OnNodeChange`` callback is present), else ``None``."""
+        return self._elastic
+
+    @property
     def megatron(self) -> "MegatronState":
         """The current layout's megatron state (groups, model, DDP, optimizer)."""
         if self._megatron is None:
@@ -196,9 +225,17 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         # Lightning's subprocess launcher sets the thread count only after starting the other ranks,
         # so they would each use every core; share the cores here (no-op if OMP_NUM_THREADS is set).
         _set_num_threads_if_needed(num_processes=max(1, self.num_processes))
-        self._setup_distributed()
+        node_change = _node_change_callback(self._trainer())
+        joined_at = None
+        if node_change is not None:  # elastic: the job's store makes the worlds (strategy/elastic.py)
+            reset_seed()
+            self._elastic = node_change.make_driver(self)
+            joined_at = self._elastic.enter(self.cluster_environment)
+            self._owns_process_group = True  # its worlds are this process's to destroy
+        else:
+            self._setup_distributed()
         requested = self._requested_layout
-        layout = ParallelConfig(dp=self.world_size) if requested == "auto" else requested
+        layout = joined_at or (ParallelConfig(dp=self.world_size) if requested == "auto" else requested)
         self._layout = validate_target(layout, world_size=self.world_size)
         from lightning_dynatrain.strategy.megatron_step import init_groups
         from lightning_dynatrain.strategy.topology import gather_topology
@@ -255,7 +292,12 @@ class DynaTrainStrategy(MegatronProcessStrategy):
 
         self._adam = adam
         assert self._pgs is not None, "setup_environment makes the groups"
-        self._install(attach_optimizer(self._gpt_model, self.recipe, self.layout, adam, self._pgs))
+        build = partial(attach_optimizer, self._gpt_model, self.recipe, self.layout, adam, self._pgs)
+        if self._elastic is not None and self._elastic.joining:  # the state comes from the old members
+            self._install(self._elastic.receive_state(build))
+            self._elastic.receive_trainer_state(trainer)
+        else:
+            self._install(build())
 
     def _install(self, state: "MegatronState") -> None:
         """Make ``state`` the one training runs on: the module's ``model``, Lightning's optimizer handle.
@@ -276,6 +318,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
 
     @override
     def on_train_start(self) -> None:
+        if self._elastic is not None:
+            self._elastic.end_catching_up()
         # The data position is global_step * G: align every global-batch sampler (matters on resume).
         trainer = self._trainer()
         if trainer is not None:
@@ -291,6 +335,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             self._switcher.close()
         self._megatron = None
         self._pending = None
+        if self._elastic is not None:
+            self._elastic.close()
         self._teardown_process_group()
         super().teardown()
 
@@ -386,11 +432,14 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         return report
 
     # --------------------------------------------------------------------------- collectives
+    def _collectives_are_local(self) -> bool:
+        return self._elastic is not None and self._elastic.local_collectives
+
     @override
     def reduce(self, tensor: torch.Tensor | Any, group: Any | None = None,
                reduce_op: ReduceOp | str | None = "mean") -> torch.Tensor | Any:
         """Reduce over the current layout's data-parallel group (``group=None``), or over ``group``."""
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or self._collectives_are_local():
             return tensor
         if group is None and self._megatron is not None:
             group = self._megatron.groups.dp_cp
@@ -399,9 +448,31 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     # --------------------------------------------------------------------------- checkpoints
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._without_tensors:
+            return {}
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return optimizer.state_dict()  # this rank's shard, on every rank
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {} if self._without_tensors else super().lightning_module_state_dict()
+
+    @contextmanager
+    def dumping_without_tensors(self) -> Iterator[None]:
+        """Inside, Lightning's checkpoint dict holds no model or optimizer state (a joiner's copy of
+        the trainer's state: its tensors come through the engine)."""
+        self._without_tensors = True
+        try:
+            yield
+        finally:
+            self._without_tensors = False
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """A joiner's optimizer state came through the engine; otherwise Lightning restores it."""
+        return not (self._elastic is not None and self._elastic.joining)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
@@ -420,6 +491,14 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     def __repr__(self) -> str:
         layout = self._layout or self._requested_layout
         return f"DynaTrainStrategy(layout={str(layout)!r}, staging_budget={self.staging_budget})"
+
+
+def _node_change_callback(trainer: "pl.Trainer | None") -> "OnNodeChange | None":
+    """The trainer's ``OnNodeChange`` callback (it makes the run elastic), if any."""
+    from lightning_dynatrain.callbacks.node_change import OnNodeChange
+
+    found = [c for c in (trainer.callbacks if trainer is not None else []) if isinstance(c, OnNodeChange)]
+    return found[0] if found else None
 
 
 def _global_batch_samplers(loaders: Any) -> Iterator[GlobalBatchSampler]:

@@ -23,6 +23,7 @@ from lightning_dynatrain.vps.topology import Topology
 
 if TYPE_CHECKING:
     from lightning_dynatrain.engine.collectives import LinkCosts
+    from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
@@ -61,6 +62,23 @@ class LayoutSwitcher:
     def new_world(self, topology: Topology) -> None:
         """A world starts (setup): its topology; its link costs are measured at its first switch."""
         self.topology, self.link_costs, self._setup = topology, None, None
+
+    def new_world_groups(self) -> "ProcessGroupCache":
+        """Fresh group caches for a new world (the old world's groups are retired with it)."""
+        from lightning_dynatrain.engine.collectives import SubgroupCache
+        from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
+
+        self.groups, self.subgroups = ProcessGroupCache(), SubgroupCache()
+        return self.groups
+
+    def world_change_setup(self, recipe: "MegatronRecipe", adam: "AdamSettings") -> "SwitchSetup":
+        """What a world change's switch uses: this world's topology, no broadcasts (their groups
+        would span two worlds)."""
+        from lightning_dynatrain.megatron.hot_switch import SwitchSetup
+        from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
+
+        return SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
+                           staging_budget=self.staging_budget, memory_limit=self.memory_limit, topology=self.topology)
 
     def close(self) -> None:
         """Destroy the groups this run made (collective use ends: call at teardown)."""
