@@ -104,6 +104,7 @@ class ElasticSession:
         self._leave_nonce: str | None = None
         self._seen = -1
         self._pending: Membership | None = None
+        self._cancel: Membership | None = None
         self._next: NextWorld | None = None
         self._watchdog: threading.Thread | None = None
         self._closed = threading.Event()
@@ -198,6 +199,7 @@ class ElasticSession:
             if record.failed:
                 self._failed(record)
             self._consider(record)
+        self._apply_cancel(step)
         pending = self._pending
         if pending is None or step < pending.effective_step:
             return None
@@ -211,18 +213,29 @@ class ElasticSession:
 
     def _consider(self, record: Membership) -> None:
         assert self.world is not None
-        if record.members == self.world.members:  # a change cancelled (a joiner died): keep going
-            if self._pending is not None:
-                print(f"[dynatrain] generation {self._pending.generation} cancelled: {list(record.dropped)} "
-                      "stopped before joining", file=sys.stderr, flush=True)
-            self._pending, self._next = None, None
-            self.world = record
+        if record.members == self.world.members:  # a change cancelled (a joiner died): at its step
+            self._cancel = record
             return
-        self._pending = record
+        self._pending, self._cancel = record, None
         rank = record.rank_of(self.me)
         self._next = None if rank is None else NextWorld(
             self.store.raw, generation=record.generation, rank=rank, size=len(record.members), backend=self.backend,
             timeout=self.timeout, device=self.device)
+
+    def _apply_cancel(self, step: int) -> None:
+        """From a cancel record's effective step on (every rank has read it; until then every rank
+        still votes for the cancelled change), the change is dropped and training goes on."""
+        if self._cancel is None or step < self._cancel.effective_step:
+            return
+        if self._pending is not None:
+            print(f"[dynatrain] generation {self._pending.generation} cancelled: {list(self._cancel.dropped)} "
+                  "stopped before joining", file=sys.stderr, flush=True)
+        self.world, self._pending, self._next, self._cancel = self._cancel, None, None, None
+
+    @property
+    def pending(self) -> Membership | None:
+        """The next generation, read but not yet in effect."""
+        return self._pending
 
     def build_seconds(self) -> float:
         """How long the pending world's background build took (0 for a leaver: it builds none)."""

@@ -236,7 +236,7 @@ class ElasticDriver:
         self.session.publish_step(step)
         change = self.session.poll(step)
         if change is None:
-            if self.session._pending is not None and self._detected_at is None:
+            if self.session.pending is not None and self._detected_at is None:
                 self._detected_at = time.perf_counter()
             return None
         report = self.change_world(change, trainer)

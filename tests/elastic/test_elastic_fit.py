@@ -1,7 +1,7 @@
 """Processes join and leave a running ``trainer.fit`` (real store process, torchrun, Lightning,
 megatron, gloo): the fit goes on at each new world's layout and ends where a static run ends.
 
-The script (``fit_script.py``) trains a GPT whose worlds 2, 3 and 4 all have valid layouts
+The script (``benchmarks/elastic_fit.py``) trains a GPT whose worlds 2, 3 and 4 all have valid layouts
 (``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``) at a constant global batch of 12.
 """
 
@@ -13,17 +13,17 @@ import sys
 
 import pytest
 
-from tests.elastic.job import SCRIPT, ElasticJob
+from benchmarks.elastic_job import SCRIPT, ElasticJob
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 150
+MAX_STEPS = 80
 
 
 def _static_losses(tmp_path) -> dict[int, float]:
     out = tmp_path / "static"
     subprocess.run([sys.executable, str(SCRIPT), str(out), "--max-steps", str(MAX_STEPS), "--static"], check=True,
-                   capture_output=True, cwd=SCRIPT.parents[2], env=ElasticJob(out, max_steps=0, step_seconds=0).env)
+                   capture_output=True, cwd=SCRIPT.parents[1], env=ElasticJob(out, max_steps=0, step_seconds=0).env)
     (result,) = [__import__("json").loads(p.read_text()) for p in out.glob("*.json")]
     return dict((step, loss) for step, loss in result["losses"])
 

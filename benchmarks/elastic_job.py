@@ -1,6 +1,7 @@
 """An elastic job on this machine, as an operator runs one: ``dynatrain store`` in its own process,
-the first processes under ``torchrun``, later ones as ``python fit_script.py``; the store read
-through a real client to follow the job. Every process's output goes to one log file.
+the first processes under ``torchrun``, later ones as ``python elastic_fit.py``; the store read
+through a real client to follow the job. Every process's output goes to one log file. The elastic
+tests (tests/elastic) and ``benchmarks/elastic.py`` drive their jobs with it.
 
 Example::
 
@@ -22,16 +23,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("fit_script.py")
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).with_name("elastic_fit.py")
 TOKEN = "test-job-token"
 
 
 class ElasticJob:
     """A store process and the training processes of one job (see the module docstring)."""
 
-    def __init__(self, out: Path, *, max_steps: int, step_seconds: float, dead_after: float = 4.0) -> None:
+    def __init__(self, out: Path, *, max_steps: int, step_seconds: float, dead_after: float = 4.0,
+                 fit_args: tuple[str, ...] = ()) -> None:
         self.out, self.max_steps, self.step_seconds, self.dead_after = out, max_steps, step_seconds, dead_after
+        self.fit_args = fit_args
         self.log_path = out / "job.log"
         self.procs: list[subprocess.Popen] = []
         self.env = dict(os.environ, PYTHONPATH=str(REPO), DYNATRAIN_TOKEN=TOKEN, OMP_NUM_THREADS="1",
@@ -62,7 +65,7 @@ class ElasticJob:
     # ------------------------------------------------------------------------------ processes
     def _args(self, *extra: str) -> list[str]:
         return [str(SCRIPT), str(self.out), "--max-steps", str(self.max_steps), "--step-seconds",
-                str(self.step_seconds), *extra]
+                str(self.step_seconds), *self.fit_args, *extra]
 
     def start_torchrun(self, nproc: int, *extra: str) -> subprocess.Popen:
         return self._start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -1,4 +1,4 @@
-"""An elastic ``trainer.fit`` as a user runs it: ``python fit_script.py OUT`` under torchrun or alone.
+"""An elastic ``trainer.fit`` as a user runs it: ``python elastic_fit.py OUT`` under torchrun or alone.
 
 With ``DYNATRAIN_STORE`` / ``DYNATRAIN_TOKEN`` set it is elastic (``OnNodeChange`` with a layout map
 for worlds 2, 3 and 4); ``--static`` runs the same model, data and global batch without it. Every
