@@ -68,8 +68,8 @@ class ElasticJob:
                 str(self.step_seconds), *self.fit_args, *extra]
 
     def start_torchrun(self, nproc: int, *extra: str) -> subprocess.Popen:
-        return self._start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                            "--master-port", "0", "--max-restarts", "0", *self._args(*extra)])
+        return self._start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(nproc), "--max-restarts", "0", *self._args(*extra)])
 
     def start_python(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         return self._start([sys.executable, *self._args(*extra)], env=env)

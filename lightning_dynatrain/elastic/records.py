@@ -64,13 +64,15 @@ class Signer:
 
 @dataclass(frozen=True, slots=True)
 class JoinRequest:
-    """A process asks to become a member: its id, the fingerprint of what it would train, and,
-    for the processes a launcher starts together, their rank in that first world."""
+    """A process asks to become a member: its id, the fingerprint of what it would train, and the
+    launch it came with: the processes one launcher started together (``launch_id``, their number
+    ``launch_size`` and this one's rank among them) form the first world, or join together."""
 
     member: str
     fingerprint: str
-    initial_rank: int | None = None
-    initial_world: int | None = None
+    launch_rank: int = 0
+    launch_size: int = 1
+    launch_id: str = ""
     kind: str = "join"
 
     def to_dict(self) -> dict[str, Any]:

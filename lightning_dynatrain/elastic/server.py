@@ -12,9 +12,10 @@ than a step apart, since every step runs collectives over the whole world). A re
 check is answered with the reason and logged; it consumes no rank and bumps no generation.
 
 Changes are one at a time: requests wait until the trainers say the previous generation is
-installed (key ``installed``); the requests of one kind waiting then make one change (two joiners
-who asked meanwhile join together). The first world forms from the join requests of the processes
-a launcher started together (each names its rank in that world). A member of the running world
+installed (key ``installed``); the requests of one kind waiting then make one change. Processes a
+launcher started together (one ``torchrun``, one ``srun`` step) join together: a join waits until
+every process of its launch has asked (at most ``launch_wait`` seconds). The first world forms
+from the first launch's processes, in their launch's rank order. A member of the running world
 that stops saying it is alive for ``dead_after`` seconds without leaving is recorded as failed in a
 new generation: the job must stop (every trainer's watchdog reads it). A joiner that stops before
 its generation is installed only cancels that change (a generation with the running world's
@@ -43,6 +44,7 @@ class _World:
     fingerprint: str | None = None
     forming: dict[int, tuple[str, str]] = field(default_factory=dict)  # initial rank -> (member, nonce)
     waiting: list[dict] = field(default_factory=list)
+    first_launch: str | None = None
     effective_step: int = 0
     failed: bool = False
 
@@ -51,10 +53,10 @@ class StoreServer:
     """The admission and membership loop over a master ``TCPStore`` (see the module docstring)."""
 
     def __init__(self, store: dist.Store, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
-                 log: Callable[[str], None] = print) -> None:
+                 launch_wait: float = 60.0, log: Callable[[str], None] = print) -> None:
         self.store = dist.PrefixStore(PREFIX, store)
         self.signer = Signer(token)
-        self.margin, self.dead_after, self.log = margin, dead_after, log
+        self.margin, self.dead_after, self.launch_wait, self.log = margin, dead_after, launch_wait, log
         self.world = _World()
 
     def step(self) -> None:
@@ -65,7 +67,7 @@ class StoreServer:
             if request is None:  # answered (its nonce is readable) so that its sender learns why
                 self._answer(_unsigned(blob), False, "it is not signed with the job's token")
                 continue
-            self.world.waiting.append(request)
+            self.world.waiting.append({**request, "received": time.monotonic()})
         if self.world.failed:
             return
         if self.world.generation < 0:
@@ -100,25 +102,42 @@ class StoreServer:
 
     # -------------------------------------------------------------------------------- changes
     def _form_first_world(self) -> None:
+        """The first launch's processes, all of them, form generation 0 in their launch's order."""
         keep = []
         for request in self.world.waiting:
-            size, rank = request.get("initial_world"), request.get("initial_rank")
-            if request.get("kind") != "join" or size is None:
-                keep.append(request)  # a joiner or leaver before the first world: wait for it
+            if request.get("kind") != "join":
+                keep.append(request)  # a leaver before the first world: wait for it
                 continue
             if self.world.fingerprint is None:
-                self.world.fingerprint = request["fingerprint"]
+                self.world.fingerprint, self.world.first_launch = request["fingerprint"], request.get("launch_id")
             if request["fingerprint"] != self.world.fingerprint:
                 self._answer(request, False, "its model, recipe or package version differs from the job's")
                 continue
-            self.world.forming[int(rank)] = (request["member"], request["nonce"])
-            if len(self.world.forming) == int(size):
-                members = tuple(self.world.forming[r][0] for r in range(int(size)))
+            if request.get("launch_id") != self.world.first_launch:
+                keep.append(request)  # another launch: it joins the running job
+                continue
+            self.world.forming[int(request.get("launch_rank", 0))] = (request["member"], request["nonce"])
+            size = int(request.get("launch_size", 1))
+            if len(self.world.forming) == size:
+                members = tuple(self.world.forming[r][0] for r in range(size))
                 world = self._publish(members, 0, joined=members)
                 self.world.running = members  # every member installs it before training starts
                 for r, (member, nonce) in self.world.forming.items():
                     self._answer({"nonce": nonce, "member": member}, True, generation=world.generation)
         self.world.waiting = keep
+
+    def _launches_ready(self, joins: list[dict]) -> list[dict]:
+        """The joins whose whole launch has asked (processes started together join together), or
+        whose launch's first request waited ``launch_wait`` seconds (the rest of it may be gone)."""
+        launches: dict[str, list[dict]] = {}
+        for request in joins:
+            launches.setdefault(str(request.get("launch_id")), []).append(request)
+        now, ready = time.monotonic(), []
+        for group in launches.values():
+            whole = len(group) >= int(group[0].get("launch_size", 1))
+            if whole or now - min(r["received"] for r in group) > self.launch_wait:
+                ready += sorted(group, key=lambda r: int(r.get("launch_rank", 0)))
+        return ready
 
     def _current_step(self) -> int:
         return int(self.store.get("step")) if self.store.check(["step"]) else 0
@@ -134,7 +153,9 @@ class StoreServer:
             return  # one change at a time: the last one is not installed yet
         kind = self.world.waiting[0].get("kind")
         batch = [r for r in self.world.waiting if r.get("kind") == kind]
-        self.world.waiting = [r for r in self.world.waiting if r.get("kind") != kind]
+        if kind == "join":
+            batch = self._launches_ready(batch)
+        self.world.waiting = [r for r in self.world.waiting if all(r is not b for b in batch)]
         admitted, step = [], self._current_step() + self.margin
         for request in batch:
             member = request.get("member")
@@ -191,12 +212,12 @@ def _unsigned(blob: bytes) -> dict:
 
 
 def serve_forever(host: str, port: int, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
-                  on_ready: Callable[[int], None] | None = None) -> None:
+                  launch_wait: float = 60.0, on_ready: Callable[[int], None] | None = None) -> None:
     """Host the job's store on ``host:port`` (0: a free port) until the process is stopped."""
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
     if on_ready is not None:
         on_ready(store.port)
-    StoreServer(store, token, margin=margin, dead_after=dead_after).serve()
+    StoreServer(store, token, margin=margin, dead_after=dead_after, launch_wait=launch_wait).serve()
 
 
 __all__ = ["StoreServer", "serve_forever"]

@@ -126,26 +126,25 @@ class ElasticSession:
         return len(self.world.members)
 
     # ------------------------------------------------------------------------------ entering
-    def enter(self, fingerprint: str, *, launcher_rank: int, launcher_world: int) -> Membership:
+    def enter(self, fingerprint: str, *, launch_rank: int, launch_size: int, launch_id: str) -> Membership:
         """Become a member and install this process's first world; its membership.
 
-        A process the launcher started with the job (the store has no world yet) forms the first
-        world with the others, at the launcher's rank. A process started later joins the running
-        job: ``joined_change`` says from which world (the state then comes from the old members).
+        The processes the first launch started (one ``torchrun``, one ``srun`` step: ``launch_id``,
+        ``launch_size`` processes, this one at ``launch_rank``) form the first world; a process of a
+        later launch joins the running job, with the others of its launch: ``joined_change`` says from
+        which world (the state then comes from the old members).
 
         Raises:
             AdmissionError: refused (token, model), no store, or the world could not be built.
         """
-        initial = self.store.generation() < 0
         while True:
-            request = JoinRequest(member=self.me, fingerprint=fingerprint,
-                                  initial_rank=launcher_rank if initial else None,
-                                  initial_world=launcher_world if initial else None)
+            request = JoinRequest(member=self.me, fingerprint=fingerprint, launch_rank=launch_rank,
+                                  launch_size=launch_size, launch_id=launch_id)
             verdict = self.store.ask(request, timeout=self.timeout.total_seconds())
             self.store.start_alive(self.heartbeat)
             world = self.store.membership(int(verdict["generation"]))
-            nxt = NextWorld(self.store.raw, generation=world.generation, rank=world.rank_of(self.me), size=len(world.members),
-                            backend=self.backend, timeout=self.timeout, device=self.device)
+            nxt = NextWorld(self.store.raw, generation=world.generation, rank=world.rank_of(self.me),
+                            size=len(world.members), backend=self.backend, timeout=self.timeout, device=self.device)
             if self._wait_built(nxt, world):
                 break
             print(f"[dynatrain] the change that admitted {self.me} was cancelled (a joiner with it stopped); "

@@ -30,6 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a change takes effect this many optimizer steps after it is published (default 3)")
     p.add_argument("--dead-after", type=float, default=10.0,
                    help="seconds without a heartbeat after which a member counts as failed (default 10)")
+    p.add_argument("--launch-wait", type=float, default=60.0,
+                   help="seconds a join waits for the other processes of its launch (default 60)")
     p.set_defaults(func=_run)
 
 
@@ -46,7 +48,8 @@ def _run(args: argparse.Namespace) -> int:
         print("[dynatrain store] serving; stop with Ctrl-C", file=sys.stderr, flush=True)
 
     try:
-        serve_forever(args.host, args.port, token, margin=args.margin, dead_after=args.dead_after, on_ready=ready)
+        serve_forever(args.host, args.port, token, margin=args.margin, dead_after=args.dead_after,
+                      launch_wait=args.launch_wait, on_ready=ready)
     except KeyboardInterrupt:
         return 0
     return 0

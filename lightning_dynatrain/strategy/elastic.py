@@ -33,7 +33,7 @@ Example (what ``OnNodeChange`` does at each boundary)::
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -115,8 +115,9 @@ class ChangeReport:
     pause_seconds: float
     transfer_seconds: float
     build_seconds: float
+    rebuild_seconds: float
+    """Building the target's groups, model, DDP and optimizer inside the pause (on demand)."""
     moved_bytes: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return (f"[dynatrain] step {self.step}: {self.change}, {self.src} -> {self.dst} in {self.pause_seconds:.3f} s "
@@ -168,7 +169,9 @@ class ElasticDriver:
         self.session = ElasticSession(JobStore.from_environment(), backend=strategy.process_group_backend,
                                       device=device, timeout=strategy._timeout, heartbeat=self.heartbeat,
                                       exit_after=self.exit_after)
-        self.session.enter(self.fingerprint(), launcher_rank=launcher.global_rank(), launcher_world=launcher_world)
+        launch_id = f"{launcher.main_address}:{launcher.main_port}" if launcher_world > 1 else self.session.me
+        self.session.enter(self.fingerprint(), launch_rank=launcher.global_rank(), launch_size=launcher_world,
+                           launch_id=launch_id)
         strategy.cluster_environment = ElasticEnvironment(launcher, self.session)
         _set_rank_zero(self.session.rank)
         change = self.session.joined_change
@@ -309,7 +312,7 @@ class ElasticDriver:
         return ChangeReport(step=step, change=str(change), src=str(src), dst=str(target), reason=choice.reason,
                             detect_to_swap_seconds=start - detected, pause_seconds=pause,
                             transfer_seconds=result.phases.get("engine", 0.0), build_seconds=build_seconds,
-                            moved_bytes=moved)
+                            rebuild_seconds=result.rebuild_seconds, moved_bytes=moved)
 
     def _trainer_state(self, trainer: "pl.Trainer") -> dict:
         """Lightning's checkpoint dict without tensors: loops, callbacks, data module, schedulers."""

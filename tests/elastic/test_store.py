@@ -37,7 +37,8 @@ def _join_first_world(address: str, size: int, fingerprint: str = "fp") -> list[
 
     def ask(rank: int) -> None:
         verdicts[rank] = clients[rank].ask(JoinRequest(member=clients[rank].member_id, fingerprint=fingerprint,
-                                                       initial_rank=rank, initial_world=size), timeout=10)
+                                                       launch_rank=rank, launch_size=size,
+                                                       launch_id="first"), timeout=10)
 
     threads = [threading.Thread(target=ask, args=(r,)) for r in range(size)]
     for t in threads:
