@@ -31,6 +31,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_dynatrain.checkpoint.identity import CheckpointMismatchError
 from lightning_dynatrain.engine.pieces import LayoutPieces, Piece, TensorKind, layout_pieces
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -135,8 +136,6 @@ def _clip_of(spec: ModelSpec, tk: TensorKind, here: tuple[int, ...], saved: tupl
         return _Clip(None, 0, 0)
     other = [a for a, (x, y) in enumerate(zip(here, saved)) if x != y]
     if axis is None or other != [axis] or len(here) != len(saved):
-        from lightning_dynatrain.checkpoint.identity import CheckpointMismatchError
-
         raise CheckpointMismatchError(
             f"{fqn(tk)} has shape {saved} in the checkpoint and {here} in this model",
             hint="load a checkpoint of the same model (GPTShape) as the one being trained")
