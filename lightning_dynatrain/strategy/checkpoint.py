@@ -42,7 +42,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lightning_dynatrain.checkpoint.identity import FORMAT, CheckpointError, CheckpointInfo
-from lightning_dynatrain.checkpoint.legacy import is_per_rank, load_rank_checkpoint
+# ``save_rank_checkpoint`` too: the per-rank format's writer and reader, imported from here by code
+# that keeps per-rank files (the Accelerate integration's ``save_state``)
+from lightning_dynatrain.checkpoint.legacy import is_per_rank, load_rank_checkpoint, save_rank_checkpoint
 from lightning_dynatrain.checkpoint.logical import logical_state_dict
 from lightning_dynatrain.checkpoint.reader import (
     INFO_KEY,
@@ -192,5 +194,5 @@ def load_optimizer(checkpoint: Mapping[str, Any], state: "MegatronState", spec: 
                  source.path, precision=precision, kinds=kinds)
 
 
-__all__ = ["SOURCE_KEY", "CheckpointSource", "load_optimizer", "load_params", "optimizer_scalars", "read", "save",
-           "source_of", "spec_of"]
+__all__ = ["SOURCE_KEY", "CheckpointSource", "load_optimizer", "load_params", "load_rank_checkpoint",
+           "optimizer_scalars", "read", "save", "save_rank_checkpoint", "source_of", "spec_of"]
