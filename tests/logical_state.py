@@ -15,8 +15,9 @@ from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.spec import Precision
 
 
-def assemble(spec, layout: ParallelConfig, per_rank: list[dict], precision: Precision) -> dict:
-    """The full logical state's bits from every rank's local tensors (replicas must agree bit for bit)."""
+def assemble(spec, layout: ParallelConfig, per_rank: list[dict], precision: Precision, kinds=None) -> dict:
+    """The full logical state's bits from every rank's local tensors (replicas must agree bit for bit);
+    of the state kinds in ``kinds`` only, when given."""
     from lightning_dynatrain.engine.store import box_pieces, box_view
 
     import torch
@@ -24,6 +25,8 @@ def assemble(spec, layout: ParallelConfig, per_rank: list[dict], precision: Prec
     full: dict = {}
     for rank, store in enumerate(per_rank):
         for (tensor, kind), regions in rank_regions(spec, layout, rank, precision).items():
+            if kinds is not None and kind not in kinds:
+                continue
             shape = spec.tensor(tensor).shape
             bits = np.dtype(np.int16 if regions[0].itemsize == 2 else np.int32)
             logical, seen = full.setdefault((tensor, kind), (np.zeros(shape, bits), np.zeros(shape, bool)))

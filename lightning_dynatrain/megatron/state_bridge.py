@@ -125,6 +125,24 @@ def _tensor_of(view, kind: StateKind) -> torch.Tensor | None:
     return view.state.get(kind.value) if view.state is not None else None
 
 
+def param_store(model: torch.nn.Module, spec: ModelSpec, layout: ParallelConfig,
+                rank: int) -> dict[StoreKey, torch.Tensor]:
+    """This rank's parameters alone, keyed as the engine keys them (live ``.data`` views): for a
+    model without megatron DDP or an optimizer (a checkpoint's parameters are loaded before they
+    are built, and for ``validate``, which builds neither).
+
+    Raises:
+        KeyError: the model lacks a parameter the VPS says ``rank`` holds at ``layout``.
+    """
+    params = dict(model.named_parameters())
+    store: dict[StoreKey, torch.Tensor] = {}
+    for name, local in local_parameters(spec, layout, rank).items():
+        if name not in params:
+            raise KeyError(f"rank {rank}: the model has no parameter {name!r} of layout {layout}")
+        store[(local.tensor, StateKind.PARAM, local.stack)] = params[name].data
+    return store
+
+
 class MegatronTarget:
     """A megatron model and optimizer built for a switch (without init), as the memory policy's
     ``Destination``: its local tensors, and which of them can be pointed at another tensor.
@@ -174,4 +192,5 @@ class MegatronTarget:
         return True
 
 
-__all__ = ["MegatronTarget", "adam_step", "materialize_adam_state", "megatron_store", "precision_of", "set_adam_step"]
+__all__ = ["MegatronTarget", "adam_step", "materialize_adam_state", "megatron_store", "param_store", "precision_of",
+           "set_adam_step"]

@@ -6,6 +6,10 @@ DDP and optimizer, pipeline schedule; one ``MegatronState``) and gives Lightning
 ``base.MegatronProcessStrategy``). Hooks are thin; the work is in plain functions
 (``megatron_step``, ``validation``, ``report``, ``checkpoint``, ``switching``).
 
+Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are
+layout-free directories: a run saved at one layout resumes at any other layout and world size
+(``strategy/checkpoint.py`` says which hook restores what, and why there).
+
 Example::
 
     strategy = DynaTrainStrategy("dp2-tp2-pp1", staging_budget="256MiB")
@@ -35,8 +39,8 @@ switch itself is ``switching.LayoutSwitcher``'s.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -49,17 +53,17 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_dynatrain.checkpoint.writer import CheckpointWriter
 from lightning_dynatrain.data.sampler import GlobalBatchSampler
 from lightning_dynatrain.engine.errors import mark_refused
+from lightning_dynatrain.strategy import checkpoint as checkpointing
 from lightning_dynatrain.strategy.base import MegatronProcessStrategy
-from lightning_dynatrain.strategy.checkpoint import load_rank_checkpoint, save_rank_checkpoint
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.optimizer_handle import MegatronOptimizerHandle
 from lightning_dynatrain.strategy.precision import resolve_params_dtype
@@ -99,10 +103,19 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         verify: after each switch, gather and compare the full logical state (slow; for tests).
         promote_broadcasts: measure the links once per world (at the first switch) and let switches
             broadcast a box many new replicas need, where the measured costs say that pays.
+        async_save: write checkpoints in the background (``torch.distributed.checkpoint.async_save``):
+            a save costs the step a copy of this rank's share of the state to CPU memory; the next
+            save, removing that checkpoint and teardown wait for it.
+        init_from_megatron: a checkpoint directory megatron-core's ``dist_checkpointing`` wrote for
+            the same model (Megatron-LM, NeMo; distributed optimizer in its ``fully_reshardable``
+            format): ``fit`` starts from its weights and optimizer state, at this strategy's layout,
+            with Lightning's counters at 0 (``validate`` loads the weights). Ignored when ``fit`` or
+            ``validate`` is given a ``ckpt_path``: a run being resumed goes on from its own checkpoint.
         timeout: timeout of collectives (``init_process_group``).
         cluster_environment: Lightning's cluster environment; ``None`` lets the Trainer detect it.
         seed: seed of megatron's RNG trackers (model weights are seeded by the module's recipe).
-        parallel_devices, checkpoint_io: as for any Lightning ``ParallelStrategy``.
+        parallel_devices: as for any Lightning ``ParallelStrategy``.
+        checkpoint_io: unused: checkpoints are DCP directories the strategy writes itself.
         precision_plugin: leave it out and pass ``Trainer(precision="bf16-mixed" | "32-true")``: the
             strategy runs megatron's own mixed precision (``strategy.precision``), never autocast.
 
@@ -112,6 +125,9 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         StagingBudgetError: ``staging_budget`` or ``switch_memory_limit`` is not a byte count.
         SwitchMemoryError: (at a switch) it would not fit in memory, or exceed ``switch_memory_limit``;
             nothing was moved and training can go on at the old layout.
+        CheckpointMismatchError: (at ``ckpt_path`` / ``init_from_megatron``) the checkpoint holds another
+            model or precision; nothing was loaded.
+        CheckpointError: (same) the path is not a checkpoint this strategy reads.
     """
 
     strategy_name = "dynatrain"
@@ -125,6 +141,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         backend: str | None = None,
         verify: bool = False,
         promote_broadcasts: bool = True,
+        async_save: bool = False,
+        init_from_megatron: str | os.PathLike | None = None,
         timeout: timedelta = timedelta(minutes=30),
         cluster_environment: ClusterEnvironment | None = None,
         seed: int = 1234,
@@ -153,7 +171,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         self._step_in_progress = False
         self._pending: ParallelConfig | None = None
         self._elastic: ElasticDriver | None = None  # with an OnNodeChange callback
-        self._without_tensors = False
+        self._writer = CheckpointWriter(async_save=async_save)
+        self.init_from_megatron = None if init_from_megatron is None else Path(init_from_megatron)
         #: Every switch that ran (no-ops excluded), in order; the same on every rank.
         self.switch_history: list[ReconfigReport] = []
 
@@ -276,6 +295,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
                 "(GPTLightningModule does)")
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+        self._start_from_megatron(trainer)
         self.setup_precision_plugin()
 
     @override
@@ -328,6 +348,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
 
     @override
     def teardown(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            self._writer.close()  # a background save completes before its groups go
         if self._switcher is not None and dist.is_available() and dist.is_initialized():
             from lightning_dynatrain.strategy.megatron_step import teardown_state
 
@@ -446,27 +468,20 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     # --------------------------------------------------------------------------- checkpoints
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self._without_tensors:
-            return {}
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return optimizer.state_dict()  # this rank's shard, on every rank
+    # What each hook restores, and why there: ``strategy/checkpoint.py``'s module docstring.
+    def _spec(self):
+        return checkpointing.spec_of(self.recipe.shape)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {} if self._without_tensors else super().lightning_module_state_dict()
+        """Empty: the weights are saved under their logical keys with the rest of the state (``save_checkpoint``)."""
+        return {}
 
-    @contextmanager
-    def dumping_without_tensors(self) -> Iterator[None]:
-        """Inside, Lightning's checkpoint dict holds no model or optimizer state (a joiner's copy of
-        the trainer's state: its tensors come through the engine)."""
-        self._without_tensors = True
-        try:
-            yield
-        finally:
-            self._without_tensors = False
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's layout-free scalars: Adam's step and each kind of param group's settings
+        (moments and main params are saved under their logical keys)."""
+        return checkpointing.optimizer_scalars(self.megatron)
 
     @property
     @override
@@ -477,16 +492,58 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
                         storage_options: Any | None = None) -> None:
-        """Every rank writes its own file under ``filepath`` (a directory); see ``strategy.checkpoint``."""
+        """Write a layout-free checkpoint directory at ``filepath`` (collective; in the background
+        with ``async_save``)."""
         if storage_options is not None:
             raise TypeError("DynaTrainStrategy.save_checkpoint does not take storage_options")
-        save_rank_checkpoint(checkpoint, filepath, rank=self.global_rank, layout=self.layout,
-                             world_size=self.world_size)
+        checkpointing.save(checkpoint, filepath, writer=self._writer, model=self._gpt_model, state=self._megatron,
+                           spec=self._spec(), layout=self.layout, rank=self.global_rank, world_size=self.world_size)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        self._writer.wait_for(filepath)
+        if self.is_global_zero:
+            from lightning_dynatrain.checkpoint.writer import remove_path
+
+            remove_path(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        return load_rank_checkpoint(checkpoint_path, rank=self.global_rank, layout=self.layout,
-                                    world_size=self.world_size, weights_only=weights_only)
+        """Lightning's part of checkpoint ``checkpoint_path``, once it is checked to hold this run's model."""
+        from lightning_dynatrain.megatron.state_bridge import precision_of
+
+        self._writer.wait_for(checkpoint_path)
+        return checkpointing.read(checkpoint_path, spec=self._spec(), precision=precision_of(self._gpt_model),
+                                  layout=self.layout, rank=self.global_rank, world_size=self.world_size,
+                                  weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The parameters, into the model before megatron DDP and the optimizer are built from them."""
+        source = checkpointing.source_of(checkpoint)
+        if source is None or source.kind == "per_rank":
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        checkpointing.load_params(checkpoint, self._gpt_model, self._spec(), self.layout, self.global_rank)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Adam's step, the group settings, main params and moments, into the optimizer ``setup`` built."""
+        source = checkpointing.source_of(checkpoint)
+        if source is None or source.kind == "per_rank":
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        checkpointing.load_optimizer(checkpoint, self.megatron, self._spec(), self.global_rank)
+
+    def _start_from_megatron(self, trainer: "pl.Trainer") -> None:
+        """``init_from_megatron``: after ``setup_optimizers`` (the optimizer's tensors exist then)."""
+        if self.init_from_megatron is None or trainer.ckpt_path is not None:
+            return
+        from lightning_dynatrain.checkpoint.megatron_import import load_megatron_checkpoint
+
+        step = load_megatron_checkpoint(self.init_from_megatron, model=self._gpt_model, state=self._megatron)
+        rank_zero_info(f"[dynatrain] started from megatron checkpoint {self.init_from_megatron} at {self.layout}"
+                       + (f" (Adam step {step})" if step is not None else " (weights only)"))
 
     def __repr__(self) -> str:
         layout = self._layout or self._requested_layout

@@ -315,9 +315,9 @@ class ElasticDriver:
                             rebuild_seconds=result.rebuild_seconds, moved_bytes=moved)
 
     def _trainer_state(self, trainer: "pl.Trainer") -> dict:
-        """Lightning's checkpoint dict without tensors: loops, callbacks, data module, schedulers."""
-        with self.strategy.dumping_without_tensors():
-            return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        """Lightning's checkpoint dict: loops, callbacks, data module, schedulers; no tensors (the
+        strategy's holds the optimizer's scalars only, the weights go under logical keys)."""
+        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
     def leave(self) -> None:
         """Ask to leave the job (the state is handed off at the change's boundary)."""

@@ -4,7 +4,8 @@ One spawned job (``run_world4``) runs several ``Trainer.fit`` calls in the same 
 sets up and tears down megatron's groups; the gloo WORLD belongs to the harness and stays):
 
 1. loss parity: 5 steps at each of ``PARITY_LAYOUTS`` from the same seed and the same global batches;
-2. resume: 3 steps at dp2-pp2-zero1 with a checkpoint, then a resumed fit to step 5;
+2. resume: 3 steps at dp2-pp2-zero1 with a per-rank checkpoint of an earlier version, then a resumed fit
+   to step 5 (layout-free checkpoints: ``checkpoint_job.py``);
 3. schedule validation: a bad layout at step 5000 and a layout of another world size, both refused at setup;
    a scheduled switch over ``switch_memory_limit``, refused when it comes, before anything moved;
 4. switching: 30 steps with real hot switches (a request made inside step 2 is deferred to its end,
@@ -99,16 +100,35 @@ def _parity(results: dict) -> None:
         )
 
 
-def _resume(results: dict, tmp: Path) -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
+def _per_rank_saver(path: Path, at_step: int):
+    """A callback writing the per-rank checkpoint earlier versions wrote (``checkpoint.legacy``) after
+    ``at_step`` steps, as ``ModelCheckpoint`` did: Lightning's dict with this rank's model shard and
+    optimizer state dicts."""
+    from lightning.pytorch.callbacks import Callback
 
+    from lightning_dynatrain.checkpoint.legacy import save_rank_checkpoint
+
+    class PerRankSaver(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step != at_step:
+                return
+            strategy = trainer.strategy
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+            checkpoint["state_dict"] = pl_module.state_dict()
+            checkpoint["optimizer_states"] = [strategy.optimizers[0].state_dict()]
+            save_rank_checkpoint(checkpoint, path, rank=strategy.global_rank, layout=strategy.layout,
+                                 world_size=strategy.world_size)
+
+    return PerRankSaver()
+
+
+def _resume(results: dict, tmp: Path) -> None:
+    """A per-rank checkpoint of an earlier version: resumed at its layout; refused at another."""
     from lightning_dynatrain.strategy import DynaTrainStrategy
 
-    layout = PARITY_LAYOUTS[-1]
-    ckpt = ModelCheckpoint(dirpath=tmp, every_n_train_steps=3, save_top_k=-1, save_last=False)
+    layout, path = PARITY_LAYOUTS[-1], tmp / "epoch=0-step=3.ckpt"
     first = _module()
-    _trainer(DynaTrainStrategy(layout), 3, enable_checkpointing=True, callbacks=[ckpt]).fit(first, datamodule=_data())
-    path = Path(ckpt.best_model_path or next(iter(sorted(tmp.glob("*.ckpt")))))
+    _trainer(DynaTrainStrategy(layout), 3, callbacks=[_per_rank_saver(path, 3)]).fit(first, datamodule=_data())
     second = _module()
     trainer = _trainer(DynaTrainStrategy(layout), STEPS)
     trainer.fit(second, datamodule=_data(), ckpt_path=path)

@@ -54,7 +54,9 @@ def test_data_parallel_share_follows_the_layout(world4: list[dict]) -> None:
 
 
 def test_resume_from_a_per_rank_checkpoint(world4: list[dict]) -> None:
-    """3 steps + checkpoint + resume to 5 == 5 straight steps (zero1 optimizer shards, pipeline stages)."""
+    """A per-rank checkpoint of an earlier version (``checkpoint.legacy``) still resumes at the layout
+    that wrote it: 3 steps + checkpoint + resume to 5 == 5 straight steps (zero1 optimizer shards,
+    pipeline stages); at another layout it is refused, naming where it loads."""
     straight = world4[0][("parity", PARITY_LAYOUTS[-1])]["losses"]
     for results in world4:
         resume = results["resume"]
@@ -62,6 +64,7 @@ def test_resume_from_a_per_rank_checkpoint(world4: list[dict]) -> None:
         assert resume["losses"] == pytest.approx(straight, rel=1e-6)
         kind, text = resume["wrong_layout"]
         assert kind == "LayoutError" and "written at layout dp2-tp1-pp2-zero1" in text and "HINT" in text
+        assert "DynaTrainStrategy(layout='dp2-tp1-pp2-zero1')" in text
 
 
 @pytest.mark.parametrize("case, words", [

@@ -1,4 +1,5 @@
-"""Per-rank checkpoint files hold the state, not the old storages a switch left it in (real files)."""
+"""Per-rank checkpoint files of earlier versions (``checkpoint.legacy``) hold the state, not the old
+storages a switch left it in (real files)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from lightning_dynatrain.strategy.checkpoint import compact_storages, load_rank_checkpoint, save_rank_checkpoint
+from lightning_dynatrain.checkpoint.legacy import compact_storages, load_rank_checkpoint, save_rank_checkpoint
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
