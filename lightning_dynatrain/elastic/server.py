@@ -12,7 +12,9 @@ than a step apart, since every step runs collectives over the whole world). A re
 check is answered with the reason and logged; it consumes no rank and bumps no generation.
 
 Changes are one at a time: requests wait until the trainers say the previous generation is
-installed (key ``installed``); the requests of one kind waiting then make one change. Processes a
+installed (key ``installed``); the requests of one kind waiting then make one change, once the
+oldest of them has waited ``gather`` seconds (preemption notices reach a node's processes within
+moments of each other, and each answers on its own: the window makes them one change). Processes a
 launcher started together (one ``torchrun``, one ``srun`` step) join together: a join waits until
 every process of its launch has asked (at most ``launch_wait`` seconds). The first world forms
 from the first launch's processes, in their launch's rank order. A member of the running world
@@ -53,10 +55,11 @@ class StoreServer:
     """The admission and membership loop over a master ``TCPStore`` (see the module docstring)."""
 
     def __init__(self, store: dist.Store, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
-                 launch_wait: float = 60.0, log: Callable[[str], None] = print) -> None:
+                 launch_wait: float = 60.0, gather: float = 1.0, log: Callable[[str], None] = print) -> None:
         self.store = dist.PrefixStore(PREFIX, store)
         self.signer = Signer(token)
         self.margin, self.dead_after, self.launch_wait, self.log = margin, dead_after, launch_wait, log
+        self.gather = gather
         self.world = _World()
 
     def step(self) -> None:
@@ -153,6 +156,8 @@ class StoreServer:
             return  # one change at a time: the last one is not installed yet
         kind = self.world.waiting[0].get("kind")
         batch = [r for r in self.world.waiting if r.get("kind") == kind]
+        if time.monotonic() - min(r["received"] for r in batch) < self.gather:
+            return  # others of the same kind may be on their way
         if kind == "join":
             batch = self._launches_ready(batch)
         self.world.waiting = [r for r in self.world.waiting if all(r is not b for b in batch)]
@@ -211,13 +216,14 @@ def _unsigned(blob: bytes) -> dict:
         return {"nonce": "unreadable", "member": "?", "kind": "?"}
 
 
-def serve_forever(host: str, port: int, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
-                  launch_wait: float = 60.0, on_ready: Callable[[int], None] | None = None) -> None:
-    """Host the job's store on ``host:port`` (0: a free port) until the process is stopped."""
+def serve_forever(host: str, port: int, token: bytes | str, *, on_ready: Callable[[int], None] | None = None,
+                  **options: float) -> None:
+    """Host the job's store on ``host:port`` (0: a free port) until the process is stopped; ``options``
+    are ``StoreServer``'s (``margin``, ``dead_after``, ``launch_wait``, ``gather``)."""
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
     if on_ready is not None:
         on_ready(store.port)
-    StoreServer(store, token, margin=margin, dead_after=dead_after, launch_wait=launch_wait).serve()
+    StoreServer(store, token, **options).serve()
 
 
 __all__ = ["StoreServer", "serve_forever"]

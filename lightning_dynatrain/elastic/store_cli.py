@@ -32,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds without a heartbeat after which a member counts as failed (default 10)")
     p.add_argument("--launch-wait", type=float, default=60.0,
                    help="seconds a join waits for the other processes of its launch (default 60)")
+    p.add_argument("--gather", type=float, default=1.0,
+                   help="seconds requests of one kind are gathered into one change (default 1)")
     p.set_defaults(func=_run)
 
 
@@ -49,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         serve_forever(args.host, args.port, token, margin=args.margin, dead_after=args.dead_after,
-                      launch_wait=args.launch_wait, on_ready=ready)
+                      launch_wait=args.launch_wait, gather=args.gather, on_ready=ready)
     except KeyboardInterrupt:
         return 0
     return 0
