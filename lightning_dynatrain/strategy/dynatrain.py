@@ -16,7 +16,8 @@ Example::
 Launchers: ``python train.py`` (Lightning's subprocess launcher, as for DDP), ``torchrun`` and
 ``fabric run`` (TorchElasticEnvironment), ``srun`` (SLURMEnvironment). Lightning's ranks and world
 come from the cluster environment; every data-parallel notion (``distributed_sampler_kwargs``,
-``reduce``) comes from the *current layout*.
+``reduce``) comes from the *current layout*. Each process's intra-op threads are fitted to the cores
+of its node, whatever the launcher set (``threads.py``; ``DYNATRAIN_NUM_THREADS=N`` overrides).
 
 Data: the dataloader serves the same GLOBAL batch on every rank (``GlobalBatchSampler``); the
 strategy slices this rank's data-parallel share at each step, so a switch needs no dataloader
@@ -44,7 +45,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
@@ -67,6 +67,7 @@ from lightning_dynatrain.strategy.optimizer_handle import MegatronOptimizerHandl
 from lightning_dynatrain.strategy.precision import MegatronPrecision, megatron_precision, resolve_params_dtype
 from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.switching import LayoutSwitching
+from lightning_dynatrain.strategy.threads import fit_intra_op_threads
 from lightning_dynatrain.strategy.validation import WorldSizeError, validate_target
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -233,10 +234,12 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        # Lightning's subprocess launcher sets the thread count only after starting the other ranks,
-        # so they would each use every core; share the cores here (no-op if OMP_NUM_THREADS is set).
-        _set_num_threads_if_needed(num_processes=max(1, self.num_processes))
         self._setup_distributed()
+        # Share the node's cores among its processes: launchers leave 1 thread each (torchrun), cores //
+        # processes (Lightning's), or every core in each (fabric run, srun). See threads.py for the rule.
+        threads = fit_intra_op_threads(local_processes=max(1, self.num_processes))
+        if threads.message:
+            rank_zero_info(threads.message)
         requested = self._requested_layout
         layout = ParallelConfig(dp=self.world_size) if requested == "auto" else requested
         self._layout = validate_target(layout, world_size=self.world_size)
