@@ -70,6 +70,7 @@ from lightning_dynatrain.strategy.switching import LayoutSwitching
 from lightning_dynatrain.strategy.threads import fit_intra_op_threads
 from lightning_dynatrain.strategy.validation import WorldSizeError, validate_target
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -234,6 +235,8 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        # before megatron-core is first imported (init_groups): its import-time notices are named there
+        quiet_third_party_warnings(on_cpu=self.root_device.type == "cpu")
         self._setup_distributed()
         # Share the node's cores among its processes: launchers leave 1 thread each (torchrun), cores //
         # processes (Lightning's), or every core in each (fabric run, srun). See threads.py for the rule.
