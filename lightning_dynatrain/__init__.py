@@ -24,6 +24,8 @@ _EXPORTS = {
     "MegatronRecipe": "lightning_dynatrain.strategy.config",
     "ReconfigReport": "lightning_dynatrain.strategy.report",
     "ScheduledReconfig": "lightning_dynatrain.callbacks.scheduled",
+    "LayoutProgressBar": "lightning_dynatrain.callbacks.progress",
+    "RunRecorder": "lightning_dynatrain.callbacks.run_record",
     "GlobalBatchSampler": "lightning_dynatrain.data.sampler",
     "StdlibBytes": "lightning_dynatrain.data.stdlib_text",
     "StdlibTextDataModule": "lightning_dynatrain.data.datamodule",
