@@ -76,6 +76,15 @@ THIRD_PARTY: tuple[QuietWarning, ...] = (
         UserWarning, r"megatron\.core\.tensor_parallel\.layers",
         "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
         "a CUDA stream setting that means nothing on CPU (megatron-core says it on every tp>1 run)", cpu_only=True),
+    QuietWarning(
+        UserWarning, r"megatron\.core\.tensor_parallel\.layers",
+        "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        "the same CUDA stream advice, on runs with sequence parallelism (MoE with tp>1)", cpu_only=True),
+    QuietWarning(
+        UserWarning, r"torch\.nn\.functional", "Mismatch dtype between input and weight",
+        "under bf16-mixed megatron-core keeps norm weights in fp32 and its torch-norm fallback (no Apex or Transformer "
+        "Engine) passes them with bf16 activations; torch then runs its unfused RMSNorm, which is the computation "
+        "meant, and says it could not use the fused kernel", cpu_only=True),
 )
 
 

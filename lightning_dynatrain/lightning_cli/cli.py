@@ -12,7 +12,8 @@ The schema (``fit --print_config`` prints it whole; ``fit --help`` lists every k
   Defaults differ from Lightning's where the demo needs: CPU, 4 devices, DynaTrainStrategy at
   ``auto``, no logger, no checkpoints, no model summary, 300 steps.
 - ``model``: ``GPTFamilyModule`` (``family``: gpt, llama or moe; sizes; optimizer and LR schedule).
-  ``model.max_steps`` follows ``trainer.max_steps``, and ``model.seed`` ``seed_everything``.
+  ``model.max_steps`` follows ``trainer.max_steps``, and ``model.seed`` and ``data.seed`` follow
+  ``seed_everything`` (an int; ``true``, a random global seed, leaves them at 1234).
 - ``data``: ``StdlibTextDataModule``; ``seq_length`` and ``global_batch_size`` follow the model's.
 - ``schedule``: ``ScheduledReconfig``'s schedule, ``{step: layout}``, ``"STEP:LAYOUT,..."`` or a YAML path.
 - ``out``: the run's directory (``RunRecorder``: metrics.csv, switches.jsonl, loss.png, one
@@ -48,7 +49,8 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 
 SRUN_NOT_USED = QuietWarning(
-    PossibleUserWarning, r"lightning\.fabric\.plugins\.environments\.slurm", "The `srun` command is available on your system but is not used",
+    PossibleUserWarning, r"lightning\.fabric\.plugins\.environments\.slurm",
+    "The `srun` command is available on your system but is not used",
     "Lightning says it on every machine with SLURM installed (this project's tests install it); the demo starts "
     "its own processes on purpose, and under srun the warning does not arise")
 
@@ -69,7 +71,8 @@ class DynaTrainCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--schedule", type=dict[int, str] | str | None, default=None,
-                            help="layout switches: {step: layout}, 'STEP:LAYOUT,...' or a YAML file (ScheduledReconfig)")
+                            help="layout switches: {step: layout}, 'STEP:LAYOUT,...' or a YAML file "
+                            "(ScheduledReconfig)")
         parser.add_argument("--out", type=str, default="runs/train_gpt",
                             help="the run's directory: metrics.csv, switches.jsonl, loss.png, transfers_step{N}.png, "
                             "config.yaml")
@@ -99,14 +102,19 @@ class DynaTrainCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
+        from lightning.pytorch.callbacks import ProgressBar
+
         from lightning_dynatrain.callbacks import LayoutProgressBar, RunRecorder, ScheduledReconfig
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         self.recorder = RunRecorder(cfg.out)
         callbacks = [self.recorder, ScheduledReconfig(cfg.schedule or None)]
-        if cfg.trainer.get("enable_progress_bar") in (None, True):
-            callbacks.append(LayoutProgressBar())
         trainer_callbacks = self._get(self.config_init, "trainer").get("callbacks") or []
+        if not isinstance(trainer_callbacks, list):
+            trainer_callbacks = [trainer_callbacks]
+        own_bar = any(isinstance(c, ProgressBar) for c in trainer_callbacks)  # the config names its own
+        if cfg.trainer.get("enable_progress_bar") in (None, True) and not own_bar:
+            callbacks.append(LayoutProgressBar())
         kwargs["callbacks"] = [*trainer_callbacks, *callbacks]
         return super().instantiate_trainer(**kwargs)
 
