@@ -88,7 +88,7 @@ def compact(row: dict) -> dict:
                                                  "in_place_bytes", "p2p_direct_bytes", "old_freed_bytes",
                                                  "need_bytes", "recycled_bytes") if k in hot}
         out["hot_switch"]["rebuild_steps"] = {k.strip("_"): round(v, 4) for k, v in hot["steps"].items()
-                                              if k != "execute_switch"}
+                                              if k != "engine"}
     out["peak_rss_sum"] = {m: r["peak_rss_sum"] for m, r in row["methods"].items() if "peak_rss_sum" in r}
     out["machine_pages"] = {m: r["machine_pages"] for m, r in row["methods"].items() if "machine_pages" in r}
     out["warm_seconds"] = {m: r["warm_seconds"] for m, r in row["methods"].items() if "warm_seconds" in r}

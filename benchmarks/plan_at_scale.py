@@ -35,7 +35,7 @@ def main() -> None:
     rows = []
     for model, src, dst in CASES:
         report, _ = dry_run(preset(model), ParallelConfig.parse(src), ParallelConfig.parse(dst),
-                            precision=Precision.BF16, gpus_per_node=8)
+                            precision=Precision.BF16)  # nodes of 8 ranks
         r = report.as_dict()
         r.update(model=model, src=src, dst=dst, world=ParallelConfig.parse(src).world_size,
                  meets_goals=r["plan_seconds_per_rank_max"] <= GOAL_PER_RANK_S and r["plan_seconds"] <= GOAL_TOTAL_S)

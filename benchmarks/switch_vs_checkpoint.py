@@ -112,6 +112,7 @@ def vocab_divisor(vocab: int, tps: set[int]) -> int:
 
 def build_setup(args: argparse.Namespace, pairs: list[tuple[str, str]]):
     from benchmarks.baselines.state import BenchSetup
+    from lightning_dynatrain.engine.staging import parse_bytes
     from lightning_dynatrain.megatron.gpt import GPTShape
     from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -119,7 +120,7 @@ def build_setup(args: argparse.Namespace, pairs: list[tuple[str, str]]):
     shape = GPTShape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn_hidden=args.ffn or 4 * args.hidden,
                      vocab_size=args.vocab, seq_length=args.seq, tied_embeddings=False,
                      make_vocab_size_divisible_by=vocab_divisor(args.vocab, tps))
-    return BenchSetup(shape=shape, staging_budget=args.staging_budget, recycle=not args.no_recycle)
+    return BenchSetup(shape=shape, staging_budget=parse_bytes(args.staging_budget), recycle=not args.no_recycle)
 
 
 def run_pair(setup, src: str, dst: str, methods: tuple[str, ...], margin: int, workdir: str) -> dict:

@@ -25,6 +25,7 @@ _EXPORTS = {
     "ReconfigReport": "lightning_dynatrain.strategy.report",
     "ScheduledReconfig": "lightning_dynatrain.callbacks.scheduled",
     "LayoutProgressBar": "lightning_dynatrain.callbacks.progress",
+    "OnNodeChange": "lightning_dynatrain.callbacks.node_change",
     "RunRecorder": "lightning_dynatrain.callbacks.run_record",
     "GlobalBatchSampler": "lightning_dynatrain.data.sampler",
     "StdlibBytes": "lightning_dynatrain.data.stdlib_text",

@@ -1,4 +1,5 @@
-"""``dynatrain``: command-line entry point. ``dynatrain plan`` dry-runs a switch at any scale.
+"""``dynatrain``: command-line entry point. ``dynatrain plan`` dry-runs a switch at any scale;
+``dynatrain store`` hosts an elastic job's store.
 
 Example::
 
@@ -17,6 +18,7 @@ import sys
 
 from pathlib import Path
 
+from lightning_dynatrain.elastic import store_cli
 from lightning_dynatrain.progress_line import ProgressLine
 from lightning_dynatrain.vps.dryrun import GB, LinkModel, dry_run
 from lightning_dynatrain.vps.errors import DynaTrainError
@@ -24,6 +26,7 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.planner import union_world
 from lightning_dynatrain.vps.presets import preset, preset_names
 from lightning_dynatrain.vps.spec import Precision
+from lightning_dynatrain.vps.topology import Topology
 
 _DEFAULTS = LinkModel()
 PROGRESS_AFTER_S = 1.0
@@ -73,11 +76,12 @@ def _run_plan(args: argparse.Namespace) -> int:
                              hint=f"name the file with one of {', '.join(PLOT_SUFFIXES)}, e.g. switch.png")
     precision = Precision(args.precision)
     world = union_world(src, dst)
+    topology = Topology.uniform(world, args.gpus_per_node)
     ranks = f"rank {args.rank}" if args.rank is not None else f"{world} ranks"
     try:
         with ProgressLine(f"dynatrain plan: planning {ranks} of {args.model}", after=PROGRESS_AFTER_S):
-            report, plans = dry_run(spec, src, dst, precision=precision, gpus_per_node=args.gpus_per_node,
-                                    links=links, only_rank=args.rank)
+            report, plans = dry_run(spec, src, dst, precision=precision, topology=topology, links=links,
+                                    only_rank=args.rank)
     except IndexError as err:
         raise DynaTrainError(str(err), hint="pass a rank inside the larger of the two worlds") from None
     if args.plot is not None:
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dynatrain", description="lightning-dynatrain tools")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
+    store_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

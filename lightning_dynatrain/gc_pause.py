@@ -2,15 +2,14 @@
 
 A switch builds many small objects (plans, regions, boxes, megatron modules) in a process that
 already holds hundreds of thousands (a megatron model, its optimizer, cached layouts). Each of
-CPython's full collections walks all of them: measured on the 4-rank benchmark GPT (270M
-parameters, ~420k objects per process), a dp2-tp2-zero1 -> dp1-tp4-zero1 switch spent 0.3-0.5 s
-per rank in generation-2 collections, a quarter of the switch. Megatron-LM pauses the collector
-during training steps for the same reason (``--manual-gc``).
+CPython's full collections walks all of them, which can take a large share of a switch on a big
+model (``benchmarks/RESULTS.md``). Megatron-LM pauses the collector during training steps for the
+same reason (``--manual-gc``).
 
 The planner pauses it around ``plan_rank`` too, for a caller that plans outside a switch.
 
 Nothing in a switch depends on the collector: old state is freed by its storages as the engine
-is done with it (``megatron.old_state``), not by collection. What becomes cyclic garbage during
+is done with it (``memory.old_storage``), not by collection. What becomes cyclic garbage during
 the switch (the old model's module graph) is collected once the collector runs again.
 
 Example::

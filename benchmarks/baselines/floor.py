@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.planner import plan_rank
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
+from lightning_dynatrain.vps.topology import Topology
 
 MiB = 2**20
 
@@ -103,13 +104,13 @@ def measure_speeds(*, nbytes: int = 64 * MiB, copy_bytes: int = 256 * MiB, repea
 
 
 def switch_floor(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, speeds: Speeds, *,
-                 precision: Precision = Precision.FP32, gpus_per_node: int = 8,
+                 precision: Precision = Precision.FP32, topology: Topology | None = None,
                  group: dist.ProcessGroup | None = None) -> Floor:
     """The floor of ``src -> dst`` from every rank's plan (collective; same result on every rank).
 
     Uses the uncached ``plan_rank``: a hot switch timed later still pays for its own plan.
     """
-    plan = plan_rank(spec, src, dst, rank, precision=precision, gpus_per_node=gpus_per_node)
+    plan = plan_rank(spec, src, dst, rank, precision=precision, topology=topology)
     mine = torch.tensor([plan.bytes(plan.recvs, spec, precision), plan.bytes(plan.retains, spec, precision)],
                         dtype=torch.int64)
     table = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]

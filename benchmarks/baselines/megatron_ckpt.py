@@ -29,7 +29,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
-from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState
+from lightning_dynatrain.megatron.state import MegatronState
 
 #: The distributed optimizer's resharding format (see the module docstring).
 SHARDING_TYPE = "fully_reshardable"
@@ -62,7 +62,7 @@ def _use_dp_group_as_gloo_group(optimizer) -> None:
             sub.data_parallel_group_gloo = sub.data_parallel_group
 
 
-def _sharded_state_dict(state: MegatronTrainingState, *, is_loading: bool) -> dict:
+def _sharded_state_dict(state: MegatronState, *, is_loading: bool) -> dict:
     metadata = _metadata(mem_efficient=not is_loading)
     if not is_loading:
         _use_dp_group_as_gloo_group(state.optimizer)
@@ -119,7 +119,7 @@ def _slowest(*seconds: float) -> list[float]:
     return t.tolist()
 
 
-def save(state: MegatronTrainingState, path: str) -> MegatronCkptTimes:
+def save(state: MegatronState, path: str) -> MegatronCkptTimes:
     """Write ``state`` with ``dist_checkpointing.save`` (collective; ``path`` exists, is empty)."""
     dist.barrier()
     t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def save(state: MegatronTrainingState, path: str) -> MegatronCkptTimes:
     return MegatronCkptTimes(prepare, io, 0.0)
 
 
-def load(state: MegatronTrainingState, path: str) -> MegatronCkptTimes:
+def load(state: MegatronState, path: str) -> MegatronCkptTimes:
     """Fill ``state`` (built empty at the new layout, Adam state materialised) from ``path``."""
     dist.barrier()
     t0 = time.perf_counter()

@@ -12,7 +12,9 @@ no model needs to be built to know it.
 
 from __future__ import annotations
 
+from lightning_dynatrain.engine.compiler import switch_program
 from lightning_dynatrain.megatron.memory_check import (
+    GRAD_BYTES_PER_ELEMENT,
     host_available_bytes,
     local_numels,
     proc_field_bytes,
@@ -20,6 +22,7 @@ from lightning_dynatrain.megatron.memory_check import (
 )
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
+from lightning_dynatrain.vps.topology import Topology
 
 GiB = 2**30
 
@@ -35,13 +38,16 @@ def world_state_bytes(spec: ModelSpec, layout: ParallelConfig) -> int:
 
 
 def hot_switch_extra_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, staging_bytes: int,
-                           gpus_per_node: int = 8, recycle: bool = True) -> int:
+                           topology: Topology, recycle: bool = True) -> int:
     """Memory a megatron hot switch needs beyond the state at ``src`` (fp32, world total, upper bound):
     every rank's ``switch_need_bytes`` (what the switch itself checks), added as if all came at once.
-    ``recycle``: the switch's ``StorageRecycler`` may hold up to ``staging_bytes`` of old storage."""
-    return sum(switch_need_bytes(spec, src, dst, rank, precision=Precision.FP32, staging_bytes=staging_bytes,
-                                 recycler_idle_bytes=staging_bytes if recycle else 0, gpus_per_node=gpus_per_node)
-               for rank in range(max(src.world_size, dst.world_size)))
+    ``recycle``: the recycling policy may hold up to ``staging_bytes`` of old storage."""
+    total = 0
+    for rank in range(max(src.world_size, dst.world_size)):
+        program = switch_program(spec, src, dst, rank, Precision.FP32, staging_budget=staging_bytes, topology=topology)
+        grads = GRAD_BYTES_PER_ELEMENT * local_numels(spec, src, rank)[StateKind.PARAM]
+        total += switch_need_bytes(program, old_grad_bytes=grads, held_bytes=staging_bytes if recycle else 0)
+    return total
 
 
 def unsharded_optimizer_bytes(spec: ModelSpec, layout: ParallelConfig, *, dp_rank0_only: bool = False) -> int:

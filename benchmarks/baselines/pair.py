@@ -50,17 +50,19 @@ from benchmarks.baselines.memory import (
     unsharded_optimizer_bytes,
     world_state_bytes,
 )
-from benchmarks.baselines import state as state_module
-from benchmarks.baselines.profile import STEPS, profiled
 from benchmarks.baselines.state import BenchSetup, build_empty_state, build_trained_state, step_of, store_of
-from lightning_dynatrain.engine.staging import parse_bytes
-from lightning_dynatrain.megatron import hot_switch as hot_switch_module
-from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
+from lightning_dynatrain.megatron.hot_switch import hot_switch
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
+from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import set_adam_step
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.planner import union_world
+from lightning_dynatrain.vps.topology import Topology
 
 METHODS = ("hot_switch", "allgather", "dcp", "megatron", "restart")
+#: the phases of a rebuild, as the hot switch names them (``HotSwitchResult.phases``); the checkpoint
+#: baselines' rebuilds (``state.build_empty_state``) time the same ones
+STEPS = ("plan", "memory_check", "groups", "model", "ddp_optimizer", "optimizer_state", "engine")
 WARM_EXTRA_BYTES = 256 * 2**20
 """Memory each rank writes and frees before each method on top of its share of the state's growth
 (``PairBench.warm_memory``): staging buffers, checkpoint reads, temporaries."""
@@ -121,13 +123,15 @@ class PairBench:
         self.rank = rank
         self.src = ParallelConfig.parse(cfg.src)
         self.dst = ParallelConfig.parse(cfg.dst)
-        self.state: MegatronTrainingState | None = None
+        self.state: MegatronState | None = None
         self.fp_src: Fingerprint = {}
         self.step = 0
         self.out: dict = {"methods": {}, "skipped": {}, "errors": {}, "checks": {}, "restores": []}
         # megatron's groups of both layouts, kept for the whole job: every in-process method
         # (the hot switch and the checkpoint baselines' rebuilds) finds them made, none tears them down
         self.groups = ProcessGroupCache()
+        self.topology = Topology.uniform(union_world(self.src, self.dst), cfg.gpus_per_node)
+        self.switch_setup = cfg.setup.switch_setup(self.topology)
 
     # ------------------------------------------------------------------ helpers
     def fits(self, extra: int, what: str) -> str | None:
@@ -172,10 +176,7 @@ class PairBench:
             shutil.rmtree(path, ignore_errors=True)
 
     def switch(self, target: ParallelConfig):
-        return hot_switch(self.state, target, shape=self.setup.shape, seed=self.setup.seed,
-                          staging_budget=self.setup.staging_budget, optimizer_kwargs=self.setup.optimizer,
-                          recycle=self.setup.recycle,
-                          spec=self.spec, gpus_per_node=self.cfg.gpus_per_node, groups=self.groups)
+        return hot_switch(self.state, target, self.switch_setup, groups=self.groups)
 
     # ---------------------------------------------------------------- set up
     def start(self) -> None:
@@ -201,14 +202,14 @@ class PairBench:
         self.out["fingerprint_elements"] = sum(n for _, n in self.fp_src.values())
 
     def floor(self) -> None:
-        floor = switch_floor(self.spec, self.src, self.dst, self.rank, self.speeds, gpus_per_node=self.cfg.gpus_per_node)
+        floor = switch_floor(self.spec, self.src, self.dst, self.rank, self.speeds, topology=self.topology)
         self.out["floor"] = floor.as_dict()
 
     def back_to_src(self, after: str) -> None:
         """Bring the state back to A: hot switch back when it fits, else rebuild A (deterministic)."""
         how = "hot_switch_back"
-        back = hot_switch_extra_bytes(self.spec, self.dst, self.src, parse_bytes(self.setup.staging_budget),
-                                      self.cfg.gpus_per_node, recycle=self.setup.recycle)
+        back = hot_switch_extra_bytes(self.spec, self.dst, self.src, self.setup.staging_budget, self.topology,
+                                      recycle=self.setup.recycle)
         if self.fits(back, "the switch back") is None:
             t0 = self.timed_barrier()
             result = self.switch(self.src)
@@ -232,12 +233,11 @@ class PairBench:
     # ---------------------------------------------------------------- methods
     def hot_switch(self) -> dict:
         t0 = self.timed_barrier()
-        with profiled(hot_switch_module) as steps:
-            result = self.switch(self.dst)
+        result = self.switch(self.dst)
         t1 = time.perf_counter()
         self.state = result.state  # the old state had no other reference: it goes now
-        report, rebuild, inner, freed = result.report, result.rebuild_seconds, result.seconds, result.old_freed_bytes
-        need, recycled = result.need_bytes, result.recycled_bytes
+        report, rebuild, inner, freed = result.report, result.rebuild_seconds, result.seconds, result.memory.freed_bytes
+        need, recycled, steps = result.need_bytes, result.memory.recycled_bytes, dict(result.phases)
         del result
         gc.collect()
         t2 = time.perf_counter()
@@ -256,14 +256,12 @@ class PairBench:
                     peak_staging_bytes=int(peak), need_bytes=int(need), recycled_bytes=int(recycled))
 
     def slowest_steps(self, steps: dict[str, float]) -> dict[str, float]:
-        """Seconds per profiled step (``profile.STEPS``), slowest rank; collective."""
+        """Seconds per step (``STEPS``), slowest rank; collective."""
         return dict(zip(STEPS, _max(*(steps.get(n, 0.0) for n in STEPS))))
 
-    def build_empty(self) -> tuple[MegatronTrainingState, dict[str, float]]:
+    def build_empty(self) -> tuple[MegatronState, dict[str, float]]:
         """The checkpoint baselines' rebuild, with the same step timings as the hot switch's."""
-        with profiled(state_module) as steps:
-            new = build_empty_state(self.setup, self.dst, self.step, self.groups)
-        return new, steps
+        return build_empty_state(self.setup, self.dst, self.step, self.groups)
 
     def allgather(self) -> dict:
         t0 = self.timed_barrier()
@@ -336,8 +334,8 @@ class PairBench:
         a, b = world_state_bytes(self.spec, self.src), world_state_bytes(self.spec, self.dst)
         world = self.src.world_size
         if method == "hot_switch":
-            return (hot_switch_extra_bytes(self.spec, self.src, self.dst, parse_bytes(self.setup.staging_budget),
-                                           self.cfg.gpus_per_node, recycle=self.setup.recycle),
+            return (hot_switch_extra_bytes(self.spec, self.src, self.dst, self.setup.staging_budget, self.topology,
+                                           recycle=self.setup.recycle),
                     "the new buffers and the switch's peak (the old state is freed as it is read)")
         if method == "allgather":
             return b + world * (world + 2) * CHUNK_ELEMENTS * 4, "the new state beside the old"
@@ -453,7 +451,7 @@ def restart_job(rank: int, world: int, cfg: PairConfig, path: str, fp_src: Finge
     started = time.time()
     _settle()
     setup, spec, dst = cfg.setup, cfg.setup.spec, ParallelConfig.parse(cfg.dst)
-    state = build_empty_state(setup, dst, 0)
+    state, _ = build_empty_state(setup, dst, 0)
     built = time.time()
     loaded = dcp.load(store_of(state, spec, rank), spec, dst, rank, path)
     set_adam_step(state.optimizer, loaded.step)

@@ -14,15 +14,17 @@ Example (every rank of a 4-rank gloo world)::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
-from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState
+from lightning_dynatrain.megatron.hot_switch import SwitchSetup
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
+from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import adam_step, materialize_adam_state, megatron_store
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec
@@ -42,14 +44,20 @@ class BenchSetup:
     """Sequences in the one training step that gives Adam its state (split over data parallel)."""
     train_seq: int = 32
     """Tokens per sequence of that step (the model's ``seq_length`` is only its maximum)."""
-    staging_budget: str = "256MiB"
-    """The hot switch's staging budget."""
+    staging_budget: int = 256 * 2**20
+    """The hot switch's staging budget (bytes)."""
     recycle: bool = True
-    """Whether the hot switch writes new state into old storages (``engine.recycling``)."""
+    """Whether the hot switch writes new state into old storages (``memory.RecyclingMemory``)."""
 
     @cached_property
     def spec(self) -> ModelSpec:
         return logical_spec(self.shape)
+
+    def switch_setup(self, topology) -> SwitchSetup:
+        """What the hot switch of this run is given (no broadcast promotion: the default pairs
+        have none that pays here, and every method then moves the same bytes point to point)."""
+        return SwitchSetup(shape=self.shape, seed=self.seed, optimizer=self.optimizer,
+                           staging_budget=self.staging_budget, recycle=self.recycle, topology=topology)
 
 
 def _batch(setup: BenchSetup, layout: ParallelConfig, rank: int) -> dict[str, torch.Tensor]:
@@ -62,7 +70,7 @@ def _batch(setup: BenchSetup, layout: ParallelConfig, rank: int) -> dict[str, to
 
 
 def build_trained_state(setup: BenchSetup, layout: ParallelConfig, rank: int,
-                        groups: ProcessGroupCache | None = None) -> MegatronTrainingState:
+                        groups: ProcessGroupCache | None = None) -> MegatronState:
     """Build the model at ``layout`` (layout-independent init) and run one optimizer step.
 
     Deterministic: the same setup and layout give the same state bit for bit, so a state can be
@@ -70,30 +78,36 @@ def build_trained_state(setup: BenchSetup, layout: ParallelConfig, rank: int,
     """
     if setup.global_batch % layout.dp:
         raise ValueError(f"global_batch={setup.global_batch} is not a multiple of dp={layout.dp}")
-    initialize_for_layout(layout, seed=setup.seed, groups=groups)
-    model = build_gpt_model(setup.shape, layout, seed=setup.seed)
-    ddp, optimizer = build_ddp_and_optimizer(model, layout, **setup.optimizer)
+    pgs = initialize_for_layout(layout, seed=setup.seed, groups=groups)
+    model = build_gpt_model(setup.shape, layout, seed=setup.seed, pg_collection=pgs)
+    ddp, optimizer = build_ddp_and_optimizer(model, layout, pg_collection=pgs, **setup.optimizer)
     batch = _batch(setup, layout, rank)
     run_train_step(ddp, optimizer, batch, layout, num_microbatches=batch["tokens"].shape[0])
-    return MegatronTrainingState(layout=layout, ddp=ddp, optimizer=optimizer)
+    return MegatronState(layout=layout, groups=pgs, ddp=ddp, optimizer=optimizer)
 
 
 def build_empty_state(setup: BenchSetup, layout: ParallelConfig, step: int,
-                      groups: ProcessGroupCache | None = None) -> MegatronTrainingState:
+                      groups: ProcessGroupCache | None = None) -> tuple[MegatronState, dict[str, float]]:
     """Megatron groups, model, DDP and optimizer for ``layout``, weights not initialised, Adam state
-    allocated (zeros) at ``step``: what a checkpoint load or an in-memory switch then fills."""
-    initialize_for_layout(layout, seed=setup.seed, groups=groups)
-    model = build_gpt_model(setup.shape, layout, seed=setup.seed, initialize=False)
-    ddp, optimizer = build_ddp_and_optimizer(model, layout, **setup.optimizer)
+    allocated (zeros) at ``step``: what a checkpoint load then fills. With the seconds of each
+    step, named as the hot switch names its phases (``HotSwitchResult.phases``)."""
+    seconds, t0 = {}, time.perf_counter()
+    pgs = initialize_for_layout(layout, seed=setup.seed, groups=groups)
+    seconds["groups"], t0 = time.perf_counter() - t0, time.perf_counter()
+    model = build_gpt_model(setup.shape, layout, seed=setup.seed, initialize=False, pg_collection=pgs)
+    seconds["model"], t0 = time.perf_counter() - t0, time.perf_counter()
+    ddp, optimizer = build_ddp_and_optimizer(model, layout, pg_collection=pgs, **setup.optimizer)
+    seconds["ddp_optimizer"], t0 = time.perf_counter() - t0, time.perf_counter()
     materialize_adam_state(optimizer, step)
-    return MegatronTrainingState(layout=layout, ddp=ddp, optimizer=optimizer)
+    seconds["optimizer_state"] = time.perf_counter() - t0
+    return MegatronState(layout=layout, groups=pgs, ddp=ddp, optimizer=optimizer), seconds
 
 
-def step_of(state: MegatronTrainingState) -> int:
+def step_of(state: MegatronState) -> int:
     return adam_step(state.optimizer) or 0
 
 
-def store_of(state: MegatronTrainingState, spec: ModelSpec, rank: int) -> dict:
+def store_of(state: MegatronState, spec: ModelSpec, rank: int) -> dict:
     """Every local tensor of the state keyed ``(tensor, kind, stack)`` (live views, no copies)."""
     return megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
 

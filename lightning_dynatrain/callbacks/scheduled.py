@@ -20,12 +20,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_dynatrain.engine.errors import was_refused
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -128,6 +129,11 @@ class ScheduledReconfig(Callback):
     Args:
         schedule: ``{step: layout}``, ``"STEP:LAYOUT,STEP:LAYOUT"``, or a YAML file path with a
             ``schedule:`` mapping (see module docstring). Empty/``None``: never switch.
+        on_refused: what a switch refused before anything moved does (memory, staging budget, a
+            target that does not fit the current world; ``engine.errors.was_refused``):
+            ``"continue"`` (default) warns with the reason, records it (``refusals``) and training
+            goes on at the old layout; ``"raise"`` ends ``fit`` with the error. A switch that fails
+            once bytes moved always raises.
 
     Raises:
         ScheduleError: at construction, when the schedule cannot be read; at ``setup``, when an entry
@@ -139,12 +145,17 @@ class ScheduledReconfig(Callback):
         trainer = Trainer(strategy=DynaTrainStrategy("dp2-tp2-pp1"), devices=4,
                           callbacks=[ScheduledReconfig({200: "dp1-tp2-pp2"})])
 
-    State (``state_dict``): the steps whose switch already ran, so a resumed run does not repeat them.
+    State (``state_dict``): the steps whose switch already ran or was refused, so a resumed run does
+    not repeat them, and the refusals (``(step, layout, error type, message)``).
     """
 
-    def __init__(self, schedule: ScheduleLike) -> None:
+    def __init__(self, schedule: ScheduleLike, *, on_refused: Literal["continue", "raise"] = "continue") -> None:
+        if on_refused not in ("continue", "raise"):
+            raise ScheduleError(f"on_refused={on_refused!r}", hint='use "continue" or "raise"')
         self.schedule: dict[int, ParallelConfig] = parse_schedule(schedule)
+        self.on_refused = on_refused
         self.done: set[int] = set()
+        self.refusals: list[tuple[int, str, str, str]] = []
 
     @property
     @override
@@ -175,7 +186,7 @@ class ScheduledReconfig(Callback):
         due = [s for s in self.schedule if s <= trainer.global_step and s not in self.done]
         if due:  # step 0, or entries a resumed run has passed: go to the latest of them
             self.done.update(due)
-            self._strategy(trainer).reconfigure(self.schedule[max(due)])
+            self._switch(trainer, max(due))
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
@@ -183,15 +194,28 @@ class ScheduledReconfig(Callback):
         step = trainer.global_step
         if step in self.schedule and step not in self.done:
             self.done.add(step)
-            self._strategy(trainer).reconfigure(self.schedule[step])
+            self._switch(trainer, step)
+
+    def _switch(self, trainer: "pl.Trainer", step: int) -> None:
+        strategy = self._strategy(trainer)
+        try:
+            strategy.reconfigure(self.schedule[step])
+        except DynaTrainError as err:
+            if self.on_refused == "raise" or not was_refused(err):
+                raise
+            self.refusals.append((step, str(self.schedule[step]), type(err).__name__, str(err)))
+            rank_zero_warn(f"ScheduledReconfig: the switch to {self.schedule[step]} at step {step} was refused before "
+                           f"anything moved ({type(err).__name__}: {err}); training goes on at {strategy.layout}")
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"done": sorted(self.done), "schedule": {s: str(l) for s, l in self.schedule.items()}}
+        return {"done": sorted(self.done), "schedule": {s: str(l) for s, l in self.schedule.items()},
+                "refusals": [list(r) for r in self.refusals]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.done = {int(s) for s in state_dict.get("done", [])}
+        self.refusals = [tuple(r) for r in state_dict.get("refusals", [])]
 
 
 def validate_schedule(schedule: Mapping[int, ParallelConfig], *, world_size: int, start: ParallelConfig | None = None,

@@ -11,19 +11,19 @@ decision is made by a cost model fed with measured bandwidths (``measure_link_co
   each member in turn, which the measurement over the whole group shows as a low bandwidth, so the
   model stays conservative for smaller k).
 
-Without costs nothing is promoted. Every rank computes the same ``BroadcastPlan`` from every rank's
-plan (``plan_all``) and the same costs (``measure_link_costs`` agrees on them with an all-reduce), so
-every rank creates the same subgroups in the same order and runs the same broadcasts in the same
-global order. That order, and running all broadcasts in a phase of their own before the XOR steps,
-is what keeps the switch free of deadlocks: the first unfinished broadcast always has all its
-members waiting on it.
+Without costs nothing is promoted. A sender's jobs follow from its plan and the costs alone, so
+each member of a job computes the same job (``compile_switch`` asks for the plans of the senders a
+rank receives from; ``measure_link_costs`` agrees on the costs with an all-reduce), creates its
+subgroup and runs its broadcasts in the same global order (sorted by members). That order, and
+running all broadcasts in a phase of their own before the XOR steps, is what keeps the switch free
+of deadlocks: the first unfinished broadcast always has all its members waiting on it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning_dynatrain.engine.comm import GroupComm
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.plan import RankPlan
-from lightning_dynatrain.vps.spec import Precision, StateKind
+from lightning_dynatrain.vps.spec import StateKind
 
 Item = tuple[str, StateKind, Box]
 
@@ -106,12 +106,16 @@ class BroadcastPlan:
 
 
 def plan_broadcasts(plans: Mapping[int, RankPlan], costs: LinkCosts | None, *,
-                    precision: Precision = Precision.FP32, min_peers: int = 2) -> BroadcastPlan:
-    """The broadcasts worth running instead of point-to-point sends, from every rank's plan.
+                    itemsize: Callable[[str, StateKind], int], min_peers: int = 2,
+                    member: int | None = None) -> BroadcastPlan:
+    """The broadcasts worth running instead of point-to-point sends, from the senders' plans.
 
     A box a sender sends to ``min_peers`` or more peers is grouped with the sender's other boxes for
     the same peers into one job; a job is promoted when ``costs`` says one broadcast of its bytes
-    beats that many sends. ``costs=None`` promotes nothing. Pure and deterministic.
+    (``itemsize(tensor, kind)`` per element) beats that many sends. ``costs=None`` promotes nothing.
+    Pure and deterministic; each sender's jobs depend on its plan only, so the plans of a subset of
+    senders give exactly those senders' jobs. ``member``: only the jobs that rank takes part in
+    (``itemsize`` is then asked only about what it holds).
     """
     if costs is None:
         return BroadcastPlan()
@@ -125,7 +129,9 @@ def plan_broadcasts(plans: Mapping[int, RankPlan], costs: LinkCosts | None, *,
             if len(peers) >= min_peers:
                 by_receivers[tuple(sorted(peers))].append(item)
         for receivers, items in by_receivers.items():
-            nbytes = sum(b.numel * precision.element_size(k) for _, k, b in items)
+            if member is not None and member != sender and member not in receivers:
+                continue
+            nbytes = sum(b.numel * itemsize(t, k) for t, k, b in items)
             if costs.broadcast_pays(nbytes, len(receivers)):
                 jobs.append(BroadcastJob(sender, receivers, tuple(items)))
     jobs.sort(key=lambda j: (j.members, j.sender, j.receivers))
@@ -136,20 +142,26 @@ class SubgroupCache:
     """Subgroups for broadcasts, created once and kept by their members (global ranks).
 
     Pass the same cache to every switch of a run (a strategy owns one): switching back to a layout
-    then creates nothing. Every rank of the switch's group must call ``ensure`` with the same member
-    sets, which it does when every rank uses the same ``BroadcastPlan``.
+    then creates nothing. ``ensure`` is collective: the ranks gather the member sets each takes
+    part in, and all create the missing ones in sorted order (``new_group`` on every rank of the
+    world: with ``use_local_synchronization`` torch names a group by the ranks *and* by how many
+    groups the creating rank has already, so members with different histories would wait on
+    different names). ``close()`` destroys them.
     """
 
     def __init__(self) -> None:
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
     def ensure(self, member_sets: Iterable[tuple[int, ...]], comm: GroupComm) -> None:
-        """Create the missing subgroups of ``member_sets`` (plan ranks), in sorted order, on every rank."""
-        for members in sorted(set(member_sets)):
+        """Create the missing subgroups of every rank's ``member_sets`` (plan ranks: the broadcasts
+        each rank takes part in), in sorted order. Collective over ``comm``: every rank calls it,
+        with what it knows (possibly nothing)."""
+        gathered: list[list[tuple[int, ...]] | None] = [None] * comm.size
+        dist.all_gather_object(gathered, sorted(set(member_sets)), group=comm.group)
+        for members in sorted({tuple(m) for sets in gathered for m in (sets or ())}):
             ranks = comm.global_ranks(members)
             if ranks not in self._groups:
-                group = dist.new_group(list(ranks), use_local_synchronization=not comm.is_world())
-                self._groups[ranks] = group
+                self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=not comm.is_world())
 
     def get(self, members: tuple[int, ...], comm: GroupComm) -> dist.ProcessGroup:
         ranks = comm.global_ranks(members)
@@ -158,6 +170,13 @@ class SubgroupCache:
 
     def __len__(self) -> int:
         return len(self._groups)
+
+    def close(self) -> None:
+        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+        for group in self._groups.values():
+            if group in registered:
+                dist.destroy_process_group(group)
+        self._groups.clear()
 
 
 def measure_link_costs(group: dist.ProcessGroup | None = None, *, nbytes: int = 4 * 2**20,

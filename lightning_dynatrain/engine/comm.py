@@ -16,6 +16,15 @@ import torch
 import torch.distributed as dist
 
 
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (default: WORLD), as the group itself numbers it.
+
+    ``dist.get_rank(group)`` maps the *current* world's rank through the group's table, which is
+    wrong for a group of an earlier world (a world change runs its switch on the old world's group
+    after the new world became the default)."""
+    return (group if group is not None else dist.distributed_c10d._get_default_group()).rank()
+
 class GroupComm:
     """The process group of one switch, with its rank numbering and device. Build one per switch."""
 
@@ -26,7 +35,7 @@ class GroupComm:
                 "(torch.distributed.init_process_group); the strategy sets it up in setup_environment"
             )
         self.group = group
-        self.rank = dist.get_rank(group)
+        self.rank = group_rank(group)
         self.size = dist.get_world_size(group)
         self.device = device if device is not None else default_device(group)
 
@@ -62,4 +71,4 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-__all__ = ["GroupComm", "default_device", "synchronize"]
+__all__ = ["GroupComm", "default_device", "group_rank", "synchronize"]

@@ -27,4 +27,17 @@ class EngineInternalError(RuntimeError):
     """A plan and the regions it was computed from disagree: a bug, please report it."""
 
 
-__all__ = ["EngineInternalError", "StagingBudgetError", "StateStoreError", "SwitchAbortedError"]
+def mark_refused(err: BaseException) -> BaseException:
+    """Mark ``err`` as raised before the switch moved or freed anything, on every rank: the old
+    state is whole and training can go on at the old layout. Returns ``err``."""
+    err.switch_refused = True  # type: ignore[attr-defined]
+    return err
+
+
+def was_refused(err: BaseException) -> bool:
+    """Whether ``err`` refused a switch before anything moved (``mark_refused``)."""
+    return bool(getattr(err, "switch_refused", False))
+
+
+__all__ = ["EngineInternalError", "StagingBudgetError", "StateStoreError", "SwitchAbortedError", "mark_refused",
+           "was_refused"]

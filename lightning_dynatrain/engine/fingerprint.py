@@ -9,7 +9,7 @@ axis (seeded by the tensor's name). ``H`` is a sum over elements, so it does not
 tensor is cut into boxes: two layouts holding the same logical state give the same fingerprint, and
 a moved, transposed or corrupted element changes it (but for a 2**-32 chance). Each piece is hashed
 by its primary holder only (replicas once); one all-reduce adds the ranks' terms. The weighted sum
-is a chain of int32 multiply-and-sum contractions, about 2.5 GB/s per core.
+is a chain of int32 multiply-and-sum contractions (no copy of the state is made).
 
 Example (every rank)::
 

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lightning_dynatrain.engine.staging import format_bytes
+from lightning_dynatrain.vps.topology import Topology
 
 PHASES = ("plan", "allocate", "copy", "pack", "transfer", "unpack", "free")
 
@@ -51,7 +52,7 @@ class SwitchReport:
             ``transfer`` (waiting on p2p and broadcasts), ``unpack``, ``free`` (dropping source tensors).
         total_seconds: wall time of the whole switch on this rank.
         sent_intra_node_bytes / sent_inter_node_bytes: bytes this rank delivered to peers on its
-            node / on other nodes (node = rank // gpus_per_node).
+            node / on other nodes (the switch's ``Topology``).
         recv_intra_node_bytes / recv_inter_node_bytes: bytes this rank received, by the sender's node.
         retained_bytes: bytes this rank keeps: copied from the old storage to the new, or kept in place.
         stages: pack buffers exchanged (p2p stages with a peer, plus broadcast stages joined).
@@ -62,7 +63,8 @@ class SwitchReport:
         p2p_direct: the part of ``p2p`` sent from or received into state storage directly (no
             pack or unpack copy on this rank).
         local_copy_pages: the bytes of ``local_copy`` moved by their whole pages instead of copied
-            (``execute_switch(copy_pages=...)``, CPU), and the copies that did so.
+            (the recycling memory policy, CPU), and the copies that did so.
+        recv_broadcast_bytes: of the bytes received, those promoted broadcasts carried.
     """
 
     rank: int
@@ -90,6 +92,7 @@ class SwitchReport:
     local_copy: PrimitiveStats
     in_place: PrimitiveStats
     local_copy_pages: PrimitiveStats = PrimitiveStats()
+    recv_broadcast_bytes: int = 0
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -122,14 +125,15 @@ class SwitchReport:
 class SwitchRecorder:
     """Accumulates one switch's figures on one rank (mutable, local to one ``execute_switch`` call)."""
 
-    def __init__(self, rank: int, gpus_per_node: int, sync: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, rank: int, topology: Topology, sync: Callable[[], None] = lambda: None) -> None:
         self.rank = rank
-        self.gpus_per_node = gpus_per_node
+        self.topology = topology
         self._sync = sync
         self.seconds = {p: 0.0 for p in PHASES}
         self.sent = [0, 0]  # intra, inter
         self.recv = [0, 0]
         self.retained = 0
+        self.recv_broadcast = 0
         self.stages = 0
         self.live_staging = 0
         self.peak_staging = 0
@@ -158,7 +162,7 @@ class SwitchRecorder:
             pass
 
     def same_node(self, peer: int) -> bool:
-        return peer // self.gpus_per_node == self.rank // self.gpus_per_node
+        return self.topology.same_node(peer, self.rank)
 
     def delivered(self, peer: int, nbytes: int) -> None:
         self.sent[0 if self.same_node(peer) else 1] += nbytes
@@ -200,6 +204,7 @@ class SwitchRecorder:
             local_copy=PrimitiveStats(*self.ops["local_copy"]),
             in_place=PrimitiveStats(*self.ops["in_place"]),
             local_copy_pages=PrimitiveStats(*self.ops["local_copy_pages"]),
+            recv_broadcast_bytes=self.recv_broadcast,
         )
 
 

@@ -424,12 +424,11 @@ def megatron_on_cpu(inner: TorchFunctionMode | None = None) -> Iterator[None]:
     the ``torch.cuda`` stand-ins are process-wide while any thread is inside.
 
     ``inner``: a ``TorchFunctionMode`` the enclosed calls should also run under, seeing CPU devices
-    (``hot_switch`` builds DDP's buffers under ``CarveBuffers``). On CPU, at the outermost entry,
-    the adapter's mode calls its handler directly after the rewrite: every torch call, a tensor's
-    attribute reads included, then pays one mode's dispatch instead of two, about 1 us less each.
-    Megatron's DDP and optimizer construction under ``CarveBuffers``, CPU per rank of 4: 47 -> 36 ms
-    for the benchmark's 16-layer GPT, 155 -> 120 ms at 64 layers. Nested, it runs inside an adapter
-    mode of its own; with CUDA, it is entered as it is.
+    (``hot_switch`` builds DDP's buffers under ``carve_buffers.CarveBuffers``). On CPU, at the
+    outermost entry, the adapter's mode calls its handler directly after the rewrite: every torch
+    call, a tensor's attribute reads included, then pays one mode's dispatch instead of two (megatron's
+    DDP and optimizer construction makes thousands). Nested, it runs inside an adapter mode of its
+    own; with CUDA, it is entered as it is.
     """
     if not apply_cpu_patches():
         with inner if inner is not None else contextlib.nullcontext():

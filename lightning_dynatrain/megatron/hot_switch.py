@@ -2,242 +2,270 @@
 
 On every rank, between two optimizer steps:
 
-1. plan this rank's sends, receives and retains (``vps.planner``: pure, no communication), and
-   check that every rank's memory can take the switch (``memory_check``: one small all-gather; a
-   switch that does not fit raises ``SwitchMemoryError`` on every rank, with nothing moved);
-2. re-initialise megatron's process groups for the new layout (``parallel_state_adapter``);
-3. build the new layout's model, DDP buffers and optimizer *without* initialising weights, and give
-   the optimizer uninitialised Adam state at the current step (``torch.empty``: the plan writes
-   every element, vocabulary padding rows only the new layout has included);
-4. let the engine move every box from the old model/optimizer tensors into the new ones
-   (``engine.execute_switch``): a local tensor retained whole at the same local layout is kept in
-   place (the new parameter or Adam state is rebound to the old tensor,
-   ``megatron_store_and_adopter``; when that tensor shares its storage with others, the rest of the
-   storage is given back as the engine releases it, ``OldStateMemory.kept``),
-   other retained boxes are copied locally, the rest exchanged pairwise;
-5. drop the old model and optimizer.
+1. **plan**: this rank's compiled switch program (``engine.compiler.switch_program``: pure, cached
+   by its inputs), and its old state as the engine's store of local tensors;
+2. **check memory**: every rank's bound on what its switch takes beyond the state
+   (``memory_check``), compared per host or device in one small all-gather; a switch that does not
+   fit raises ``SwitchMemoryError`` on every rank, with nothing moved;
+3. **rebuild**: megatron's groups for the target (kept in ``groups``), the target's model, DDP
+   buffers and optimizer, built *without* initialising weights, on those groups, and Adam state
+   at the current step, uninitialised (the program writes every element);
+4. **execute**: the engine walks the program (``engine.walker``) with the memory policy chosen
+   once from the device (``memory.switch_memory``): on accelerators plain allocation, on CPU new
+   state written into the old state's memory (``memory.RecyclingMemory``; megatron's DDP buffers
+   built into the old gradient buffers, ``carve_buffers``);
+5. the new ``MegatronState``, for the caller to install.
 
-Memory: the old gradient buffers are freed before the new model is built (``old_state.py``), and
-each old tensor's storage as soon as the engine has read it for the last time, while the new
-tensors (allocated untouched) take memory as they are written. On CPU the storages the engine is
-done with are not handed back to the OS but carved into the new params and moments that come next
-(``engine.recycling``): new state is written into memory the old state already touched, which
-saves faulting in (and the kernel zeroing) fresh pages. New DDP buffers go into the old gradient
-buffers' memory where they fit; where they do not, they stay untouched until written: the zero1
-param buffer by the engine (DDP's copy of the uninitialised params into it is skipped), a gradient
-buffer after the engine (``CarveBuffers(skip_copies=True)``). Into those, and into
-new tensors no old storage could be carved for, the pages of old storage the engine freed are moved
-first (``StorageRecycler.fill``, Linux ``mremap``), so that they too are written in memory already
-touched; what the gradient buffers will take is held back for them, and their pages that no old
-memory backs are faulted in at the end, not in the first step. A retained piece copied for the
-last time from a contiguous old tensor into a contiguous new one at the same offset in a page (a
-param into the zero1 param buffer, say) exchanges its whole pages with the new tensor's instead of
-being copied (``StorageRecycler.copy_by_pages``). So old and new state overlap only
-as far as the plan's order makes them; the engine's staging budget bounds what comes on top. A
-switch refused before anything moved (a bad budget, on every rank) leaves the old state whole.
+A switch refused before anything moved (memory, a budget below a row, state that does not match,
+on every rank) restores the old gradient buffers and groups: training can go on at the source.
+
+Example (every rank)::
+
+    setup = SwitchSetup(shape=shape, seed=1234, optimizer=dict(lr=1e-3), staging_budget=256 * 2**20)
+    result = hot_switch(state, ParallelConfig.parse("dp1-tp2-pp2"), setup, groups=ProcessGroupCache())
+    state = result.state
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.engine.engine import execute_switch
-from lightning_dynatrain.engine.recycling import BUFFER_GROUP, CarveBuffers, StorageRecycler, state_group
+from lightning_dynatrain.engine.collectives import LinkCosts, SubgroupCache
+from lightning_dynatrain.engine.comm import group_rank
+from lightning_dynatrain.engine.compiler import switch_program
+from lightning_dynatrain.engine.errors import mark_refused
+from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.engine.report import SwitchReport
-from lightning_dynatrain.engine.staging import parse_bytes
+from lightning_dynatrain.engine.walker import execute_switch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
+from lightning_dynatrain.megatron.carve_buffers import switch_buffers
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
-from lightning_dynatrain.megatron.memory_check import check_switch_memory, switch_need_bytes
-from lightning_dynatrain.megatron.old_state import OldStateMemory
+from lightning_dynatrain.megatron.memory_check import SwitchMemoryError, check_switch_memory, switch_need_bytes
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, copy_group_settings
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
+from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import (
+    MegatronTarget,
     adam_step,
     materialize_adam_state,
     megatron_store,
-    megatron_store_and_adopter,
     precision_of,
 )
+from lightning_dynatrain.memory.policy import MemoryFigures, PlainMemory, switch_memory
+from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.mapping import rank_regions
-from lightning_dynatrain.vps.planner import plan_rank_cached
-from lightning_dynatrain.vps.spec import ModelSpec
+from lightning_dynatrain.vps.members import Members
+from lightning_dynatrain.vps.planner import default_topology
+
+from lightning_dynatrain.vps.spec import ModelSpec, Precision
+from lightning_dynatrain.vps.topology import Topology
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class MegatronTrainingState:
-    """What a rank trains with at one layout: the DDP-wrapped model and its megatron optimizer."""
+class SwitchSetup:
+    """What every hot switch of a run shares: the model, its optimizer, the switch's budgets and the
+    world's measured topology and links. Parsed and measured once, where the run starts."""
 
-    layout: ParallelConfig
-    ddp: Any
-    optimizer: Any
+    shape: GPTShape
+    """The layout-free model."""
+    seed: int
+    """Megatron's RNG seed (``initialize_for_layout``)."""
+    optimizer: Mapping[str, object]
+    """``build_ddp_and_optimizer``'s settings (lr, weight decay, betas, ...): as the old optimizer's."""
+    staging_budget: int
+    """Bytes of stage buffers alive at once."""
+    memory_limit: int | None = None
+    """At most this many bytes one rank's switch may take beyond its state; ``None``: no limit."""
+    check_memory: bool = True
+    """Compare every host's (device's) need with its free memory before anything moves."""
+    recycle: bool | None = None
+    """Write new state into old memory (default: on CPU, ``memory.switch_memory``)."""
+    topology: Topology | None = None
+    """The node of every rank (default: nodes of 8 ranks)."""
+    link_costs: LinkCosts | None = None
+    """The world's measured link speeds: broadcasts are promoted where they pay; ``None``: never."""
+    spec: ModelSpec = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", logical_spec(self.shape))
+        object.__setattr__(self, "optimizer", MappingProxyType(dict(self.optimizer)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HotSwitchResult:
-    """The new state and the figures of the switch (the engine's report plus the rebuild time)."""
+    """The new state and what the switch cost on this rank."""
 
-    state: MegatronTrainingState
+    state: MegatronState
     report: SwitchReport
-    rebuild_seconds: float
-    """Building the new model, DDP buffers and optimizer, and giving (after the engine) the gradient
-    buffers left untouched until then their memory."""
+    """The engine's figures (bytes, primitives, its phases)."""
+    phases: Mapping[str, float]
+    """Seconds of the switch's own phases: ``plan``, ``memory_check``, ``groups``, ``model``,
+    ``ddp_optimizer``, ``optimizer_state``, ``engine`` (the engine's share, detailed in ``report``)."""
     seconds: float
-    old_freed_bytes: int
-    """Memory of the old state given back during the switch (gradient buffers, then each storage
-    the engine was done with); what the new layout kept in place is in ``report.in_place``."""
-    recycled_bytes: int = 0
-    """New state written into old memory instead of fresh memory (``engine.recycling``): carved out of
-    old storages, or backed by their pages moved into it (``StorageRecycler.fill``)."""
-    moved_page_bytes: int = 0
-    """Of ``recycled_bytes``: old pages moved into new tensors and buffers (``StorageRecycler.fill``)."""
-    skipped_copy_bytes: int = 0
-    """DDP's copies of the new model's uninitialised params into its zero1 param buffer, skipped
-    (``CarveBuffers(skip_copies=True)``): the engine writes that buffer."""
+    memory: MemoryFigures
     need_bytes: int | None = None
-    """The bound on this rank's extra memory the switch was checked against (``memory_check``);
-    ``None`` when it was not checked."""
+    """The bound on this rank's extra memory the switch was checked against; ``None``: not checked."""
+
+    @property
+    def rebuild_seconds(self) -> float:
+        """Building the target's groups, model, DDP buffers, optimizer and Adam state."""
+        return sum(self.phases.get(p, 0.0) for p in ("groups", "model", "ddp_optimizer", "optimizer_state"))
+
+
+class _Phases:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 @automatic_gc_paused()
-def hot_switch(
-    current: MegatronTrainingState,
-    target: ParallelConfig,
-    *,
-    shape: GPTShape,
-    seed: int,
-    staging_budget: int | str,
-    optimizer_kwargs: dict,
-    spec: ModelSpec | None = None,
-    gpus_per_node: int = 8,
-    group: dist.ProcessGroup | None = None,
-    groups: ProcessGroupCache | None = None,
-    check_memory: bool = True,
-    memory_limit: int | str | None = None,
-    recycle: bool | None = None,
-) -> HotSwitchResult:
-    """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over the world.
-    Python's automatic garbage collection is paused meanwhile (``lightning_dynatrain.gc_pause``).
+def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, *,
+               groups: ProcessGroupCache | None = None, subgroups: SubgroupCache | None = None,
+               group: dist.ProcessGroup | None = None, members: Members | None = None) -> HotSwitchResult:
+    """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over ``group``
+    (default the world). Python's automatic garbage collection is paused meanwhile.
 
-    ``optimizer_kwargs`` are ``build_ddp_and_optimizer``'s keyword arguments (lr, weight decay,
-    betas, ...): the new optimizer must be configured like the old one. ``groups`` keeps megatron's
-    process groups across layouts (``ProcessGroupCache``): none is torn down, a layout seen before
-    costs no group creation. ``check_memory`` checks first that the switch fits in every rank's
-    memory (``memory_check``), and ``memory_limit`` caps what one rank's switch may take beyond its
-    state; either failing raises ``SwitchMemoryError`` on every rank before anything is freed.
-    ``recycle`` (default: on CPU) writes new params and moments into old storages the engine is
-    done with (``engine.recycling``) instead of fresh memory.
+    ``groups`` keeps megatron's process groups across layouts (a layout seen before costs no group
+    creation), ``subgroups`` the broadcasts' groups. ``members``: which process of ``group`` holds
+    each rank of A and B (a world change; default process ``p`` is rank ``p`` of both). The target's
+    megatron groups are made on the default group (the new world, installed before).
+
+    Raises:
+        SwitchMemoryError: the switch would not fit in memory (or exceed ``setup.memory_limit``).
+        StagingBudgetError, StateStoreError, SwitchAbortedError: refused before anything moved.
+        In each case on every rank, with the old state whole (``engine.errors.was_refused``).
     """
-    start = time.perf_counter()
-    spec = spec or logical_spec(shape)
-    rank = dist.get_rank(group)
-    src = current.layout
-    precision = precision_of(current.ddp.module)
-    plan = plan_rank_cached(spec, src, target, rank, precision, gpus_per_node)
-    step = adam_step(current.optimizer) or 0
-    if step == 0:
-        materialize_adam_state(current.optimizer, 0)
-    source = megatron_store(current.ddp, current.optimizer, spec, src, rank)
-    source_regions = rank_regions(spec, src, rank, precision)
-    dest_regions = rank_regions(spec, target, rank, precision)
-    staging_bytes = parse_bytes(staging_budget)
-    old_param = next(current.ddp.module.parameters())
-    device = old_param.device
-    if recycle is None:
-        recycle = device.type == "cpu"  # an accelerator's caching allocator reuses memory by itself
-    recycler = StorageRecycler(idle_cap=staging_bytes) if recycle else None
-    old_memory = OldStateMemory(current.ddp, source, recycler)
-    need = None
-    if check_memory or memory_limit is not None:
-        need = switch_need_bytes(spec, src, target, rank, precision=precision, gpus_per_node=gpus_per_node,
-                                 staging_bytes=staging_bytes, old_grad_bytes=old_memory.gradient_bytes,
-                                 recycler_idle_bytes=recycler.idle_cap if recycler is not None else 0,
-                                 source_regions=source_regions, dest_regions=dest_regions)
-        check_switch_memory(need, device=device, what=f"{src} -> {target}",
-                            limit_bytes=None if memory_limit is None else parse_bytes(memory_limit), group=group,
-                            read_free=check_memory)
-    old_memory.free_gradients()  # before the new buffers are allocated: they take their place (or memory)
+    start, phase = time.perf_counter(), _Phases()
+    src, spec = current.layout, setup.spec
+    process, members = group_rank(group), members or Members.same(src.world_size, target.world_size)
+    with phase("plan"):
+        program = _program(setup, src, target, process, precision_of(current.model), members)
+        step = adam_step(current.optimizer) or 0
+        if step == 0:
+            materialize_adam_state(current.optimizer, 0)
+        source = megatron_store(current.ddp, current.optimizer, spec, src, members.src_rank(process))
+    device = next(current.model.parameters()).device
+    memory = switch_memory(device, recycle=setup.recycle, idle_cap=setup.staging_budget, buffer_mode=switch_buffers)
+    old_grads = sum(t.nbytes for t in current.gradient_buffers())
+    with phase("memory_check"):
+        need = _check_memory(program, setup, device, f"{src} -> {target}", group, old_grads, memory.held_bytes)
+    memory.take_old_buffers(current.gradient_buffers())  # the new buffers take their place (or memory)
     try:
-        t0 = time.perf_counter()
-        initialize_for_layout(target, seed=seed, groups=groups)
-        model = build_gpt_model(shape, target, seed=seed, params_dtype=current.ddp.module.config.params_dtype, initialize=False)
+        new = _rebuild(current, target, setup, step, memory, phase, groups)
+        memory.bind(MegatronTarget(new, spec, members.dst_rank(process)))
+        with phase("engine"):
+            _, report = execute_switch(program, source, memory, group=group, subgroups=subgroups)
+    except BaseException as err:
+        if not memory.started:  # refused before anything moved: training can go on at ``src``
+            memory.restore_old_buffers()
+            initialize_for_layout(src, seed=setup.seed, groups=groups)
+            if isinstance(err, DynaTrainError):  # every rank agreed on it (the engine's preflight)
+                mark_refused(err)
+        raise
+    return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
+                           memory=memory.figures(), need_bytes=need)
+
+
+def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, src: ParallelConfig,
+                  target: ParallelConfig, setup: SwitchSetup, *, step: int, members: Members,
+                  group: dist.ProcessGroup | None = None) -> HotSwitchResult:
+    """A process that joins: its state at ``target`` filled with the others' state at Adam step
+    ``step``; the other side of their ``hot_switch`` (or ``send_state``) over ``group``, whose
+    process ``members`` says holds no source rank. ``model`` is its shard (weights not needed);
+    ``build()`` makes its DDP and optimizer around it, after the memory check as ``hot_switch``
+    does (megatron's optimizer runs collectives as it is built: the order must match)."""
+    start, phase, process = time.perf_counter(), _Phases(), group_rank(group)
+    assert members.src_rank(process) is None, f"process {process} holds a source rank: it switches, not joins"
+    device = next(model.parameters()).device
+    with phase("plan"):
+        program = _program(setup, src, target, process, precision_of(model), members)
+    with phase("memory_check"):
+        need = _check_memory(program, setup, device, f"joining at {target}", group, 0, 0)
+    with phase("ddp_optimizer"):
+        new = build()
+    with phase("optimizer_state"):
+        materialize_adam_state(new.optimizer, step, zero=False)
+    memory = PlainMemory()
+    memory.bind(MegatronTarget(new, setup.spec, members.dst_rank(process)))
+    with phase("engine"):
+        _, report = execute_switch(program, {}, memory, group=group)
+    return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
+                           memory=memory.figures(), need_bytes=need)
+
+
+def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, *, members: Members,
+               group: dist.ProcessGroup | None = None) -> SwitchReport:
+    """A process that leaves: its state goes to the processes that hold ``target`` (the other side
+    of their ``hot_switch`` over ``group``); it keeps nothing."""
+    process = group_rank(group)
+    assert members.dst_rank(process) is None, f"process {process} holds a target rank: it switches, not leaves"
+    src = current.layout
+    program = _program(setup, src, target, process, precision_of(current.model), members)
+    if adam_step(current.optimizer) is None:
+        materialize_adam_state(current.optimizer, 0)
+    source = megatron_store(current.ddp, current.optimizer, setup.spec, src, members.src_rank(process))
+    device = next(current.model.parameters()).device
+    _check_memory(program, setup, device, f"leaving {src}", group, 0, 0)
+    _, report = execute_switch(program, source, PlainMemory(), group=group)
+    return report
+
+
+def _program(setup: SwitchSetup, src: ParallelConfig, dst: ParallelConfig, process: int, precision: Precision,
+             members: Members) -> SwitchProgram:
+    """This process's compiled program (cached by its inputs); broadcasts only within one world."""
+    topology = setup.topology or default_topology(src, dst)
+    return switch_program(setup.spec, src, dst, process, precision, staging_budget=setup.staging_budget,
+                          topology=topology, link_costs=setup.link_costs if members.is_identity else None,
+                          members=members)
+
+
+def _check_memory(program: SwitchProgram, setup: SwitchSetup, device: torch.device, what: str,
+                  group: dist.ProcessGroup | None, old_grads: int, held: int) -> int | None:
+    """Every process's bound checked against its free memory and the limit (collective), or nothing."""
+    if not (setup.check_memory or setup.memory_limit is not None):
+        return None
+    need = switch_need_bytes(program, old_grad_bytes=old_grads, held_bytes=held)
+    try:
+        check_switch_memory(need, device=device, what=what, limit_bytes=setup.memory_limit, group=group,
+                            read_free=setup.check_memory)
+    except SwitchMemoryError as err:
+        raise mark_refused(err)
+    return need
+
+
+def _rebuild(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, step: int, memory: PlainMemory,
+             phase: _Phases, groups: ProcessGroupCache | None) -> MegatronState:
+    """The target's megatron objects, built on the groups made for it, with no weight init."""
+    with phase("groups"):
+        pgs = initialize_for_layout(target, seed=setup.seed, groups=groups)
+    with phase("model"):
+        model = build_gpt_model(setup.shape, target, seed=setup.seed, params_dtype=current.model.config.params_dtype,
+                                initialize=False, pg_collection=pgs)
+        device = next(current.model.parameters()).device
         if device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
             model = model.to(device)
-        # DDP's buffers go into the old gradients' memory, not zeroed: megatron's step zeroes the
-        # gradient buffer before its first use (``zero_grad_buffer``), the engine writes every param
-        # in the zero1 param buffer, and nothing reads the padding between them. DDP's copy of the
-        # uninitialised params into that buffer is skipped. A buffer that fits no old gradient
-        # storage stays untouched: the engine's writes fault the param buffer's pages in, and a
-        # gradient buffer gets its memory after the engine, once the old state's memory is back
-        carve = CarveBuffers(recycler, BUFFER_GROUP, zero=False, skip_copies=True) if recycler is not None else None
-        ddp, optimizer = build_ddp_and_optimizer(model, target, torch_function_mode=carve, **optimizer_kwargs)
-        if recycler is not None:
-            recycler.drop_group(BUFFER_GROUP)
-            # what old state the engine frees beyond the idle cap is held for the untouched gradient
-            # buffers (counted in the memory bound already), and moved into their pages at the end
-            recycler.reserve(carve.untouched_bytes)
+    with phase("ddp_optimizer"):
+        ddp, optimizer = build_ddp_and_optimizer(model, target, pg_collection=pgs, torch_function_mode=memory.buffer_mode(),
+                                                 **setup.optimizer)
+        memory.buffers_built()
+    with phase("optimizer_state"):
         copy_group_settings(current.optimizer, optimizer)
         materialize_adam_state(optimizer, step, zero=False)
-        dest, rebind = megatron_store_and_adopter(ddp, optimizer, spec, target, rank)
-        rebuild = time.perf_counter() - t0
+    return MegatronState(layout=target, groups=pgs, ddp=ddp, optimizer=optimizer)
 
-        def adopt(key, tensor):  # kept in place: the old storage stays, minus what nobody keeps
-            if not rebind(key, tensor):
-                return False
-            old_memory.kept(key, tensor)
-            return True
 
-        def allocate(key, numel, dtype):  # an old storage the engine is done with, or the new model's own
-            tensor = dest[key]
-            assert tensor.numel() == numel and tensor.dtype == dtype, (key, tensor.shape, numel, dtype)
-            if recycler is not None:
-                if rebind.can_rebind(key):
-                    carved = recycler.take(key, numel, dtype, state_group(key[1]))
-                    if carved is not None and rebind(key, carved):
-                        return carved
-                recycler.fill(tensor)  # the engine writes all of it: touched pages instead of fresh ones
-            return tensor
-
-        _, report = execute_switch(
-            plan,
-            source,
-            source_regions,
-            dest_regions,
-            allocate,
-            adopt=adopt,
-            adopt_views=old_memory.gives_pages_back,
-            release=old_memory.release,
-            staging_budget=staging_budget,
-            group=group,
-            gpus_per_node=gpus_per_node,
-            staging_pages=recycler,
-            copy_pages=recycler.copy_by_pages if recycler is not None else None,
-        )
-        if carve is not None:
-            t0 = time.perf_counter()
-            carve.fault_in_untouched()
-            rebuild += time.perf_counter() - t0
-        if recycler is not None:
-            recycler.close(rebind)
-    except BaseException:
-        if not old_memory.started:  # refused before anything moved: training can go on at ``src``
-            old_memory.restore_gradients()
-            initialize_for_layout(src, seed=seed, groups=groups)
-        raise
-    return HotSwitchResult(
-        state=MegatronTrainingState(layout=target, ddp=ddp, optimizer=optimizer),
-        report=report,
-        rebuild_seconds=rebuild,
-        seconds=time.perf_counter() - start,
-        old_freed_bytes=old_memory.freed_bytes,
-        need_bytes=need,
-        recycled_bytes=recycler.reused_bytes + recycler.moved_in_bytes if recycler is not None else 0,
-        moved_page_bytes=recycler.moved_in_bytes if recycler is not None else 0,
-        skipped_copy_bytes=carve.skipped_copy_bytes if carve is not None else 0,
-    )
-
+__all__ = ["HotSwitchResult", "SwitchSetup", "hot_switch", "receive_state", "send_state"]

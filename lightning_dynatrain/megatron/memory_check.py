@@ -2,8 +2,8 @@
 
 A switch takes memory on top of the state it starts from: the new model's buffers (megatron's
 gradient buffer; under zero1 a flat param buffer too; bf16 main params), whatever the engine's
-order holds of new state before old state is given back (``engine.memory_plan``), and the staging
-buffers. ``switch_need_bytes`` bounds that per rank from the plan alone. Ranks draw on shared
+order holds of new state before old state is given back, and the stage buffer
+(``engine.memory_fold``). ``switch_need_bytes`` bounds that per rank from the compiled program alone. Ranks draw on shared
 pools (on CPU every rank of a host shares its RAM; on an accelerator, each device is one pool), so
 ``check_switch_memory`` gathers every rank's need and its pool's free bytes (one small
 all-gather) and compares, pool by pool, the sum of the needs with what the pool has free. Every
@@ -15,8 +15,7 @@ nodes shared with other jobs.
 
 Example::
 
-    need = switch_need_bytes(spec, src, dst, rank, precision=Precision.FP32, staging_bytes=256 * 2**20,
-                             old_grad_bytes=sum(b.grad_data.nbytes for b in ddp.buffers))
+    need = switch_need_bytes(program, old_grad_bytes=sum(t.nbytes for t in state.gradient_buffers()))
     check_switch_memory(need, device=torch.device("cpu"), what=f"{src} -> {dst}")
 """
 
@@ -31,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.engine.comm import default_device
-from lightning_dynatrain.engine.memory_plan import switch_peak_bytes
-from lightning_dynatrain.engine.store import RegionIndex, RegionMap, local_numel
+from lightning_dynatrain.engine.memory_fold import switch_peak_bytes
+from lightning_dynatrain.engine.program import SwitchProgram
+from lightning_dynatrain.engine.store import RegionIndex, local_numel
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.mapping import rank_regions
-from lightning_dynatrain.vps.planner import plan_rank_cached
+from lightning_dynatrain.vps.mapping import DTYPE_SIZES, rank_regions
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 #: megatron's gradient buffer is fp32 here (``grad_reduce_in_fp32=True`` in ``build_ddp_and_optimizer``).
@@ -50,67 +49,42 @@ class SwitchMemoryError(DynaTrainError):
 def local_numels(spec: ModelSpec, layout: ParallelConfig, rank: int,
                  precision: Precision = Precision.FP32) -> dict[StateKind, int]:
     """Elements of each state kind the rank stores at ``layout`` (padding rows included; none off the layout)."""
-    regions = rank_regions(spec, layout, rank, precision) if rank < layout.world_size else {}
-    return _sizes(regions, precision)[0]
+    out: dict[StateKind, int] = {kind: 0 for kind, _ in precision.kinds}
+    if rank < layout.world_size:
+        for key, region in RegionIndex(rank_regions(spec, layout, rank, precision)).local_tensors().items():
+            out[key[1]] += local_numel(region)
+    return out
 
 
-def _sizes(regions: RegionMap, precision: Precision) -> tuple[dict[StateKind, int], dict[StateKind, int]]:
-    """Elements and bytes of each state kind in ``regions``' local tensors."""
-    numels: dict[StateKind, int] = {kind: 0 for kind, _ in precision.kinds}
-    nbytes = dict(numels)
-    for key, region in RegionIndex(regions).local_tensors().items():
-        numels[key[1]] += local_numel(region)
-        nbytes[key[1]] += local_numel(region) * region.itemsize
-    return numels, nbytes
+def new_buffer_bytes(program: SwitchProgram) -> int:
+    """What building the new layout's DDP model and optimizer allocates and writes at once (before
+    the engine): the fp32 gradient buffers, under zero1 the flat param buffers (one per param
+    dtype), in bf16 the optimizer's fp32 main params."""
+    total = 0
+    for key, numel, dtype in program.destinations:
+        if key[1] is StateKind.PARAM:
+            total += GRAD_BYTES_PER_ELEMENT * numel + (numel * DTYPE_SIZES[dtype] if program.dst.zero else 0)
+        elif key[1] is StateKind.MAIN_PARAM:
+            total += numel * DTYPE_SIZES[dtype]
+    return total
 
 
-def new_buffer_bytes(spec: ModelSpec, dst: ParallelConfig, rank: int, precision: Precision,
-                     dest_regions: RegionMap | None = None) -> int:
-    """What building the new layout's DDP model and optimizer allocates and writes at once (before the engine)."""
-    if dest_regions is None:
-        dest_regions = rank_regions(spec, dst, rank, precision) if rank < dst.world_size else {}
-    numels, nbytes = _sizes(dest_regions, precision)
-    total = GRAD_BYTES_PER_ELEMENT * numels[StateKind.PARAM]
-    if dst.zero:  # the distributed optimizer's flat param buffers (one per param dtype)
-        total += nbytes[StateKind.PARAM]
-    # bf16: the optimizer's fp32 main params, made at construction (none for params kept in fp32)
-    return total + nbytes.get(StateKind.MAIN_PARAM, 0)
+def switch_need_bytes(program: SwitchProgram, *, old_grad_bytes: int, held_bytes: int = 0) -> int:
+    """Upper bound on the memory this rank's hot switch takes beyond its state at the source (pure).
 
-
-def switch_need_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, *,
-                      precision: Precision, staging_bytes: int, old_grad_bytes: int | None = None,
-                      recycler_idle_bytes: int = 0, gpus_per_node: int = 8,
-                      source_regions: RegionMap | None = None, dest_regions: RegionMap | None = None) -> int:
-    """Upper bound on the memory rank ``rank``'s hot switch takes beyond its state at ``src`` (pure).
-
-    The old gradient buffers are freed first (``old_grad_bytes``; ``None`` counts them from the
-    layout), then the new model's buffers are built, then the engine runs (its peak from the plan,
-    ``switch_peak_bytes``) with at most ``staging_bytes`` in flight (and never more than the rank
-    sends and receives). A ``StorageRecycler`` holds up to ``recycler_idle_bytes`` of old storage
-    before new state is carved out of it: that comes on top. ``source_regions``/``dest_regions``:
-    the rank's ``rank_regions`` at ``src``/``dst`` where the caller has them already.
+    The old gradient buffers are freed first (``old_grad_bytes``), then the new model's buffers are
+    built (``new_buffer_bytes``), then the engine runs: the peak of its program
+    (``switch_peak_bytes``: the stage buffer included), with the source's zero1 params views into
+    one buffer (nothing of it goes before the end) and the destination's zero1 param buffer and
+    bf16 main params already built. A memory policy may hold ``held_bytes`` of old storage on top
+    (``PlainMemory.held_bytes``).
     """
-    if old_grad_bytes is None:
-        old_grad_bytes = GRAD_BYTES_PER_ELEMENT * local_numels(spec, src, rank, precision)[StateKind.PARAM]
-    if rank >= dst.world_size:  # a rank leaving builds nothing
+    if program.rank >= program.dst.world_size:  # a rank leaving builds nothing
         return 0
-    preallocated = [StateKind.PARAM] if dst.zero else []  # the flat param buffer, zeroed by megatron
-    if precision is Precision.BF16:  # bf16 main params: cloned from the params at construction
-        preallocated.append(StateKind.MAIN_PARAM)
-    plan = plan_rank_cached(spec, src, dst, rank, precision, gpus_per_node)
-    # the staging buffers never hold more than the rank sends and receives in all
-    staging = min(staging_bytes, plan.bytes(plan.sends, spec, precision) + plan.bytes(plan.recvs, spec, precision))
-    if source_regions is None:
-        source_regions = rank_regions(spec, src, rank, precision) if rank < src.world_size else {}
-    if dest_regions is None:
-        dest_regions = rank_regions(spec, dst, rank, precision)
-    engine = switch_peak_bytes(
-        plan, source_regions, dest_regions,
-        staging_budget=staging_bytes, preallocated_kinds=preallocated,
-        shared_source_kinds=[StateKind.PARAM] if src.zero else [],  # views into one flat buffer
-    )
-    return max(0, new_buffer_bytes(spec, dst, rank, precision, dest_regions) - old_grad_bytes + engine + staging
-               + recycler_idle_bytes)
+    preallocated = [StateKind.MAIN_PARAM] + ([StateKind.PARAM] if program.dst.zero else [])
+    engine = switch_peak_bytes(program, with_staging=True, preallocated_kinds=preallocated,
+                               shared_source_kinds=[StateKind.PARAM] if program.src.zero else [])
+    return max(0, new_buffer_bytes(program) - old_grad_bytes + engine + held_bytes)
 
 
 def proc_field_bytes(path: str, field: str) -> int | None:

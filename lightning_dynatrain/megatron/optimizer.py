@@ -136,6 +136,31 @@ def copy_group_settings(source: MegatronOptimizer, target: MegatronOptimizer) ->
         group.update(found)
 
 
+def group_settings(optimizer: MegatronOptimizer) -> list[dict]:
+    """The learning rate and weight decay of each kind of param group (``_GROUP_KEY``), as plain
+    dicts: layout-free (every layout's optimizer has the same kinds), for a checkpoint."""
+    out: dict[tuple, dict] = {}
+    for group in optimizer.param_groups:
+        kind = tuple(group.get(k) for k in _GROUP_KEY)
+        out.setdefault(kind, {**dict(zip(_GROUP_KEY, kind)), **{k: group[k] for k in _GROUP_SETTINGS}})
+    return list(out.values())
+
+
+def set_group_settings(optimizer: MegatronOptimizer, settings: list[dict]) -> None:
+    """Give each param group of ``optimizer`` the settings ``group_settings`` gave its kind.
+
+    Raises:
+        ValueError: a group of ``optimizer`` has a kind ``settings`` lacks (not the same model).
+    """
+    by_kind = {tuple(s.get(k) for k in _GROUP_KEY): s for s in settings}
+    for group in optimizer.param_groups:
+        found = by_kind.get(tuple(group.get(k) for k in _GROUP_KEY))
+        if found is None:
+            raise ValueError(f"no settings for a param group like {({k: group.get(k) for k in _GROUP_KEY})}; "
+                             "HINT: load optimizer settings saved for the same model and optimizer")
+        group.update({k: found[k] for k in _GROUP_SETTINGS})
+
+
 # ------------------------------------------------------------------------------------ state views
 @dataclass(frozen=True, slots=True)
 class BufferInfo:
@@ -376,6 +401,8 @@ __all__ = [
     "ParamStateView",
     "build_ddp_and_optimizer",
     "copy_group_settings",
+    "group_settings",
     "optimizer_state_views",
     "run_train_step",
+    "set_group_settings",
 ]

@@ -36,8 +36,8 @@ RANK_ORDER = "tp-cp-ep-dp-pp"
 class ProcessGroupCache:
     """Process groups kept across layouts, keyed by members and megatron's role for them.
 
-    Creating a group is collective and a gloo/NCCL group's teardown is not free (about 0.2 s for
-    a layout's groups on gloo here, paid when the last module holding them is collected). With a
+    Creating a group is collective and a gloo/NCCL group's teardown is not free (it is paid when
+    the last module holding the groups is collected, wherever that happens). With a
     cache, ``initialize_for_layout`` reuses the groups of any layout seen before and ``destroy``
     leaves cached groups alone, so switching back to a layout costs no group work at all. Every
     rank must use one cache the same way (ranks create groups in the same order, hits included).
@@ -148,8 +148,7 @@ def destroy(keep: ProcessGroupCache | None = None) -> None:
 
     ``parallel_state.destroy_model_parallel`` only drops its references (and the gloo side groups);
     the groups themselves stay registered with c10d and keep their sockets. Across many switches
-    that leaks file descriptors, so they are destroyed here too (local, about 0.05 ms per group on
-    gloo). Modules built for the old layout must not communicate afterwards. No-op when nothing is
+    that leaks file descriptors, so they are destroyed here too (a local call on each rank). Modules built for the old layout must not communicate afterwards. No-op when nothing is
     initialised; WORLD and the groups of ``keep`` are never destroyed.
     """
     groups = [g for g in (parallel_state._global_process_group_list or []) if g is not None]

@@ -16,6 +16,7 @@ import torch
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from lightning_dynatrain.engine.adoption import owns_storage
+from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.engine.store import RegionIndex, StoreKey
 from lightning_dynatrain.megatron.optimizer import optimizer_state_views
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -102,25 +103,6 @@ def megatron_store(
     return _store(*_local_views(ddp_model, optimizer, spec, layout, rank), layout, rank)
 
 
-def megatron_store_and_adopter(
-    ddp_model: torch.nn.Module,
-    optimizer: MegatronOptimizer,
-    spec: ModelSpec,
-    layout: ParallelConfig,
-    rank: int,
-) -> tuple[dict[StoreKey, torch.Tensor], MegatronRebinder]:
-    """``megatron_store`` of a model built for a switch, and an ``Adopter`` for the engine that
-    rebinds its tensors to retained source tensors (one pass matching its tensors to the keys).
-
-    A parameter, or an fp32 main param, takes the tensor as its ``.data`` when it owns its storage
-    (zero0: megatron maps params into DDP's flat buffer only under the distributed optimizer, and
-    a view into that buffer cannot be rebound); an Adam moment is replaced in the optimizer's state
-    dict. Anything else declines and is copied into.
-    """
-    wanted, found = _local_views(ddp_model, optimizer, spec, layout, rank)
-    return _store(wanted, found, layout, rank), MegatronRebinder(found)
-
-
 def _store(wanted: set[StoreKey], found: dict, layout: ParallelConfig, rank: int) -> dict[StoreKey, torch.Tensor]:
     store: dict[StoreKey, torch.Tensor] = {}
     for key, (view, kind) in found.items():
@@ -143,15 +125,43 @@ def _tensor_of(view, kind: StateKind) -> torch.Tensor | None:
     return view.state.get(kind.value) if view.state is not None else None
 
 
-class MegatronRebinder:
-    """Points a new model's parameter, fp32 main param or Adam moment at a given tensor (an ``Adopter``).
+def param_store(model: torch.nn.Module, spec: ModelSpec, layout: ParallelConfig,
+                rank: int) -> dict[StoreKey, torch.Tensor]:
+    """This rank's parameters alone, keyed as the engine keys them (live ``.data`` views): for a
+    model without megatron DDP or an optimizer (a checkpoint's parameters are loaded before they
+    are built, and for ``validate``, which builds neither).
 
-    ``rebinder(key, tensor) -> bool`` rebinds, or declines where megatron's tensor cannot be
-    replaced (``can_rebind``): a parameter or main param that is a view into DDP's flat buffer."""
+    Raises:
+        KeyError: the model lacks a parameter the VPS says ``rank`` holds at ``layout``.
+    """
+    params = dict(model.named_parameters())
+    store: dict[StoreKey, torch.Tensor] = {}
+    for name, local in local_parameters(spec, layout, rank).items():
+        if name not in params:
+            raise KeyError(f"rank {rank}: the model has no parameter {name!r} of layout {layout}")
+        store[(local.tensor, StateKind.PARAM, local.stack)] = params[name].data
+    return store
 
-    def __init__(self, targets: dict) -> None:
-        self._targets = targets
+
+class MegatronTarget:
+    """A megatron model and optimizer built for a switch (without init), as the memory policy's
+    ``Destination``: its local tensors, and which of them can be pointed at another tensor.
+
+    A parameter, or an fp32 main param, takes another tensor as its ``.data`` when it owns its
+    storage (zero0: megatron maps params into DDP's flat buffer only under the distributed
+    optimizer, and a view into that buffer cannot be rebound); an Adam moment is replaced in the
+    optimizer's state dict. Anything else declines (``can_rebind``) and the engine writes into it.
+    The model's tensors are matched to the engine's keys once, here.
+    """
+
+    def __init__(self, state: MegatronState, spec: ModelSpec, rank: int) -> None:
+        wanted, found = _local_views(state.ddp, state.optimizer, spec, state.layout, rank)
+        self.store = _store(wanted, found, state.layout, rank)
+        self._targets = found
         self._rebindable: dict[StoreKey, bool] = {}  # decided on the model as built, before any rebinding
+
+    def tensor(self, key: StoreKey) -> torch.Tensor | None:
+        return self.store.get(key)
 
     def can_rebind(self, key: StoreKey) -> bool:
         found = self._rebindable.get(key)
@@ -166,7 +176,7 @@ class MegatronRebinder:
             self._rebindable[key] = found
         return found
 
-    def __call__(self, key: StoreKey, tensor: torch.Tensor) -> bool:
+    def rebind(self, key: StoreKey, tensor: torch.Tensor) -> bool:
         if not self.can_rebind(key):
             return False
         view, kind = self._targets[key]
@@ -178,4 +188,9 @@ class MegatronRebinder:
         else:
             owner = view.param if kind is StateKind.PARAM else view.main_param
             owner.data = tensor.view(current.shape)
+        self.store[key] = tensor
         return True
+
+
+__all__ = ["MegatronTarget", "adam_step", "materialize_adam_state", "megatron_store", "param_store", "precision_of",
+           "set_adam_step"]

@@ -7,7 +7,7 @@ first builds groups or a model (``megatron_step``).
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
 from lightning_dynatrain.strategy.module import GPTLightningModule, warmup_cosine_lr
-from lightning_dynatrain.strategy.report import RankFigures, ReconfigReport, SwitchFigures, figures_from_engine_report
+from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.validation import (
     BatchSizeError,
     WorldSizeError,
@@ -22,11 +22,8 @@ __all__ = [
     "DynaTrainStrategy",
     "GPTLightningModule",
     "MegatronRecipe",
-    "RankFigures",
     "ReconfigReport",
-    "SwitchFigures",
     "WorldSizeError",
-    "figures_from_engine_report",
     "num_microbatches",
     "validate_target",
     "vocab_divisor_for",

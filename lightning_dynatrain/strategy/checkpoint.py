@@ -1,128 +1,198 @@
-"""Per-rank Lightning checkpoints for ``DynaTrainStrategy`` (resume at the same layout).
+"""``DynaTrainStrategy``'s checkpoints: what each Lightning checkpoint hook does, as plain functions.
 
-A checkpoint path is a directory with one file per rank, ``rank00000.pt``, ..., each holding
-Lightning's whole checkpoint dict with this rank's model shard (``state_dict``), this rank's
-optimizer state (``optimizer_states``) and a ``"dynatrain"`` entry: the layout, the world size and
-the rank. Loading checks that entry: model shards are stage-local and optimizer shards are flat
-buffer ranges, so a checkpoint is only meaningful at the layout that wrote it. To continue at
-another layout, resume at the saved one and ``reconfigure`` (an in-memory switch).
+A checkpoint is a directory holding every piece of state under its logical key and global offsets
+(PyTorch DCP, ``lightning_dynatrain.checkpoint``), plus Lightning's dict without tensors, written
+once: loops (global step, data position: the global-batch sampler's state), callbacks' states
+(``ScheduledReconfig``'s, ``ModelCheckpoint``'s), the LR schedulers, and the optimizer's scalars
+(Adam's step, each kind of param group's learning rate and weight decay). It loads at any layout
+and world size. Per-rank checkpoints of earlier versions still load at the layout that wrote them
+(``checkpoint.legacy``).
 
-A tensor is written with its whole storage (``torch.save``). After a switch, a kept slice of an old
-tensor or a tensor carved from an old storage (``engine.recycling``) may live in a storage much
-larger than the tensors the checkpoint names in it; such tensors are written as compact copies
-(``compact_storages``), so a file holds the state, not the old layouts' leftovers.
+Where the state is restored, in Lightning's order (``Trainer._run``), and why there:
 
-Example layout on disk, 4 ranks::
+1. ``configure_model``: the model shard exists (initialised, on the current layout).
+2. ``load_checkpoint`` (``read``): Lightning's part only, on every rank by itself; the checkpoint's
+   model digest and precision are checked against this run's before anything is touched.
+3. ``load_model_state_dict`` (``load_params``): the **parameters**, straight into the model's
+   tensors. The model exists and megatron's DDP and optimizer do not yet: they are built from the
+   loaded parameters in ``setup`` (DDP copies them into its buffer, a bf16 optimizer makes its fp32
+   main params from them). ``trainer.validate(ckpt_path=...)``, which builds no optimizer, stops here.
+4. ``setup``: megatron DDP and optimizer.
+5. ``load_optimizer_state_dict`` (``load_optimizer``): Adam's state is created at the saved step,
+   then the **fp32 main params and both moments** are loaded into the optimizer's (zero1: sharded)
+   tensors, and the param groups get their saved settings. Only now do these tensors exist.
 
-    checkpoints/epoch=0-step=200.ckpt/rank00000.pt ... rank00003.pt
+Example (what the hooks call, every rank)::
+
+    save(checkpoint, "ckpt/step=3.ckpt", writer=writer, model=model, state=state, spec=spec, rank=rank)
+    checkpoint = read("ckpt/step=3.ckpt", spec=spec, precision=Precision.FP32, layout=layout, rank=rank,
+                      world_size=world)
+    load_params(checkpoint, model, spec, layout, rank)             # before DDP + optimizer
+    load_optimizer(checkpoint, state, spec, rank)                  # after them
 """
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from lightning_dynatrain.vps.errors import LayoutError
+from lightning_dynatrain.checkpoint.identity import FORMAT, CheckpointError, CheckpointInfo
+# ``save_rank_checkpoint`` too: the per-rank format's writer and reader, imported from here by code
+# that keeps per-rank files (the Accelerate integration's ``save_state``)
+from lightning_dynatrain.checkpoint.legacy import is_per_rank, load_rank_checkpoint, save_rank_checkpoint
+from lightning_dynatrain.checkpoint.logical import logical_state_dict
+from lightning_dynatrain.checkpoint.reader import (
+    INFO_KEY,
+    TRAINER_KEY,
+    encode_trainer_state,
+    is_layout_free,
+    load_logical,
+    read_trainer_state,
+)
+from lightning_dynatrain.checkpoint.writer import CheckpointWriter
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
+
+if TYPE_CHECKING:
+    from lightning_dynatrain.megatron.gpt import GPTShape
+    from lightning_dynatrain.megatron.state import MegatronState
+
+#: Where ``read`` records what it read, in the checkpoint dict Lightning hands to the later hooks.
+SOURCE_KEY = "_dynatrain_source"
 
 
-def rank_file(path: str | Path, rank: int) -> Path:
-    """The file of ``rank`` inside checkpoint directory ``path``."""
-    return Path(path) / f"rank{rank:05d}.pt"
+@dataclass(frozen=True, slots=True)
+class CheckpointSource:
+    """What ``read`` found at a checkpoint path."""
+
+    kind: Literal["logical", "per_rank"]
+    path: str
+    info: CheckpointInfo | None = None
 
 
-def compact_storages(obj: Any, *, slack: float = 0.0625) -> Any:
-    """``obj`` (nested dicts, lists, tuples) with each tensor whose storage is more than ``slack``
-    larger than the bytes the tensors of ``obj`` view in it replaced by a compact copy; every other
-    object (a zero1 buffer's param views, which cover their storage) is passed through as it is."""
-    tensors: dict[int, torch.Tensor] = {}
-    _collect(obj, tensors)
-    viewed: dict[int, list[tuple[int, int]]] = {}
-    for t in tensors.values():
-        start = t.data_ptr()
-        viewed.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + t.nbytes))
-    covered = {}
-    for address, spans in viewed.items():
-        total, end = 0, -1
-        for lo, hi in sorted(spans):  # the union of the viewed byte ranges
-            total += max(0, hi - max(lo, end))
-            end = max(end, hi)
-        covered[address] = total
-    loose = {i for i, t in tensors.items()
-             if t.untyped_storage().nbytes() > covered[t.untyped_storage().data_ptr()] * (1 + slack)}
-    if not loose:
-        return obj
-    copies = {i: tensors[i].clone() for i in loose}  # one copy per tensor: a tensor named twice stays one
-    return _replace(obj, copies)
+@lru_cache(maxsize=8)
+def spec_of(shape: "GPTShape") -> ModelSpec:
+    """The logical spec of ``shape`` (made once per shape: every save and load asks for it)."""
+    from lightning_dynatrain.megatron.gpt import logical_spec
+
+    return logical_spec(shape)
 
 
-def _collect(obj: Any, out: dict[int, torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "meta" and obj.untyped_storage().nbytes():
-            out[id(obj)] = obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            _collect(value, out)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _collect(value, out)
+def source_of(checkpoint: Mapping[str, Any]) -> CheckpointSource | None:
+    return checkpoint.get(SOURCE_KEY)
 
 
-def _replace(obj: Any, copies: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return copies.get(id(obj), obj)
-    if isinstance(obj, dict):  # a shallow copy keeps the type and attributes (a state dict's ``_metadata``)
-        out = copy.copy(obj)
-        for key, value in obj.items():
-            out[key] = _replace(value, copies)
-        return out
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
-        return type(obj)(*(_replace(v, copies) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace(v, copies) for v in obj)
-    return obj
+def optimizer_scalars(state: "MegatronState") -> dict[str, Any]:
+    """The optimizer's layout-free scalars (Lightning's ``optimizer_states[0]``): Adam's step and
+    each kind of param group's learning rate and weight decay."""
+    from lightning_dynatrain.megatron.optimizer import group_settings
+    from lightning_dynatrain.megatron.state_bridge import adam_step
+
+    return {"format": FORMAT, "adam_step": adam_step(state.optimizer) or 0, "groups": group_settings(state.optimizer)}
 
 
-def save_rank_checkpoint(checkpoint: dict[str, Any], path: str | Path, *, rank: int, layout: ParallelConfig,
-                         world_size: int) -> Path:
-    """Write this rank's part; every rank calls it (the directory is created by whoever comes first)."""
-    path = Path(path)
-    if path.is_file():
-        path.unlink()  # a single-file checkpoint of the same name from another strategy
-    path.mkdir(parents=True, exist_ok=True)
-    target = rank_file(path, rank)
-    meta = {"layout": str(layout), "world_size": world_size, "rank": rank}
-    torch.save({**compact_storages(checkpoint), "dynatrain": meta}, target)
-    return target
+def save(checkpoint: dict[str, Any], path: str | Path, *, writer: CheckpointWriter, model: torch.nn.Module,
+         state: "MegatronState | None", spec: ModelSpec, layout: ParallelConfig, rank: int, world_size: int) -> None:
+    """Write ``checkpoint`` (Lightning's dict) and the training state as checkpoint ``path``; collective.
+
+    The optimizer's state is written with the parameters unless there is no optimizer or Lightning
+    asked for the weights only (no ``optimizer_states``).
+    """
+    from lightning_dynatrain.megatron.state_bridge import (
+        adam_step,
+        materialize_adam_state,
+        megatron_store,
+        param_store,
+        precision_of,
+    )
+
+    precision = precision_of(model)
+    if state is not None and "optimizer_states" in checkpoint:
+        if adam_step(state.optimizer) is None:  # before the first step: zero moments at step 0
+            materialize_adam_state(state.optimizer, 0)
+        store = megatron_store(state.ddp, state.optimizer, spec, layout, rank)
+        kinds = tuple(k for k, _ in precision.kinds)
+    else:
+        store = param_store(model, spec, layout, rank)
+        kinds = (StateKind.PARAM,)
+    info = CheckpointInfo.of(spec, layout=layout, world_size=world_size, precision=precision,
+                             kinds=tuple(k.value for k in kinds))
+    tensors = logical_state_dict(store, spec, layout, rank, precision=precision, kinds=kinds,
+                                 copy_to_cpu=writer.async_save)
+    if rank == 0:
+        lightning = {k: v for k, v in checkpoint.items() if k != SOURCE_KEY}
+        tensors[TRAINER_KEY] = encode_trainer_state({**lightning, INFO_KEY: info.to_dict()})
+    writer.save(tensors, path, rank=rank)
 
 
-def load_rank_checkpoint(path: str | Path, *, rank: int, layout: ParallelConfig, world_size: int,
-                         weights_only: bool | None = None) -> dict[str, Any]:
-    """Read this rank's part and check it was written at ``layout`` on ``world_size`` ranks.
+def read(path: str | Path, *, spec: ModelSpec, precision: Precision, layout: ParallelConfig, rank: int,
+         world_size: int, weights_only: bool | None = None) -> dict[str, Any]:
+    """Lightning's checkpoint dict of ``path``, after checking it holds this run's model.
 
     Raises:
-        FileNotFoundError: no file for this rank (not a DynaTrainStrategy checkpoint?).
-        LayoutError: the checkpoint was written at another layout or world size.
+        CheckpointMismatchError: the checkpoint holds another model, or another precision.
+        CheckpointError: ``path`` is not a checkpoint of this strategy.
+        LayoutError: a per-rank checkpoint of an earlier version, written at another layout.
     """
-    target = rank_file(path, rank)
-    if not target.is_file():
-        raise FileNotFoundError(
-            f"{target} does not exist. HINT: DynaTrainStrategy checkpoints are directories with one "
-            "rankNNNNN.pt per rank, written by the same strategy"
-        )
-    checkpoint = torch.load(target, map_location="cpu", weights_only=bool(weights_only))
-    meta = checkpoint.pop("dynatrain", {})
-    if meta.get("layout") != str(layout) or meta.get("world_size") != world_size:
-        raise LayoutError(
-            f"checkpoint {path} was written at layout {meta.get('layout')} on {meta.get('world_size')} ranks, "
-            f"this run is at {layout} on {world_size}",
-            hint=f"resume with DynaTrainStrategy(layout={meta.get('layout')!r}) on the same number of processes, "
-            "then switch in memory (reconfigure / ScheduledReconfig)",
-        )
-    return checkpoint
+    if is_layout_free(path):
+        checkpoint = read_trainer_state(path, weights_only=weights_only)
+        info = CheckpointInfo.from_dict(checkpoint.pop(INFO_KEY, None), path=path)
+        info.check(spec, precision=precision, path=path)
+        checkpoint[SOURCE_KEY] = CheckpointSource("logical", str(path), info)
+        return checkpoint
+    if is_per_rank(path):
+        checkpoint = load_rank_checkpoint(path, rank=rank, layout=layout, world_size=world_size,
+                                          weights_only=weights_only)
+        checkpoint[SOURCE_KEY] = CheckpointSource("per_rank", str(path))
+        return checkpoint
+    megatron = (Path(path) / "metadata.json").is_file()
+    raise CheckpointError(
+        f"{path} is not a DynaTrainStrategy checkpoint" + (" (it looks like megatron dist_checkpointing's)" if megatron
+                                                           else ""),
+        hint="start from a megatron checkpoint with DynaTrainStrategy(init_from_megatron=PATH)" if megatron else
+        "pass a directory written by trainer.save_checkpoint under DynaTrainStrategy (it holds a .metadata file)")
 
 
-__all__ = ["compact_storages", "load_rank_checkpoint", "rank_file", "save_rank_checkpoint"]
+def load_params(checkpoint: Mapping[str, Any], model: torch.nn.Module, spec: ModelSpec, layout: ParallelConfig,
+                rank: int) -> None:
+    """Fill ``model``'s parameters from a layout-free checkpoint (collective)."""
+    from lightning_dynatrain.megatron.state_bridge import param_store, precision_of
+
+    source = source_of(checkpoint)
+    assert source is not None and source.kind == "logical"
+    load_logical(param_store(model, spec, layout, rank), spec, layout, rank, source.path,
+                 precision=precision_of(model), kinds=[StateKind.PARAM])
+
+
+def load_optimizer(checkpoint: Mapping[str, Any], state: "MegatronState", spec: ModelSpec, rank: int) -> None:
+    """Give ``state``'s optimizer the checkpoint's Adam step, group settings, main params and moments
+    (collective).
+
+    Raises:
+        CheckpointError: the checkpoint holds no optimizer state (written with ``weights_only``).
+    """
+    from lightning_dynatrain.megatron.optimizer import set_group_settings
+    from lightning_dynatrain.megatron.state_bridge import materialize_adam_state, megatron_store, precision_of
+
+    source = source_of(checkpoint)
+    assert source is not None and source.kind == "logical" and source.info is not None
+    scalars = (checkpoint.get("optimizer_states") or [None])[0]
+    if not isinstance(scalars, Mapping) or scalars.get("format") != FORMAT or "exp_avg" not in source.info.kinds:
+        raise CheckpointError(f"checkpoint {source.path} holds no optimizer state (saved with weights_only?)",
+                              hint="resume from a checkpoint saved with the optimizer, or load the weights only "
+                                   "(trainer.validate / a new fit without ckpt_path)")
+    precision = precision_of(state.model)
+    materialize_adam_state(state.optimizer, int(scalars["adam_step"]))
+    set_group_settings(state.optimizer, list(scalars["groups"]))
+    kinds = [k for k, _ in precision.kinds if k is not StateKind.PARAM]
+    load_logical(megatron_store(state.ddp, state.optimizer, spec, state.layout, rank), spec, state.layout, rank,
+                 source.path, precision=precision, kinds=kinds)
+
+
+__all__ = ["SOURCE_KEY", "CheckpointSource", "load_optimizer", "load_params", "load_rank_checkpoint",
+           "optimizer_scalars", "read", "save", "save_rank_checkpoint", "source_of", "spec_of"]

@@ -2,8 +2,13 @@
 
 The strategy owns megatron's side of training for the current layout (groups, model shard, megatron
 DDP and optimizer, pipeline schedule; one ``MegatronState``) and gives Lightning what it expects
-(ranks, a device, an optimizer to count steps, collectives, checkpoints). Hooks are thin; the work
-is in plain functions (``megatron_step``, ``validation``, ``report``, ``checkpoint``).
+(an optimizer to count steps, checkpoints; ranks, devices, precision and collectives come from
+``base.MegatronProcessStrategy``). Hooks are thin; the work is in plain functions
+(``megatron_step``, ``validation``, ``report``, ``checkpoint``, ``switching``).
+
+Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are
+layout-free directories: a run saved at one layout resumes at any other layout and world size
+(``strategy/checkpoint.py`` says which hook restores what, and why there).
 
 Example::
 
@@ -21,18 +26,22 @@ of its node, whatever the launcher set (``threads.py``; ``DYNATRAIN_NUM_THREADS=
 
 Data: the dataloader serves the same GLOBAL batch on every rank (``GlobalBatchSampler``); the
 strategy slices this rank's data-parallel share at each step, so a switch needs no dataloader
-rebuild. ``is_distributed`` is ``False`` for that reason: Lightning then injects no
-``DistributedSampler`` (which would fix the dp size when built) and ``self.log(sync_dist=True)`` does
-not reduce; the loss the strategy returns is already the same on every rank.
+rebuild (see ``base.py``); the loss the strategy returns is already the same on every rank.
 
-Layout switches (``reconfigure``, ``switching.py``) run at the optimizer-step boundary; a request made
-during a training step is deferred to the end of that step.
+Layout switches (``reconfigure``) run at the optimizer-step boundary: after optimizer step ``k``,
+before step ``k+1``'s forward. Called between training steps (``on_train_batch_end`` /
+``on_train_batch_start`` hooks, e.g. ``ScheduledReconfig``), a switch runs at once; called while a
+training step runs (from ``training_step`` or a hook inside it), the target is recorded as pending
+and runs as that step returns, before the ``on_train_batch_end`` hooks (a second request in the same
+step replaces the first). Every ``training_step`` is one whole optimizer step over the global batch
+(megatron's micro-batches inside it), so "mid accumulation" means "inside a training step". The
+switch itself is ``switching.LayoutSwitcher``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Mapping
-from contextlib import contextmanager
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -42,40 +51,39 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_dynatrain.checkpoint.writer import CheckpointWriter
 from lightning_dynatrain.data.sampler import GlobalBatchSampler
-from lightning_dynatrain.strategy.checkpoint import load_rank_checkpoint, save_rank_checkpoint
+from lightning_dynatrain.engine.errors import mark_refused
+from lightning_dynatrain.strategy import checkpoint as checkpointing
+from lightning_dynatrain.strategy.base import MegatronProcessStrategy
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.optimizer_handle import MegatronOptimizerHandle
-from lightning_dynatrain.strategy.precision import MegatronPrecision, megatron_precision, resolve_params_dtype
-from lightning_dynatrain.strategy.report import ReconfigReport
-from lightning_dynatrain.strategy.switching import LayoutSwitching
+from lightning_dynatrain.strategy.precision import resolve_params_dtype
+from lightning_dynatrain.strategy.report import ReconfigReport, log_switch
+from lightning_dynatrain.strategy.switching import LayoutSwitcher
 from lightning_dynatrain.strategy.threads import fit_intra_op_threads
-from lightning_dynatrain.strategy.validation import WorldSizeError, validate_target
+from lightning_dynatrain.strategy.validation import validate_target
+from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_dynatrain.strategy.megatron_step import MegatronState
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from lightning_dynatrain.callbacks.node_change import OnNodeChange
+    from lightning_dynatrain.megatron.state import MegatronState
+    from lightning_dynatrain.strategy.elastic import ElasticDriver
 
 
 def _parse_budget(value: int | str) -> int:
@@ -84,7 +92,7 @@ def _parse_budget(value: int | str) -> int:
     return parse_bytes(value)
 
 
-class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
+class DynaTrainStrategy(MegatronProcessStrategy):
     """Megatron-core GPT training under Lightning, with in-memory layout switches.
 
     Args:
@@ -96,10 +104,21 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
             checks that it fits in each host's (or device's) free memory.
         backend: process-group backend; ``None`` picks nccl on CUDA devices and gloo otherwise.
         verify: after each switch, gather and compare the full logical state (slow; for tests).
+        promote_broadcasts: measure the links once per world (at the first switch) and let switches
+            broadcast a box many new replicas need, where the measured costs say that pays.
+        async_save: write checkpoints in the background (``torch.distributed.checkpoint.async_save``):
+            a save costs the step a copy of this rank's share of the state to CPU memory; the next
+            save, removing that checkpoint and teardown wait for it.
+        init_from_megatron: a checkpoint directory megatron-core's ``dist_checkpointing`` wrote for
+            the same model (Megatron-LM, NeMo; distributed optimizer in its ``fully_reshardable``
+            format): ``fit`` starts from its weights and optimizer state, at this strategy's layout,
+            with Lightning's counters at 0 (``validate`` loads the weights). Ignored when ``fit`` or
+            ``validate`` is given a ``ckpt_path``: a run being resumed goes on from its own checkpoint.
         timeout: timeout of collectives (``init_process_group``).
         cluster_environment: Lightning's cluster environment; ``None`` lets the Trainer detect it.
         seed: seed of megatron's RNG trackers (model weights are seeded by the module's recipe).
-        parallel_devices, checkpoint_io: as for any Lightning ``ParallelStrategy``.
+        parallel_devices: as for any Lightning ``ParallelStrategy``.
+        checkpoint_io: unused: checkpoints are DCP directories the strategy writes itself.
         precision_plugin: leave it out and pass ``Trainer(precision="bf16-mixed" | "32-true")``: the
             strategy runs megatron's own mixed precision (``strategy.precision``), never autocast.
 
@@ -109,6 +128,9 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         StagingBudgetError: ``staging_budget`` or ``switch_memory_limit`` is not a byte count.
         SwitchMemoryError: (at a switch) it would not fit in memory, or exceed ``switch_memory_limit``;
             nothing was moved and training can go on at the old layout.
+        CheckpointMismatchError: (at ``ckpt_path`` / ``init_from_megatron``) the checkpoint holds another
+            model or precision; nothing was loaded.
+        CheckpointError: (same) the path is not a checkpoint this strategy reads.
     """
 
     strategy_name = "dynatrain"
@@ -121,6 +143,9 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         switch_memory_limit: int | str | None = None,
         backend: str | None = None,
         verify: bool = False,
+        promote_broadcasts: bool = True,
+        async_save: bool = False,
+        init_from_megatron: str | os.PathLike | None = None,
         timeout: timedelta = timedelta(minutes=30),
         cluster_environment: ClusterEnvironment | None = None,
         seed: int = 1234,
@@ -128,28 +153,29 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(accelerator=None, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        super().__init__(backend=backend, timeout=timeout, cluster_environment=cluster_environment,
+                         parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._requested_layout: ParallelConfig | Literal["auto"] = (
             "auto" if isinstance(layout, str) and layout.strip().lower() == "auto" else ParallelConfig.parse(layout))
         self.staging_budget = _parse_budget(staging_budget)
         self.switch_memory_limit = None if switch_memory_limit is None else _parse_budget(switch_memory_limit)
         self.verify = verify
+        self.promote_broadcasts = promote_broadcasts
         self.seed = seed
-        self.num_nodes = 1
-        self._backend = backend
-        self._timeout = timeout
         self._layout: ParallelConfig | None = None
-        self._owns_process_group = False
-        # megatron's process groups of every layout this run has used (a ``ProcessGroupCache``, made
-        # at setup: megatron is imported only then); switching back to a layout costs no group work
-        self._groups: Any = None
+        # what every switch shares, with the groups of every layout used (made at setup: megatron
+        # is imported only then); switching back to a layout costs no group work
+        self._switcher: LayoutSwitcher | None = None
+        self._pgs: ProcessGroupCollection | None = None
         self._recipe: MegatronRecipe | None = None
         self._adam: AdamSettings | None = None
         self._gpt_model: torch.nn.Module | None = None
         self._megatron: MegatronState | None = None
         self._step_in_progress = False
         self._pending: ParallelConfig | None = None
+        self._elastic: ElasticDriver | None = None  # with an OnNodeChange callback
+        self._writer = CheckpointWriter(async_save=async_save)
+        self.init_from_megatron = None if init_from_megatron is None else Path(init_from_megatron)
         #: Every switch that ran (no-ops excluded), in order; the same on every rank.
         self.switch_history: list[ReconfigReport] = []
 
@@ -161,38 +187,6 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
                                        description="megatron-core GPT with in-memory layout switches (auto layout)")
 
     # ---------------------------------------------------------------------------- properties
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    @override
-    def precision_plugin(self) -> MegatronPrecision:
-        """Megatron's own mixed precision, as ``Trainer(precision=...)`` asked (``strategy.precision``)."""
-        return self._precision_plugin if self._precision_plugin is not None else MegatronPrecision()
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        # None stays None until the Trainer sets its plugin: Lightning reads a strategy's own plugin
-        # as the user's choice and would then ignore Trainer(precision=...)
-        self._precision_plugin = None if plugin is None else megatron_precision(plugin)
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> str:
-        return self._backend or _get_default_process_group_backend_for_device(self.root_device)
-
-    @property
-    def is_distributed(self) -> bool:
-        """``False`` on purpose: the data is global batches on every rank (see module docstring)."""
-        return False
-
     @property
     def layout(self) -> ParallelConfig:
         """The layout training runs at now."""
@@ -207,6 +201,29 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
             raise RuntimeError("no model recipe yet: the LightningModule's configure_model() must call "
                                "trainer.strategy.build_model(MegatronRecipe(...))")
         return self._recipe
+
+    @property
+    def switcher(self) -> LayoutSwitcher:
+        """What every switch of this run shares (made in ``setup_environment``)."""
+        assert self._switcher is not None, "setup_environment makes the switcher"
+        return self._switcher
+
+    @property
+    def adam(self) -> AdamSettings:
+        """The optimizer settings ``configure_optimizers`` returned."""
+        assert self._adam is not None, "setup_optimizers reads them"
+        return self._adam
+
+    @property
+    def model_shard(self) -> torch.nn.Module:
+        """This rank's megatron model shard (built in ``configure_model``)."""
+        assert self._gpt_model is not None, "configure_model builds it"
+        return self._gpt_model
+
+    @property
+    def elastic(self) -> "ElasticDriver | None":
+        """The elastic side (an ``OnNodeChange`` callback is present), else ``None``."""
+        return self._elastic
 
     @property
     def megatron(self) -> "MegatronState":
@@ -225,54 +242,38 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
 
     # ---------------------------------------------------------------------- life cycle hooks
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = None
-
-    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         # before megatron-core is first imported (init_groups): its import-time notices are named there
         quiet_third_party_warnings(on_cpu=self.root_device.type == "cpu")
-        self._setup_distributed()
         # Share the node's cores among its processes: launchers leave 1 thread each (torchrun), cores //
         # processes (Lightning's), or every core in each (fabric run, srun). See threads.py for the rule.
         threads = fit_intra_op_threads(local_processes=max(1, self.num_processes))
         if threads.message:
             rank_zero_info(threads.message)
+        node_change = _node_change_callback(self._trainer())
+        joined_at = None
+        if node_change is not None:  # elastic: the job's store makes the worlds (strategy/elastic.py)
+            reset_seed()
+            self._elastic = node_change.make_driver(self)
+            joined_at = self._elastic.enter(self.cluster_environment)
+            self._owns_process_group = True  # its worlds are this process's to destroy
+        else:
+            self._setup_distributed()
         requested = self._requested_layout
-        layout = ParallelConfig(dp=self.world_size) if requested == "auto" else requested
+        layout = joined_at or (ParallelConfig(dp=self.world_size) if requested == "auto" else requested)
         self._layout = validate_target(layout, world_size=self.world_size)
-        from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
         from lightning_dynatrain.strategy.megatron_step import init_groups
+        from lightning_dynatrain.strategy.topology import gather_topology
 
-        if self._groups is None:
-            self._groups = ProcessGroupCache()
-        init_groups(self._layout, seed=self.seed, groups=self._groups)
+        if self._switcher is None:
+            self._switcher = LayoutSwitcher(staging_budget=self.staging_budget, memory_limit=self.switch_memory_limit,
+                                            verify=self.verify, promote_broadcasts=self.promote_broadcasts)
+        self._pgs = init_groups(self._layout, seed=self.seed, groups=self._switcher.groups)
+        topology = gather_topology(self.cluster_environment)
+        self._switcher.new_world(topology)
         rank_zero_info(f"[dynatrain] layout {self._layout} on {self.world_size} processes "
-                       f"({self.process_group_backend}, {self.cluster_environment.__class__.__name__})")
-
-    def _setup_distributed(self) -> None:
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() != self.world_size:
-                raise WorldSizeError(
-                    f"torch.distributed is already initialised with {dist.get_world_size()} ranks but Lightning "
-                    f"sees {self.world_size}", hint="pass Trainer(devices=..., num_nodes=...) matching the job")
-            return  # someone else owns the group (a test harness, an outer script): leave it to them
-        _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
-        self._owns_process_group = True
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+                       f"({self.process_group_backend}, {self.cluster_environment.__class__.__name__}), {topology}")
 
     def build_model(self, recipe: MegatronRecipe) -> torch.nn.Module:
         """Build this rank's shard of ``recipe``'s GPT at the current layout; call from ``configure_model``.
@@ -286,7 +287,8 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
 
         recipe = replace(recipe, params_dtype=resolve_params_dtype(recipe.params_dtype, self.precision_plugin))
         self._recipe = recipe
-        self._gpt_model = build_model(recipe, self.layout, device=self.root_device)
+        assert self._pgs is not None, "setup_environment makes the groups"
+        self._gpt_model = build_model(recipe, self.layout, self._pgs, device=self.root_device)
         return self._gpt_model
 
     @override
@@ -300,6 +302,7 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
                 "(GPTLightningModule does)")
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+        self._start_from_megatron(trainer)
         self.setup_precision_plugin()
 
     @override
@@ -315,7 +318,13 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         from lightning_dynatrain.strategy.megatron_step import attach_optimizer
 
         self._adam = adam
-        self._install(attach_optimizer(self._gpt_model, self.recipe, self.layout, adam))
+        assert self._pgs is not None, "setup_environment makes the groups"
+        build = partial(attach_optimizer, self._gpt_model, self.recipe, self.layout, adam, self._pgs)
+        if self._elastic is not None and self._elastic.joining:  # the state comes from the old members
+            self._install(self._elastic.receive_state(build))
+            self._elastic.receive_trainer_state(trainer)
+        else:
+            self._install(build())
 
     def _install(self, state: "MegatronState") -> None:
         """Make ``state`` the one training runs on: the module's ``model``, Lightning's optimizer handle.
@@ -335,20 +344,9 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         self.lr_scheduler_configs = []
 
     @override
-    def model_to_device(self) -> None:
-        pass  # build_model puts the shard on root_device
-
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Not Lightning's default (root_device as the default device): megatron builds on CPU
-        # (use_cpu_initialization, CPU generators for the layout-free init) and build_model moves the
-        # shard to root_device afterwards; a CUDA default device breaks those CPU draws.
-        with self.precision_plugin.tensor_init_context():
-            yield
-
-    @override
     def on_train_start(self) -> None:
+        if self._elastic is not None:
+            self._elastic.end_catching_up()
         # The data position is global_step * G: align every global-batch sampler (matters on resume).
         trainer = self._trainer()
         if trainer is not None:
@@ -357,16 +355,18 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._megatron is not None or self._layout is not None:
+        if dist.is_available() and dist.is_initialized():
+            self._writer.close()  # a background save completes before its groups go
+        if self._switcher is not None and dist.is_available() and dist.is_initialized():
             from lightning_dynatrain.strategy.megatron_step import teardown_state
 
-            if dist.is_available() and dist.is_initialized():
-                teardown_state(self._groups)
+            teardown_state()
+            self._switcher.close()
         self._megatron = None
         self._pending = None
-        if self._owns_process_group and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_process_group = False
+        if self._elastic is not None:
+            self._elastic.close()
+        self._teardown_process_group()
         super().teardown()
 
     # ----------------------------------------------------------------------- the train step
@@ -377,8 +377,7 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         """
         from lightning_dynatrain.strategy.megatron_step import train_step
 
-        state = self.megatron
-        closure = partial(train_step, state, batch, global_batch_size=self.recipe.global_batch_size, lr=lr,
+        closure = partial(train_step, self.megatron, batch, self.recipe, lr=lr,
                           weight_decay=self._adam.weight_decay if weight_decay is None else weight_decay)
         return self._lightning_optimizers[0].step(closure=closure)
 
@@ -392,73 +391,178 @@ class DynaTrainStrategy(LayoutSwitching, ParallelStrategy):
         self._run_pending()  # a switch requested during the step runs now, at the boundary
         return output
 
-    def _trainer(self) -> "pl.Trainer | None":
-        module = self.lightning_module
-        return getattr(module, "_trainer", None) if module is not None else None
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per optimizer step at the current layout: global // (dp * micro)."""
+        from lightning_dynatrain.strategy.megatron_step import microbatches
 
-    def _global_step(self) -> int:
-        trainer = self._trainer()
-        return trainer.global_step if trainer is not None else 0
+        return microbatches(self.recipe, self.layout)
+
+    # ----------------------------------------------------------------------------- switching
+    def check_layout(self, target: str | ParallelConfig) -> ParallelConfig:
+        """Parse and check ``target`` against the world, the model and the batch; the layout or a typed error."""
+        recipe = self._recipe
+        return validate_target(target, world_size=self.world_size, current=self._layout,
+                               shape=recipe.shape if recipe else None,
+                               global_batch_size=recipe.global_batch_size if recipe else None,
+                               micro_batch_size=recipe.micro_batch_size if recipe else None)
+
+    def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport | None:
+        """Switch training to layout ``target`` at the optimizer-step boundary (see the module docstring).
+        Collective: every rank calls it at the same step with the same target.
+
+        Returns:
+            The switch's report, or ``None`` when the request came in during a training step: it is then
+            pending and runs as that step returns (a later request replaces a pending one).
+
+        Raises:
+            LayoutError: the target is malformed or does not fit the model (the message names the rule).
+            WorldSizeError: the target needs a different number of processes.
+            BatchSizeError: the global batch does not split into micro-batches at the target.
+            SwitchMemoryError, StagingBudgetError: the switch does not fit (memory, staging budget).
+            Each of these on every rank, before anything moved (``engine.errors.was_refused``):
+            training can go on at the old layout.
+        """
+        try:
+            layout = self.check_layout(target)
+        except DynaTrainError as err:
+            raise mark_refused(err)
+        if self._step_in_progress:
+            if self._pending is not None and self._pending != layout:
+                rank_zero_info(f"[dynatrain] pending switch to {self._pending} replaced by {layout}")
+            self._pending = layout
+            rank_zero_info(f"[dynatrain] switch to {layout} requested during step {self._global_step() + 1}: "
+                           "deferred to the end of the step (after its optimizer step)")
+            return None
+        return self._reconfigure_now(layout, deferred=False)
+
+    @property
+    def pending_layout(self) -> ParallelConfig | None:
+        """A switch requested during the running step, not yet done."""
+        return self._pending
+
+    def _run_pending(self) -> None:
+        """Run a switch requested during the step that just ended (called as the training step returns)."""
+        if self._pending is not None:
+            target, self._pending = self._pending, None
+            self._reconfigure_now(target, deferred=True)
+
+    def _reconfigure_now(self, layout: ParallelConfig, *, deferred: bool) -> ReconfigReport:
+        src, step = self.layout, self._global_step()
+        if layout == src:
+            report = ReconfigReport(step=step, src=str(src), dst=str(src), deferred=deferred)
+        else:
+            assert self._switcher is not None and self._adam is not None
+            state, report = self._switcher.switch(self.megatron, layout, recipe=self.recipe, adam=self._adam,
+                                                  step=step, deferred=deferred)
+            self._install(state)
+            self.switch_history.append(report)
+        log_switch(self._trainer(), report, is_global_zero=self.is_global_zero)
+        return report
 
     # --------------------------------------------------------------------------- collectives
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+    def _collectives_are_local(self) -> bool:
+        return self._elastic is not None and self._elastic.local_collectives
 
     @override
     def reduce(self, tensor: torch.Tensor | Any, group: Any | None = None,
                reduce_op: ReduceOp | str | None = "mean") -> torch.Tensor | Any:
         """Reduce over the current layout's data-parallel group (``group=None``), or over ``group``."""
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or self._collectives_are_local():
             return tensor
         if group is None and self._megatron is not None:
             group = self._megatron.groups.dp_cp
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Agree over every process (not only data-parallel replicas): stopping is a job-wide decision."""
-        value = torch.tensor(int(decision), device=self.root_device)
-        value = _sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
-        return bool(value == self.world_size) if all else bool(value)
-
     # --------------------------------------------------------------------------- checkpoints
+    # What each hook restores, and why there: ``strategy/checkpoint.py``'s module docstring.
+    def _spec(self):
+        return checkpointing.spec_of(self.recipe.shape)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Empty: the weights are saved under their logical keys with the rest of the state (``save_checkpoint``)."""
+        return {}
+
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return optimizer.state_dict()  # this rank's shard, on every rank
+        """The optimizer's layout-free scalars: Adam's step and each kind of param group's settings
+        (moments and main params are saved under their logical keys)."""
+        return checkpointing.optimizer_scalars(self.megatron)
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """A joiner's optimizer state came through the engine; otherwise Lightning restores it."""
+        return not (self._elastic is not None and self._elastic.joining)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
                         storage_options: Any | None = None) -> None:
-        """Every rank writes its own file under ``filepath`` (a directory); see ``strategy.checkpoint``."""
+        """Write a layout-free checkpoint directory at ``filepath`` (collective; in the background
+        with ``async_save``)."""
         if storage_options is not None:
             raise TypeError("DynaTrainStrategy.save_checkpoint does not take storage_options")
-        save_rank_checkpoint(checkpoint, filepath, rank=self.global_rank, layout=self.layout,
-                             world_size=self.world_size)
+        checkpointing.save(checkpoint, filepath, writer=self._writer, model=self._gpt_model, state=self._megatron,
+                           spec=self._spec(), layout=self.layout, rank=self.global_rank, world_size=self.world_size)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        self._writer.wait_for(filepath)
+        if self.is_global_zero:
+            from lightning_dynatrain.checkpoint.writer import remove_path
+
+            remove_path(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        return load_rank_checkpoint(checkpoint_path, rank=self.global_rank, layout=self.layout,
-                                    world_size=self.world_size, weights_only=weights_only)
+        """Lightning's part of checkpoint ``checkpoint_path``, once it is checked to hold this run's model."""
+        from lightning_dynatrain.megatron.state_bridge import precision_of
+
+        self._writer.wait_for(checkpoint_path)
+        return checkpointing.read(checkpoint_path, spec=self._spec(), precision=precision_of(self._gpt_model),
+                                  layout=self.layout, rank=self.global_rank, world_size=self.world_size,
+                                  weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The parameters, into the model before megatron DDP and the optimizer are built from them."""
+        source = checkpointing.source_of(checkpoint)
+        if source is None or source.kind == "per_rank":
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        checkpointing.load_params(checkpoint, self._gpt_model, self._spec(), self.layout, self.global_rank)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Adam's step, the group settings, main params and moments, into the optimizer ``setup`` built."""
+        source = checkpointing.source_of(checkpoint)
+        if source is None or source.kind == "per_rank":
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        checkpointing.load_optimizer(checkpoint, self.megatron, self._spec(), self.global_rank)
+
+    def _start_from_megatron(self, trainer: "pl.Trainer") -> None:
+        """``init_from_megatron``: after ``setup_optimizers`` (the optimizer's tensors exist then)."""
+        if self.init_from_megatron is None or trainer.ckpt_path is not None:
+            return
+        from lightning_dynatrain.checkpoint.megatron_import import load_megatron_checkpoint
+
+        step = load_megatron_checkpoint(self.init_from_megatron, model=self._gpt_model, state=self._megatron)
+        rank_zero_info(f"[dynatrain] started from megatron checkpoint {self.init_from_megatron} at {self.layout}"
+                       + (f" (Adam step {step})" if step is not None else " (weights only)"))
 
     def __repr__(self) -> str:
         layout = self._layout or self._requested_layout
         return f"DynaTrainStrategy(layout={str(layout)!r}, staging_budget={self.staging_budget})"
+
+
+def _node_change_callback(trainer: "pl.Trainer | None") -> "OnNodeChange | None":
+    """The trainer's ``OnNodeChange`` callback (it makes the run elastic), if any."""
+    from lightning_dynatrain.callbacks.node_change import OnNodeChange
+
+    found = [c for c in (trainer.callbacks if trainer is not None else []) if isinstance(c, OnNodeChange)]
+    return found[0] if found else None
 
 
 def _global_batch_samplers(loaders: Any) -> Iterator[GlobalBatchSampler]:

@@ -1,14 +1,14 @@
 """The megatron side of ``DynaTrainStrategy``, as plain functions over one ``MegatronState``.
 
-A layout's whole megatron state is one object: the groups, the ``GPTModel`` shard, megatron's
-``DistributedDataParallel`` and optimizer, and the micro-batch count. A layout change is "tear down
-the state of layout A, build the state of layout B" (plus moving the numbers, the engine's job):
+A layout's whole megatron state is one object (``megatron.state.MegatronState``): the groups, the
+``GPTModel`` shard, megatron's ``DistributedDataParallel`` and optimizer. Building it:
 
-    groups  = initialize_for_layout(B)            # megatron parallel_state for B (collective)
-    model   = build_model(recipe, B)              # B's shard of the same logical model
-    state   = attach_optimizer(model, recipe, B, adam)   # DDP + optimizer + micro-batches
-    ...                                           # the engine fills model and optimizer state
-    teardown_state(old)
+    groups  = init_groups(layout, seed=...)                    # megatron parallel_state (collective)
+    model   = build_model(recipe, layout, groups)             # this rank's shard of the logical model
+    state   = attach_optimizer(model, recipe, layout, adam, groups)   # DDP + optimizer
+
+A layout change turns the state of layout A into the state of layout B in memory
+(``megatron.hot_switch``).
 
 ``train_step`` runs one optimizer step over the GLOBAL batch: it cuts this rank's data-parallel
 share by the state's layout, sets the scheduled learning rate, and calls megatron's pipeline
@@ -18,51 +18,19 @@ schedule through ``run_train_step`` (forward/backward over micro-batches, finali
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
-from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.data.sampler import dp_share_bounds
 from lightning_dynatrain.megatron.gpt import build_gpt_model
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
-from lightning_dynatrain.megatron.parallel_state_adapter import (
-    ProcessGroupCache,
-    current_process_groups,
-    destroy,
-    initialize_for_layout,
-)
+from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
+from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.validation import BatchSizeError, num_microbatches
 from lightning_dynatrain.vps.layout import ParallelConfig
-
-
-@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class MegatronState:
-    """Everything megatron holds for one layout on this rank."""
-
-    layout: ParallelConfig
-    """The layout these objects were built for."""
-    groups: ProcessGroupCollection
-    """This rank's megatron groups for ``layout``."""
-    model: torch.nn.Module
-    """This rank's ``GPTModel`` shard (the module the LightningModule holds as ``model``)."""
-    ddp: DistributedDataParallel
-    """Megatron DDP around ``model`` (contiguous param and grad buffers)."""
-    optimizer: MegatronOptimizer
-    """Megatron's optimizer (distributed when ``layout.zero == 1``)."""
-    num_microbatches: int
-    """Micro-batches per optimizer step at this layout: global // (dp * micro)."""
-
-    @property
-    def dp_rank(self) -> int:
-        return self.groups.dp.rank()
-
-    @property
-    def dp_size(self) -> int:
-        return self.groups.dp.size()
 
 
 def init_groups(layout: ParallelConfig, *, seed: int, groups: ProcessGroupCache | None = None) -> ProcessGroupCollection:
@@ -70,34 +38,33 @@ def init_groups(layout: ParallelConfig, *, seed: int, groups: ProcessGroupCache 
     return initialize_for_layout(layout, seed=seed, groups=groups)
 
 
-def build_model(recipe: MegatronRecipe, layout: ParallelConfig, *, device: torch.device | None = None) -> torch.nn.Module:
-    """This rank's shard of the recipe's GPT at ``layout`` (groups must be initialised for it)."""
-    model = build_gpt_model(recipe.shape, layout, seed=recipe.seed, params_dtype=recipe.params_dtype)
+def build_model(recipe: MegatronRecipe, layout: ParallelConfig, groups: ProcessGroupCollection, *,
+                device: torch.device | None = None) -> torch.nn.Module:
+    """This rank's shard of the recipe's GPT at ``layout``, on ``layout``'s ``groups``."""
+    model = build_gpt_model(recipe.shape, layout, seed=recipe.seed, params_dtype=recipe.params_dtype,
+                            pg_collection=groups)
     if device is not None and device.type != "cpu":
         model = model.to(device)
     return model
 
 
 def optimizer_kwargs(adam: AdamSettings) -> dict:
-    """``build_ddp_and_optimizer``'s keyword arguments for ``adam`` (also what ``hot_switch`` takes)."""
+    """``build_ddp_and_optimizer``'s keyword arguments for ``adam`` (also ``SwitchSetup.optimizer``)."""
     return dict(lr=adam.lr, weight_decay=adam.weight_decay, adam_beta1=adam.betas[0], adam_beta2=adam.betas[1],
                 adam_eps=adam.eps, clip_grad=adam.clip_grad)
 
 
-def state_of(layout: ParallelConfig, ddp: DistributedDataParallel, optimizer: MegatronOptimizer,
-             recipe: MegatronRecipe) -> MegatronState:
-    """The ``MegatronState`` of a DDP model and optimizer built for ``layout`` (groups must be ``layout``'s)."""
-    micro = num_microbatches(recipe.global_batch_size, layout.dp * layout.cp, recipe.micro_batch_size)
-    return MegatronState(layout=layout, groups=current_process_groups(), model=ddp.module, ddp=ddp,
-                         optimizer=optimizer, num_microbatches=micro)
+def microbatches(recipe: MegatronRecipe, layout: ParallelConfig) -> int:
+    """Micro-batches per optimizer step at ``layout``: global // (dp * micro)."""
+    return num_microbatches(recipe.global_batch_size, layout.dp * layout.cp, recipe.micro_batch_size)
 
 
 def attach_optimizer(model: torch.nn.Module, recipe: MegatronRecipe, layout: ParallelConfig,
-                     adam: AdamSettings) -> MegatronState:
-    """Wrap ``model`` in megatron DDP, build its optimizer, and derive the micro-batch count."""
-    num_microbatches(recipe.global_batch_size, layout.dp * layout.cp, recipe.micro_batch_size)  # fail early
-    ddp, optimizer = build_ddp_and_optimizer(model, layout, **optimizer_kwargs(adam))
-    return state_of(layout, ddp, optimizer, recipe)
+                     adam: AdamSettings, groups: ProcessGroupCollection) -> MegatronState:
+    """Wrap ``model`` in megatron DDP and build its optimizer, on ``groups``."""
+    microbatches(recipe, layout)  # fail early
+    ddp, optimizer = build_ddp_and_optimizer(model, layout, pg_collection=groups, **optimizer_kwargs(adam))
+    return MegatronState(layout=layout, groups=groups, ddp=ddp, optimizer=optimizer)
 
 
 def teardown_state(groups: ProcessGroupCache | None = None) -> None:
@@ -133,12 +100,13 @@ def local_share(batch: Mapping[str, torch.Tensor], *, dp_rank: int, dp_size: int
     return {k: v[start:end] for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
-def train_step(state: MegatronState, batch: Mapping[str, torch.Tensor], *, global_batch_size: int,
+def train_step(state: MegatronState, batch: Mapping[str, torch.Tensor], recipe: MegatronRecipe, *,
                lr: float, weight_decay: float) -> float:
     """One optimizer step of the global ``batch`` at ``state``'s layout; the global mean loss (same on every rank)."""
-    local = local_share(batch, dp_rank=state.dp_rank, dp_size=state.dp_size, global_batch_size=global_batch_size)
+    local = local_share(batch, dp_rank=state.dp_rank, dp_size=state.dp_size,
+                        global_batch_size=recipe.global_batch_size)
     set_lr_and_wd(state.optimizer, lr=lr, weight_decay=weight_decay)
-    return run_train_step(state.ddp, state.optimizer, local, state.layout, state.num_microbatches,
+    return run_train_step(state.ddp, state.optimizer, local, state.layout, microbatches(recipe, state.layout),
                           pg_collection=state.groups)
 
 
@@ -163,16 +131,15 @@ def _inner(state: MegatronState) -> list[torch.optim.Optimizer | None]:
 
 
 __all__ = [
-    "MegatronState",
     "attach_optimizer",
     "build_model",
     "init_groups",
     "load_optimizer_state_dict",
     "local_share",
+    "microbatches",
     "optimizer_kwargs",
     "optimizer_state_dict",
     "set_lr_and_wd",
-    "state_of",
     "teardown_state",
     "train_step",
 ]

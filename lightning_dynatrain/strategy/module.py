@@ -7,6 +7,11 @@ decides *how* (the layout): ``configure_model`` asks the strategy to build this 
 ``training_step`` is exactly one optimizer step, so ``trainer.global_step`` counts steps and the
 learning rate is a plain function of it: it survives a layout switch untouched.
 
+Any ``GPTShape`` trains, the named families of ``megatron/shapes.py`` included
+(``model_shape("llama" | "moe", ...)``); an MoE model's expert layout (``ep``, ``etp``) switches like
+every other axis. A batch may carry a ``loss_mask`` (megatron's ``GPTDataset`` gives one) and other
+per-row tensors (``"sample"``); the strategy slices them with the rows.
+
 Example::
 
     shape = GPTShape(hidden=128, layers=4, heads=4, ffn_hidden=512, vocab_size=256, seq_length=128,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from lightning_dynatrain.strategy.megatron_step import MegatronState
+    from lightning_dynatrain.megatron.state import MegatronState
 
 
 class MegatronOptimizerHandle(torch.optim.Optimizer):

@@ -1,168 +1,32 @@
-"""Layout switching for ``DynaTrainStrategy``: requests, checks, deferral, reports. The switch itself is
-``_switch_state`` (one method: tear down layout A's megatron state, build B's, move the numbers).
+"""Layout switches for ``DynaTrainStrategy``: what every switch of a run shares, and one switch.
 
-When a switch runs. ``reconfigure(target)`` is collective (every rank, same step, same target) and
-runs at the optimizer-step boundary: after optimizer step ``k``, before step ``k+1``'s forward.
+``LayoutSwitcher`` holds what a run's switches share: the settings parsed once (staging budget,
+memory limit, verify), the world's topology and measured link costs (once per world), and the
+process groups of every layout and broadcast used so far (switching back costs no group work).
+``switch`` runs one hot switch (``megatron.hot_switch``) and returns the new state and the job's
+report; with ``verify`` the logical state is fingerprinted on both sides (collective) and a
+difference raises ``SwitchVerificationError``.
 
-- Called between training steps (``on_train_batch_end``/``on_train_batch_start`` hooks, e.g.
-  ``ScheduledReconfig``, or ``on_train_start``): it runs at once and returns its report.
-- Called while a training step runs (from ``training_step`` or a hook inside it, such as
-  ``on_before_optimizer_step``): the target is recorded as pending, a line says it was deferred, and
-  ``None`` is returned; it runs as that training step returns, right after its optimizer step and
-  before the ``on_train_batch_end`` hooks. A second request in the same step replaces the first.
-
-There is no gradient accumulation across ``training_step`` calls under this strategy: every call is
-one whole optimizer step over the global batch (megatron's micro-batches inside it), so "mid
-accumulation" means "inside a training step", and the end of the step is the next boundary.
+When a switch runs is the strategy's business (``DynaTrainStrategy.reconfigure``): at the
+optimizer-step boundary, a request made during a training step deferred to its end.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+import torch.distributed as dist
 
-from lightning_dynatrain.strategy.report import ReconfigReport, SwitchFigures, log_switch
-from lightning_dynatrain.strategy.validation import validate_target
+from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.topology import Topology
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
+    from lightning_dynatrain.engine.collectives import LinkCosts
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
+    from lightning_dynatrain.megatron.hot_switch import SwitchSetup
+    from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
-    from lightning_dynatrain.strategy.megatron_step import MegatronState
-
-
-class LayoutSwitching:
-    """The switching half of ``DynaTrainStrategy`` (a mixin; the strategy provides the attributes below)."""
-
-    _layout: ParallelConfig | None
-    _recipe: "MegatronRecipe | None"
-    _adam: "AdamSettings | None"
-    _step_in_progress: bool
-    _pending: ParallelConfig | None
-    _groups: "ProcessGroupCache | None"
-    switch_history: list[ReconfigReport]
-    staging_budget: int
-    switch_memory_limit: int | None
-    world_size: int
-    is_global_zero: bool
-    layout: ParallelConfig
-    recipe: "MegatronRecipe"
-    megatron: "MegatronState"
-
-    if TYPE_CHECKING:  # provided by DynaTrainStrategy
-        def _install(self, state: "MegatronState") -> None: ...
-        def _trainer(self) -> "pl.Trainer | None": ...
-        def _global_step(self) -> int: ...
-
-    def _run_pending(self) -> None:
-        """Run a switch requested during the step that just ended (called as the training step returns)."""
-        if self._pending is not None:
-            target, self._pending = self._pending, None
-            self._reconfigure_now(target, deferred=True)
-
-    def check_layout(self, target: str | ParallelConfig) -> ParallelConfig:
-        """Parse and check ``target`` against the world, the model and the batch; the layout or a typed error."""
-        recipe = self._recipe
-        return validate_target(target, world_size=self.world_size, current=self._layout,
-                               shape=recipe.shape if recipe else None,
-                               global_batch_size=recipe.global_batch_size if recipe else None,
-                               micro_batch_size=recipe.micro_batch_size if recipe else None)
-
-    def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport | None:
-        """Switch training to layout ``target`` at the optimizer-step boundary. Collective: every rank calls
-        it at the same step with the same target.
-
-        Returns:
-            The switch's report, or ``None`` when the request came in during a training step: it is then
-            pending and runs as that step returns (a later request replaces a pending one).
-
-        Raises:
-            LayoutError: the target is malformed or does not fit the model (the message names the rule).
-            WorldSizeError: the target needs a different number of processes.
-            BatchSizeError: the global batch does not split into micro-batches at the target.
-        """
-        layout = self.check_layout(target)
-        if self._step_in_progress:
-            if self._pending is not None and self._pending != layout:
-                rank_zero_info(f"[dynatrain] pending switch to {self._pending} replaced by {layout}")
-            self._pending = layout
-            rank_zero_info(f"[dynatrain] switch to {layout} requested during step {self._global_step() + 1}: "
-                           "deferred to the end of the step (after its optimizer step)")
-            return None
-        return self._reconfigure_now(layout, deferred=False)
-
-    @property
-    def pending_layout(self) -> ParallelConfig | None:
-        """A switch requested during the running step, not yet done."""
-        return self._pending
-
-    def _reconfigure_now(self, layout: ParallelConfig, *, deferred: bool) -> ReconfigReport:
-        src = self.layout
-        if layout == src:
-            report = ReconfigReport(step=self._global_step(), src=str(src), dst=str(src), deferred=deferred)
-        else:
-            figures = self._switch_state(layout)
-            report = ReconfigReport.from_figures(figures, step=self._global_step(), src=str(src), dst=str(layout),
-                                                 deferred=deferred)
-            self.switch_history.append(report)
-        log_switch(self._trainer(), report, is_global_zero=self.is_global_zero)
-        return report
-
-    def _switch_state(self, target: ParallelConfig) -> SwitchFigures:
-        """Move every piece of training state from the current layout to ``target``; this rank's figures.
-
-        ``megatron.hot_switch`` plans, rebuilds the target's megatron model, DDP buffers and optimizer
-        (no weight init) and lets the engine fill them; ``_install`` then points the LightningModule's
-        ``model`` and Lightning's optimizer handle at the new objects. The data pipeline needs nothing
-        (global batches; the next step slices by the new dp), and the learning rate is a function of
-        ``trainer.global_step``. With ``verify`` the logical state is fingerprinted on both sides
-        (collective) and a mismatch raises ``SwitchVerificationError``.
-        """
-        from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
-        from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs, state_of
-        from lightning_dynatrain.strategy.report import figures_from_engine_report
-
-        old = self.megatron
-        current = MegatronTrainingState(layout=old.layout, ddp=old.ddp, optimizer=old.optimizer)
-        before = self._fingerprint(current) if self.verify else None
-        result = hot_switch(current, target, shape=self.recipe.shape, seed=self.recipe.seed,
-                            staging_budget=self.staging_budget, optimizer_kwargs=optimizer_kwargs(self._adam),
-                            groups=self._groups, memory_limit=self.switch_memory_limit)
-        del current, old
-        if before is not None:
-            after = self._fingerprint(result.state)
-            if after != before:
-                from lightning_dynatrain.engine.fingerprint import diff
-
-                raise SwitchVerificationError(
-                    f"the logical state changed in the switch to {target}: {'; '.join(diff(before, after))}",
-                    hint="this is a bug in lightning-dynatrain; please report it with the two layouts")
-        self._install(state_of(target, result.state.ddp, result.state.optimizer, self.recipe))
-        return figures_from_engine_report(result.report, seconds=result.seconds,
-                                          extra_phases={"rebuild": result.rebuild_seconds})
-
-    def _fingerprint(self, state) -> dict:
-        """Layout-independent fingerprint of the full logical state (collective)."""
-        import torch.distributed as dist
-
-        from lightning_dynatrain.engine.fingerprint import logical_fingerprint
-        from lightning_dynatrain.megatron.gpt import logical_spec
-        from lightning_dynatrain.megatron.state_bridge import (
-            adam_step,
-            materialize_adam_state,
-            megatron_store,
-            precision_of,
-        )
-
-        if adam_step(state.optimizer) is None:  # before the first step: zero moments, as hot_switch makes them
-            materialize_adam_state(state.optimizer, 0)
-        spec = logical_spec(self.recipe.shape)
-        rank = dist.get_rank()
-        store = megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
-        return logical_fingerprint(store, spec, state.layout, rank, precision_of(state.ddp.module))
 
 
 class SwitchVerificationError(RuntimeError):
@@ -172,4 +36,111 @@ class SwitchVerificationError(RuntimeError):
         super().__init__(f"{message}. HINT: {hint}")
 
 
-__all__ = ["LayoutSwitching", "SwitchVerificationError"]
+class LayoutSwitcher:
+    """The switching side of a run (see the module docstring); one per strategy.
+
+    Args:
+        staging_budget: bytes of stage buffers a switch may use.
+        memory_limit: at most this many bytes a switch may take on one rank; ``None``: no limit.
+        verify: fingerprint the full logical state around every switch.
+        promote_broadcasts: measure the links once per world and let switches broadcast where that pays.
+    """
+
+    def __init__(self, *, staging_budget: int, memory_limit: int | None = None, verify: bool = False,
+                 promote_broadcasts: bool = True) -> None:
+        from lightning_dynatrain.engine.collectives import SubgroupCache
+        from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
+
+        self.staging_budget, self.memory_limit, self.verify = staging_budget, memory_limit, verify
+        self.promote_broadcasts = promote_broadcasts
+        self.groups = ProcessGroupCache()
+        self.subgroups = SubgroupCache()
+        self.topology: Topology | None = None
+        self.link_costs: LinkCosts | None = None
+        self._setup: SwitchSetup | None = None
+
+    def new_world(self, topology: Topology) -> None:
+        """A world starts (setup): its topology; its link costs are measured at its first switch."""
+        self.topology, self.link_costs, self._setup = topology, None, None
+
+    def new_world_groups(self) -> "ProcessGroupCache":
+        """Fresh group caches for a new world (the old world's groups are retired with it)."""
+        from lightning_dynatrain.engine.collectives import SubgroupCache
+        from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
+
+        self.groups, self.subgroups = ProcessGroupCache(), SubgroupCache()
+        return self.groups
+
+    def world_change_setup(self, recipe: "MegatronRecipe", adam: "AdamSettings") -> "SwitchSetup":
+        """What a world change's switch uses: this world's topology, no broadcasts (their groups
+        would span two worlds)."""
+        from lightning_dynatrain.megatron.hot_switch import SwitchSetup
+        from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
+
+        return SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
+                           staging_budget=self.staging_budget, memory_limit=self.memory_limit, topology=self.topology)
+
+    def close(self) -> None:
+        """Destroy the groups this run made (collective use ends: call at teardown)."""
+        self.subgroups.close()
+        self.groups.close()
+
+    def setup(self, recipe: "MegatronRecipe", adam: "AdamSettings") -> "SwitchSetup":
+        """What every switch of this world shares (made at the first switch: it measures the links)."""
+        if self._setup is None:
+            from lightning_dynatrain.engine.collectives import measure_link_costs
+            from lightning_dynatrain.megatron.hot_switch import SwitchSetup
+            from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
+
+            if self.promote_broadcasts and self.link_costs is None:
+                self.link_costs = measure_link_costs()  # collective; the same on every rank
+            self._setup = SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
+                                      staging_budget=self.staging_budget, memory_limit=self.memory_limit,
+                                      topology=self.topology, link_costs=self.link_costs)
+        return self._setup
+
+    def switch(self, state: "MegatronState", target: ParallelConfig, *, recipe: "MegatronRecipe",
+               adam: "AdamSettings", step: int, deferred: bool) -> tuple["MegatronState", ReconfigReport]:
+        """Move every piece of training state from ``state``'s layout to ``target``; collective."""
+        from lightning_dynatrain.megatron.hot_switch import hot_switch
+
+        setup = self.setup(recipe, adam)
+        before = fingerprint(state, setup) if self.verify else None
+        result = hot_switch(state, target, setup, groups=self.groups, subgroups=self.subgroups)
+        if before is not None:
+            verify_unchanged(before, result.state, setup)
+        return result.state, ReconfigReport.gather(result, step=step, deferred=deferred)
+
+
+def verify_unchanged(before: dict, state: "MegatronState", setup: "SwitchSetup") -> None:
+    """Raise ``SwitchVerificationError`` on every rank, naming what differs, when ``state``'s
+    fingerprint is not ``before`` (collective)."""
+    after = fingerprint(state, setup)
+    if after != before:
+        from lightning_dynatrain.engine.fingerprint import diff
+
+        raise SwitchVerificationError(
+            f"the logical state changed in the switch to {state.layout}: {'; '.join(diff(before, after))}",
+            hint="this is a bug in lightning-dynatrain; please report it with the two layouts")
+
+
+def fingerprint(state: "MegatronState", setup: "SwitchSetup") -> dict:
+    """Layout-independent fingerprint of the full logical state (collective): params in their dtype
+    (bf16 or fp32), fp32 main params, both Adam moments, every tensor bit for bit
+    (``engine.fingerprint``). Adam's step and the param groups are scalars checked by the switch."""
+    from lightning_dynatrain.engine.fingerprint import logical_fingerprint
+    from lightning_dynatrain.megatron.state_bridge import (
+        adam_step,
+        materialize_adam_state,
+        megatron_store,
+        precision_of,
+    )
+
+    if adam_step(state.optimizer) is None:  # before the first step: zero moments, as hot_switch makes them
+        materialize_adam_state(state.optimizer, 0)
+    rank = dist.get_rank()
+    store = megatron_store(state.ddp, state.optimizer, setup.spec, state.layout, rank)
+    return logical_fingerprint(store, setup.spec, state.layout, rank, precision_of(state.model))
+
+
+__all__ = ["LayoutSwitcher", "SwitchVerificationError", "fingerprint", "verify_unchanged"]

@@ -24,6 +24,7 @@ import numpy as np
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.planner import plan_rank, union_world
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
+from lightning_dynatrain.vps.topology import Topology
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(ranks_done, ranks_total)`` after each rank's plan."""
@@ -88,9 +89,10 @@ def transfer_matrix(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, *
     switch that changes the world size) only send or only receive.
     """
     world = union_world(src, dst)
+    topology = Topology.uniform(world, gpus_per_node)
     matrix = np.zeros((world, world), dtype=np.int64)
     for rank in range(world):
-        plan = plan_rank(spec, src, dst, rank, precision=precision, gpus_per_node=gpus_per_node)
+        plan = plan_rank(spec, src, dst, rank, precision=precision, topology=topology)
         for t in plan.recvs:
             matrix[t.peer, rank] += t.box.numel * spec.itemsize(t.tensor, t.kind, precision)
         matrix[rank, rank] += plan.bytes(plan.retains, spec, precision)

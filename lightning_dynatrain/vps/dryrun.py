@@ -15,8 +15,9 @@ from lightning_dynatrain.vps.grid import grid_placement
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import state_placement
 from lightning_dynatrain.vps.plan import RankPlan
-from lightning_dynatrain.vps.planner import plan_rank, union_world
+from lightning_dynatrain.vps.planner import default_topology, plan_rank, union_world
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
+from lightning_dynatrain.vps.topology import Topology
 from lightning_dynatrain.vps.validate import validate_layout
 from lightning_dynatrain.vps.zero_buffer import shard_buffer
 
@@ -77,7 +78,7 @@ def dry_run(
     dst: ParallelConfig,
     *,
     precision: Precision = Precision.BF16,
-    gpus_per_node: int = 8,
+    topology: Topology | None = None,
     links: LinkModel = LinkModel(),
     only_rank: int | None = None,
     cold_samples: int = 32,
@@ -89,6 +90,7 @@ def dry_run(
     validate_layout(src, spec)
     validate_layout(dst, spec)
     world = union_world(src, dst)
+    topology = default_topology(src, dst) if topology is None else topology.covers(world)
     if only_rank is not None and not 0 <= only_rank < world:
         raise IndexError(f"rank {only_rank} is outside the union world of {world} ranks")
     ranks = list(range(world)) if only_rank is None else [only_rank]
@@ -98,7 +100,7 @@ def dry_run(
     for r in _sample(ranks, cold_samples):
         clear_planner_caches()
         t0 = time.perf_counter()
-        plan_rank(spec, src, dst, r, precision=precision, gpus_per_node=gpus_per_node)
+        plan_rank(spec, src, dst, r, precision=precision, topology=topology)
         cold_max = max(cold_max, time.perf_counter() - t0)
 
     # every rank, sharing caches; each plan is added up and dropped (a rank keeps only its own)
@@ -107,14 +109,14 @@ def dry_run(
     moved = retained = intra = inter = max_send = max_recv = 0
     for r in ranks:
         t0 = time.perf_counter()
-        plan = plan_rank(spec, src, dst, r, precision=precision, gpus_per_node=gpus_per_node)
+        plan = plan_rank(spec, src, dst, r, precision=precision, topology=topology)
         dt = time.perf_counter() - t0
         total += dt
         warm_max = max(warm_max, dt)
         if only_rank is not None:
             kept_plans[r] = plan
-        send_intra, send_inter = _split_bytes(plan.sends, r, gpus_per_node, spec, precision)
-        recv_intra, recv_inter = _split_bytes(plan.recvs, r, gpus_per_node, spec, precision)
+        send_intra, send_inter = _split_bytes(plan.sends, r, topology, spec, precision)
+        recv_intra, recv_inter = _split_bytes(plan.recvs, r, topology, spec, precision)
         kept = plan.bytes(plan.retains, spec, precision)
         moved += recv_intra + recv_inter
         intra += recv_intra
@@ -142,13 +144,12 @@ def dry_run(
     return report, kept_plans
 
 
-def _split_bytes(transfers, rank: int, gpus_per_node: int, spec: ModelSpec, precision: Precision) -> tuple[int, int]:
+def _split_bytes(transfers, rank: int, topology: Topology, spec: ModelSpec, precision: Precision) -> tuple[int, int]:
     """Bytes of ``transfers`` to/from peers on the same node, and on other nodes."""
-    node = rank // gpus_per_node
     intra = inter = 0
     for t in transfers:
         b = t.box.numel * spec.itemsize(t.tensor, t.kind, precision)
-        if t.peer // gpus_per_node == node:
+        if topology.same_node(t.peer, rank):
             intra += b
         else:
             inter += b

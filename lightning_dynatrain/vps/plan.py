@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_dynatrain.vps.box import Box
+from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 
@@ -34,12 +35,19 @@ class RankPlan:
     """
 
     rank: int
-    src: str
-    dst: str
+    src: ParallelConfig
+    dst: ParallelConfig
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
     retains: tuple[Transfer, ...]
     fills: tuple[Transfer, ...] = ()
+    group_size: int = 0
+    """Processes of the switch's group (``Members.size``); 0: the larger of the two worlds."""
+
+    @property
+    def world(self) -> int:
+        """Processes of the switch's group (by default the union of both worlds)."""
+        return self.group_size or max(self.src.world_size, self.dst.world_size)
 
     def peers(self) -> tuple[int, ...]:
         return tuple(sorted({t.peer for t in self.sends} | {t.peer for t in self.recvs}))

@@ -25,11 +25,13 @@ from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.errors import PlanError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import state_placement
+from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
 from lightning_dynatrain.vps.spec import VOCAB, ModelSpec, Precision, StateKind
+from lightning_dynatrain.vps.topology import Topology
 
 
-def choose_source(holders: tuple[int, ...], dest: int, gpus_per_node: int) -> int:
+def choose_source(holders: tuple[int, ...], dest: int, topology: Topology) -> int:
     """The holder ``dest`` reads an atom from: same node first, then the nearest in XOR distance.
 
     The engine pairs ``dest`` with holder ``h`` in XOR step ``dest ^ h``, so the nearest holder is
@@ -39,13 +41,13 @@ def choose_source(holders: tuple[int, ...], dest: int, gpus_per_node: int) -> in
     ``dp2-tp2 -> dp1-tp4`` ranks 1 and 2 read from ranks 0 and 3 at once in step 1, instead of rank
     2 waiting for rank 1 to finish its own receive first.
     """
-    candidates = _candidates(holders, dest // gpus_per_node, gpus_per_node)
+    candidates = _candidates(holders, topology.node_of(dest), topology)
     return min(candidates, key=lambda h: h ^ dest)
 
 
 @lru_cache(maxsize=65536)
-def _candidates(holders: tuple[int, ...], node: int, gpus_per_node: int) -> tuple[int, ...]:
-    local = tuple(h for h in holders if h // gpus_per_node == node)
+def _candidates(holders: tuple[int, ...], node: int, topology: Topology) -> tuple[int, ...]:
+    local = tuple(h for h in holders if topology.node_of(h) == node)
     return local or holders
 
 
@@ -72,18 +74,41 @@ def plan_rank(
     rank: int,
     *,
     precision: Precision = Precision.FP32,
-    gpus_per_node: int = 8,
+    topology: Topology | None = None,
+    members: Members | None = None,
 ) -> RankPlan:
-    """The plan of ``rank`` for the switch ``src -> dst``. Ranks beyond a world only send or only receive."""
+    """The plan of process ``rank`` for the switch ``src -> dst``. A process outside a layout's
+    world only sends (it leaves) or only receives (it joins).
+
+    ``topology``: the node of every process (sources on the process's own node are preferred);
+    ``None`` assumes nodes of 8 in order. ``members``: which process holds each source and each
+    destination rank (a world change that renumbers); ``None``: process ``p`` is rank ``p`` of both.
+    """
     _check_same_model(spec, src, dst)
+    members = Members.same(src.world_size, dst.world_size) if members is None else _checked(members, src, dst)
+    topology = Topology.uniform(members.size, 8) if topology is None else topology.covers(members.size)
     # Planning allocates many small acyclic tuples; a cyclic-GC pass over a training process's
-    # large heap in the middle of it costs more than the plan itself (measured: 4x the worst rank).
+    # large heap in the middle of it can cost more than the plan itself.
     with automatic_gc_paused():
-        return _plan_rank(spec, src, dst, rank, precision, gpus_per_node)
+        return _plan_rank(spec, src, dst, rank, precision, topology, members)
+
+
+def _checked(members: Members, src: ParallelConfig, dst: ParallelConfig) -> Members:
+    if (len(members.src), len(members.dst)) != (src.world_size, dst.world_size):
+        raise PlanError(f"{members} does not name a process for each of the {src.world_size} source and "
+                        f"{dst.world_size} destination ranks of {src} -> {dst}",
+                        hint="build Members with one process per rank of each layout")
+    return members
+
+
+def default_topology(src: ParallelConfig, dst: ParallelConfig) -> Topology:
+    """Nodes of 8 ranks in rank order over the union world (what a dry run assumes)."""
+    return Topology.uniform(union_world(src, dst), 8)
 
 
 def _plan_rank(
-    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, gpus_per_node: int
+    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, topology: Topology,
+    members: Members,
 ) -> RankPlan:
     order = {t.name: i for i, t in enumerate(spec.tensors)}
     kind_order = {k: i for i, (k, _) in enumerate(precision.kinds)}
@@ -91,36 +116,40 @@ def _plan_rank(
     recvs: list[Transfer] = []
     retains: list[Transfer] = []
     fills: list[Transfer] = []
-    in_src = rank < src.world_size
-    in_dst = rank < dst.world_size
+    src_rank, dst_rank = members.src_rank(rank), members.dst_rank(rank)
+    # layout ranks -> processes (the identity within one world)
+    as_src = (lambda holders: holders) if members.is_identity else (lambda h: tuple(members.src[r] for r in h))
+    as_dst = (lambda holders: holders) if members.is_identity else (lambda h: tuple(members.dst[r] for r in h))
     for group in (0, 1):  # params first, then the optimizer's state
         for tensor in spec.tensors:
             src_sharded, dst_sharded, kinds = _kind_groups(src, dst, precision.kinds_of(tensor))[group]
             source = state_placement(spec, src, tensor.name, src_sharded, precision if src_sharded else Precision.FP32)
             target = state_placement(spec, dst, tensor.name, dst_sharded, precision if dst_sharded else Precision.FP32)
             vocab_axis = tensor.axis_of(VOCAB)
-            if in_dst:
-                for region in target.regions(rank):
+            if dst_rank is not None:
+                for region in target.regions(dst_rank):
                     if vocab_axis is not None:
                         fill = _beyond(region.box, vocab_axis, source.grid.limits[vocab_axis])
                         if fill is not None:
                             fills.extend(Transfer(rank, tensor.name, k, fill) for k in kinds)
                     for dbox, _ in target.pieces(region.box):
-                        for box, holders in source.pieces(dbox):
+                        for box, src_holders in source.pieces(dbox):
+                            holders = as_src(src_holders)
                             if rank in holders:
                                 retains.extend(Transfer(rank, tensor.name, k, box) for k in kinds)
                             else:
-                                peer = choose_source(holders, rank, gpus_per_node)
+                                peer = choose_source(holders, rank, topology)
                                 recvs.extend(Transfer(peer, tensor.name, k, box) for k in kinds)
-            if in_src:
-                for region in source.regions(rank):
-                    for abox, holders in source.pieces(region.box):
+            if src_rank is not None:
+                for region in source.regions(src_rank):
+                    for abox, src_holders in source.pieces(region.box):
+                        holders = as_src(src_holders)
                         held = frozenset(holders)
                         for box, dholders in target.pieces(abox):
-                            for dest in dholders:
+                            for dest in as_dst(dholders):
                                 if dest in held:
                                     continue
-                                if choose_source(holders, dest, gpus_per_node) == rank:
+                                if choose_source(holders, dest, topology) == rank:
                                     sends.extend(Transfer(dest, tensor.name, k, box) for k in kinds)
 
     def key(t: Transfer) -> tuple:
@@ -128,8 +157,9 @@ def _plan_rank(
 
     return RankPlan(
         rank=rank,
-        src=str(src),
-        dst=str(dst),
+        src=src,
+        dst=dst,
+        group_size=members.size,
         sends=tuple(sorted(sends, key=key)),
         recvs=tuple(sorted(recvs, key=key)),
         retains=tuple(sorted(retains, key=key)),
@@ -148,10 +178,11 @@ def _beyond(box: Box, axis: int, limit: int) -> Box | None:
 
 @lru_cache(maxsize=256)
 def plan_rank_cached(
-    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, gpus_per_node: int
+    spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision,
+    topology: Topology | None = None, members: Members | None = None,
 ) -> RankPlan:
     """``plan_rank`` memoised on its inputs (plans are frozen, so sharing them is safe)."""
-    return plan_rank(spec, src, dst, rank, precision=precision, gpus_per_node=gpus_per_node)
+    return plan_rank(spec, src, dst, rank, precision=precision, topology=topology, members=members)
 
 
 def union_world(src: ParallelConfig, dst: ParallelConfig) -> int:
@@ -164,12 +195,14 @@ def plan_all(
     dst: ParallelConfig,
     *,
     precision: Precision = Precision.FP32,
-    gpus_per_node: int = 8,
+    topology: Topology | None = None,
     ranks: Iterable[int] | None = None,
+    members: Members | None = None,
 ) -> dict[int, RankPlan]:
-    """Plans of every rank of the union world (or of ``ranks``)."""
-    ranks = range(union_world(src, dst)) if ranks is None else ranks
-    return {r: plan_rank(spec, src, dst, r, precision=precision, gpus_per_node=gpus_per_node) for r in ranks}
+    """Plans of every process of the switch (or of ``ranks``)."""
+    size = members.size if members is not None else union_world(src, dst)
+    ranks = range(size) if ranks is None else ranks
+    return {r: plan_rank(spec, src, dst, r, precision=precision, topology=topology, members=members) for r in ranks}
 
 
-__all__ = ["choose_source", "plan_all", "plan_rank", "plan_rank_cached", "union_world"]
+__all__ = ["choose_source", "default_topology", "plan_all", "plan_rank", "plan_rank_cached", "union_world"]

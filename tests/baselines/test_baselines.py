@@ -72,7 +72,7 @@ def pair_run(tmp_path_factory):
     from benchmarks.baselines.pair import PairConfig
     from benchmarks.baselines.state import BenchSetup
 
-    cfg = PairConfig(setup=BenchSetup(shape=GPTShape(**TOY), staging_budget="64KiB"), src=SRC, dst=DST,
+    cfg = PairConfig(setup=BenchSetup(shape=GPTShape(**TOY), staging_budget=64 * 1024), src=SRC, dst=DST,
                      workdir=str(tmp_path_factory.mktemp("ckpt")), margin_bytes=0, probe_bytes=2**20)
     runs = spawn_job(_pair_then_restart, 4, cfg, timeout_s=240, collective_timeout_s=120)
     return [r[0] for r in runs], [r[1] for r in runs]

@@ -17,9 +17,13 @@ def _plans(src: str, dst: str):
     return plan_all(SPEC, ParallelConfig.parse(src), ParallelConfig.parse(dst), precision=Precision.BF16)
 
 
+def _itemsize(tensor: str, kind) -> int:
+    return SPEC.itemsize(tensor, kind, Precision.BF16)
+
+
 def test_replicas_fed_by_one_rank_are_promoted():
     plans = _plans("dp1", "dp4")
-    promoted = plan_broadcasts(plans, FAST_BCAST, precision=Precision.BF16)
+    promoted = plan_broadcasts(plans, FAST_BCAST, itemsize=_itemsize)
     assert promoted.jobs and all(j.sender == 0 and j.receivers == (1, 2, 3) for j in promoted.jobs)
     assert promoted.member_sets() == ((0, 1, 2, 3),)
     carried = {(t.tensor, t.kind, t.box) for t in plans[0].sends}
@@ -34,13 +38,13 @@ def test_replicas_fed_by_one_rank_are_promoted():
 
 def test_no_costs_or_slow_broadcast_promotes_nothing():
     plans = _plans("dp1", "dp4")
-    assert plan_broadcasts(plans, None).jobs == ()
-    assert str(plan_broadcasts(plans, None)) == "no broadcasts"
-    assert plan_broadcasts(plans, SLOW_BCAST, precision=Precision.BF16).jobs == ()
+    assert plan_broadcasts(plans, None, itemsize=_itemsize).jobs == ()
+    assert str(plan_broadcasts(plans, None, itemsize=_itemsize)) == "no broadcasts"
+    assert plan_broadcasts(plans, SLOW_BCAST, itemsize=_itemsize).jobs == ()
 
 
 def test_single_peer_sends_stay_point_to_point():
-    assert plan_broadcasts(_plans("tp2", "dp2"), FAST_BCAST).jobs == ()
+    assert plan_broadcasts(_plans("tp2", "dp2"), FAST_BCAST, itemsize=_itemsize).jobs == ()
 
 
 def test_cost_model():
@@ -48,3 +52,13 @@ def test_cost_model():
     assert costs.p2p_seconds(100, 3) == 3.0 and costs.broadcast_seconds(100) == 1.5
     assert costs.broadcast_pays(100, 3) and not costs.broadcast_pays(100, 1)
     assert "MiB/s" in str(costs)
+
+
+def test_a_subset_of_senders_plans_gives_exactly_their_jobs():
+    """What ``compile_switch`` relies on: a rank plans only the senders it receives from."""
+    plans = _plans("dp1-tp2", "dp4")
+    whole = plan_broadcasts(plans, FAST_BCAST, itemsize=_itemsize)
+    for rank in range(4):
+        senders = {t.peer for t in plans[rank].recvs} | {rank}
+        part = plan_broadcasts({s: plans[s] for s in senders}, FAST_BCAST, itemsize=_itemsize)
+        assert part.jobs_of(rank) == whole.jobs_of(rank)

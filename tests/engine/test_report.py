@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 
 from lightning_dynatrain.engine.report import PHASES, SwitchRecorder
+from lightning_dynatrain.vps.topology import Topology
 
 
 def test_report_is_frozen_and_prints_on_one_line():
-    rec = SwitchRecorder(rank=3, gpus_per_node=2)
+    rec = SwitchRecorder(rank=3, topology=Topology.uniform(8, 2))
     with rec.phase("pack"):
         pass
     rec.delivered(2, 100)  # same node (ranks 2, 3)

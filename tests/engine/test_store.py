@@ -11,7 +11,7 @@ from lightning_dynatrain.engine.store import RegionIndex, box_pieces, box_view, 
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.spec import Precision, StateKind
-from tests.engine._state import PAD, bits, local_state, offsets
+from tests.engine.state import PAD, bits, local_state, offsets
 from tests.vps.strategies import layouts, small_specs
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

@@ -17,8 +17,8 @@ from lightning_dynatrain.engine import LinkCosts
 from lightning_dynatrain.vps.gpt_spec import GPTDims
 from lightning_dynatrain.vps.spec import Precision
 from tests.dist import run_distributed
-from tests.engine._cases import Case, random_cases
-from tests.engine._workers import run_suite
+from tests.engine.cases import Case, random_cases
+from tests.engine.jobs import run_suite
 
 BF16, FP32 = Precision.BF16, Precision.FP32
 
@@ -95,6 +95,14 @@ SLICES4 = [Case(WIDE, "dp4", "dp4-zero1", BF16)]
 
 TOO_SMALL = Case(DENSE, "dp2-tp2", "dp4-zero1", FP32, budget=8)
 
+# world changes that renumber (process p holds src rank src_procs.index(p), dst rank dst_procs.index(p)):
+# rank 1 of 4 leaves (the survivors become ranks 0, 1, 2); a joiner takes rank 0; ranks swap places
+RENUMBERED = [
+    (Case(DENSE, "dp2-tp2-zero1", "dp3-zero1", BF16, budget=400), (0, 1, 2, 3), (0, 2, 3)),
+    (Case(WIDE, "dp2-pp1", "dp1-tp2-pp2", FP32), (1, 2), (3, 1, 0, 2)),
+    (Case(MOE, "dp4-ep2-zero1", "dp2-tp2-ep2", BF16), (3, 2, 1, 0), (1, 0, 3, 2)),
+]
+
 
 @pytest.fixture(scope="module")
 def world2():
@@ -114,6 +122,7 @@ def world4():
         "measure": ("run_measure", ()),
         # every chunk of 16 bytes or more as its own message, from and into storage where contiguous
         "direct": ("run_cases", (WORLD4[:9], "cpu", 16)),
+        "renumbered": ("run_renumbered", (RENUMBERED,)),
     }
     return run_distributed(run_suite, 4, parts, timeout_s=240)
 
@@ -249,3 +258,12 @@ def test_measured_link_costs_agree_on_every_rank(world4):
     assert all(c == costs[0] for c in costs)
     p2p, bcast, setup = costs[0]
     assert p2p > 0 and bcast > 0 and setup >= 0
+
+
+def test_world_changes_that_renumber_processes_are_exact(world4):
+    per_rank = _part(world4, "renumbered")
+    _check_reports(per_rank)  # every element checked there and back in the children
+    leaving = per_rank[1][0]  # rank 1 leaves dp2-tp2-zero1 -> dp3-zero1: it only sends
+    assert leaving["dst_rank"] is None and leaving["recv"] == 0 and leaving["retained"] == 0 and leaving["sent"] > 0
+    joining = per_rank[3][1]  # process 3 joins as dst rank 0
+    assert (joining["src_rank"], joining["dst_rank"]) == (None, 0) and joining["sent"] == 0 and joining["recv"] > 0

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lightning_dynatrain.vps.spec import Precision
-from tests.engine._cases import Case
+from tests.engine.cases import Case
 from tests.dist import run_distributed
-from tests.engine._workers import run_cases
+from tests.engine.jobs import run_cases
 from tests.engine.test_switch_dist import DENSE, GQA, MOE, WIDE, WIDE_MOE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -11,8 +11,6 @@ micro-batches, so every layout computes the same losses as dp1-tp1-pp1 up to flo
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tests.dist import run_distributed

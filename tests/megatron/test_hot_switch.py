@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_dynatrain.engine.pieces import stored_shape
 from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.spec import Precision, StateKind
+from lightning_dynatrain.vps.topology import Topology
 from tests.dist import run_distributed
+from tests.logical_state import assemble, common
 from tests.megatron.jobs import DENSE, GLOBAL_BATCH, MICROBATCHES, MOE, SEED
 
 CHAINS = {
@@ -59,7 +59,8 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     import torch.distributed as dist
 
     from lightning_dynatrain.megatron.gpt import build_gpt_model
-    from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
+    from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
+    from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
     from lightning_dynatrain.strategy.megatron_step import set_lr_and_wd
@@ -81,29 +82,31 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
         return [run_train_step(state.ddp, state.optimizer, batch, state.layout, MICROBATCHES) for _ in range(steps)]
 
     first = ParallelConfig.parse(chain[0])
-    initialize_for_layout(first, seed=SEED)
+    pgs = initialize_for_layout(first, seed=SEED)
     model = build_gpt_model(shape, first, seed=SEED, params_dtype=dtype)
-    state = MegatronTrainingState(layout=first, **dict(zip(("ddp", "optimizer"),
-                                  build_ddp_and_optimizer(model, first, **OPTIMIZER))))
+    state = MegatronState(layout=first, groups=pgs, **dict(zip(("ddp", "optimizer"),
+                          build_ddp_and_optimizer(model, first, **OPTIMIZER))))
+    topology = Topology.uniform(4, 2)
+
+    def setup(budget: int) -> SwitchSetup:
+        return SwitchSetup(shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=budget, topology=topology)
     out = {"losses": train(state, 2), "switches": []}
     # a switch refused before anything moves (budget below a row, on every rank) leaves the state
     # whole: gradient buffers and megatron's groups come back, and training goes on (losses below)
     from lightning_dynatrain.engine.errors import StagingBudgetError
     try:
-        hot_switch(state, ParallelConfig.parse(refused_target), shape=shape, seed=SEED, staging_budget=8,
-                   optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2)
+        hot_switch(state, ParallelConfig.parse(refused_target), setup(8))
     except StagingBudgetError as err:
         out["refused"] = str(err)
     for text in chain[1:]:
         target = ParallelConfig.parse(text)
         before = _snapshot(state, spec, state.layout, rank)
-        result = hot_switch(state, target, shape=shape, seed=SEED, staging_budget=staging_budget,
-                            optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2)
+        result = hot_switch(state, target, setup(staging_budget))
         state = result.state
         after = _snapshot(state, spec, target, rank)
         out["switches"].append(dict(src=result.report.src, dst=result.report.dst, before=before, after=after,
                                     report=str(result.report), peak=result.report.peak_staging_bytes,
-                                    in_place=result.report.in_place.bytes, freed=result.old_freed_bytes))
+                                    in_place=result.report.in_place.bytes, freed=result.memory.freed_bytes))
         out["losses"] += train(state, 1)
     # A -> B -> A with no training in between must give back every local tensor bit for bit
     # (twice, with a process group cache: the second round trip creates no group)
@@ -113,8 +116,7 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     start = _snapshot(state, spec, home, rank)
     cache, cached = ProcessGroupCache(), []
     for target in (away, home, away, home):
-        state = hot_switch(state, target, shape=shape, seed=SEED, staging_budget=staging_budget,
-                           optimizer_kwargs=OPTIMIZER, spec=spec, gpus_per_node=2, groups=cache).state
+        state = hot_switch(state, target, setup(staging_budget), groups=cache).state
         cached.append(len(cache))
     out["round_trip"] = (start, _snapshot(state, spec, home, rank))
     out["cached_groups"] = cached
@@ -126,51 +128,19 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     out["tags"] = (tags(build_gpt_model(shape, home, seed=SEED)), tags(build_gpt_model(shape, home, seed=SEED,
                                                                                         initialize=False)))
     # the same training without any switch, in the same processes
-    initialize_for_layout(first, seed=SEED)
+    pgs = initialize_for_layout(first, seed=SEED)
     fresh = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=SEED, params_dtype=dtype), first, **OPTIMIZER)
-    out["reference"] = train(MegatronTrainingState(layout=first, ddp=fresh[0], optimizer=fresh[1]), len(out["losses"]))
+    out["reference"] = train(MegatronState(layout=first, groups=pgs, ddp=fresh[0], optimizer=fresh[1]),
+                             len(out["losses"]))
     destroy()
     dist.barrier()
     return out
 
 
-def _assemble(spec, layout: ParallelConfig, per_rank: list[dict], precision: Precision) -> dict:
-    """The full logical state's bits from every rank's local tensors (replicas must agree bit for bit)."""
-    from lightning_dynatrain.engine.store import box_pieces, box_view
-
-    import torch
-
-    full: dict = {}
-    for rank, store in enumerate(per_rank):
-        for (tensor, kind), regions in rank_regions(spec, layout, rank, precision).items():
-            shape = spec.tensor(tensor).shape
-            bits = np.dtype(np.int16 if regions[0].itemsize == 2 else np.int32)
-            logical, seen = full.setdefault((tensor, kind), (np.zeros(shape, bits), np.zeros(shape, bool)))
-            for region in regions:
-                for key, box in box_pieces(tensor, kind, region, region.box):
-                    values = box_view(torch.from_numpy(store[key]), region, box).numpy().reshape(box.shape)
-                    where = box.relative_to((0,) * len(box.lo))
-                    known = seen[where]
-                    assert np.array_equal(logical[where][known], values[known]), f"replicas of {tensor}:{kind} {box} differ"
-                    logical[where], seen[where] = values, True
-    out = {}
-    for key, (value, seen) in full.items():  # the vocabulary axis as far as the layout pads it
-        stored = tuple(slice(0, n) for n in stored_shape(spec, key[0], layout))
-        assert seen[stored].all(), f"{key}: some elements are held by no rank"
-        out[key] = value[stored]
-    return out
-
-
-def _common(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Both arrays cut to the rows both layouts store (a larger tp pads the vocabulary further)."""
-    common = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, b.shape))
-    return a[common], b[common]
-
-
 @pytest.fixture(scope="module", params=sorted(CHAINS))
 def chain_run(request):
     shape_kwargs, chain = CHAINS[request.param]
-    runs = run_distributed(_chain, 4, shape_kwargs, chain, "64KiB", REFUSED[request.param],
+    runs = run_distributed(_chain, 4, shape_kwargs, chain, 64 * 1024, REFUSED[request.param],
                            DTYPES.get(request.param, "float32"), timeout_s=240)
     return request.param, shape_kwargs, chain, runs
 
@@ -183,11 +153,11 @@ def test_every_switch_keeps_the_full_logical_state_bit_for_bit(chain_run):
     precision = Precision.BF16 if name == "bf16" else Precision.FP32
     for i, (src, dst) in enumerate(zip(chain, chain[1:])):
         sides = [r["switches"][i] for r in runs]
-        before = _assemble(spec, ParallelConfig.parse(src), [s["before"]["tensors"] for s in sides], precision)
-        after = _assemble(spec, ParallelConfig.parse(dst), [s["after"]["tensors"] for s in sides], precision)
+        before = assemble(spec, ParallelConfig.parse(src), [s["before"]["tensors"] for s in sides], precision)
+        after = assemble(spec, ParallelConfig.parse(dst), [s["after"]["tensors"] for s in sides], precision)
         assert before.keys() == after.keys()
         for key in before:
-            assert np.array_equal(*_common(before[key], after[key])), f"{name} {src} -> {dst}: {key} changed"
+            assert np.array_equal(*common(before[key], after[key])), f"{name} {src} -> {dst}: {key} changed"
         for s in sides:
             assert s["after"]["step"] == s["before"]["step"] > 0
             assert s["after"]["groups"] == s["before"]["groups"], f"{name} {src} -> {dst}: param groups changed"

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
@@ -14,10 +16,13 @@ from lightning_dynatrain.megatron.memory_check import (
     refusal,
     switch_need_bytes,
 )
+from lightning_dynatrain.engine.compiler import switch_program
 from lightning_dynatrain.engine.store import RegionIndex, local_numel
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
+from lightning_dynatrain.vps.planner import union_world
 from lightning_dynatrain.vps.spec import Precision, StateKind
+from lightning_dynatrain.vps.topology import Topology
 from tests.dist import run_distributed
 from tests.megatron.jobs import DENSE, MOE, SEED
 
@@ -25,9 +30,15 @@ MiB = 2**20
 SPECS = {"dense": logical_spec(GPTShape(**DENSE)), "moe": logical_spec(GPTShape(**MOE))}
 
 
+def _program(spec, src, dst, rank, staging=64 * MiB, precision=Precision.FP32):
+    a, b = ParallelConfig.parse(src), ParallelConfig.parse(dst)
+    return switch_program(spec, a, b, rank, precision, staging_budget=staging,
+                          topology=Topology.uniform(union_world(a, b), 2))
+
+
 def _need(spec, src, dst, rank, staging=64 * MiB, precision=Precision.FP32):
-    return switch_need_bytes(spec, ParallelConfig.parse(src), ParallelConfig.parse(dst), rank,
-                             precision=precision, staging_bytes=staging, gpus_per_node=2)
+    old_grads = GRAD_BYTES_PER_ELEMENT * local_numels(spec, ParallelConfig.parse(src), rank, precision)[StateKind.PARAM]
+    return switch_need_bytes(_program(spec, src, dst, rank, staging, precision), old_grad_bytes=old_grads)
 
 
 @pytest.mark.parametrize("layout", ["dp2-tp2-pp1", "dp1-tp2-pp2-zero1", "dp4-tp1-pp1"])
@@ -60,12 +71,17 @@ def test_replicating_a_sharded_state_needs_the_new_copies():
         assert need >= grown + grads > 0
 
 
-def test_the_staging_budget_counts_up_to_what_a_rank_moves():
+def test_the_stage_buffer_counts_as_the_program_sizes_it():
+    """The bound holds the one stage buffer the program allocates: within the budget (plus a row),
+    and never more than the rank sends and receives, whatever the budget."""
     spec = SPECS["dense"]
-    small, large = (_need(spec, "dp1-tp2-pp1", "dp2-tp1-pp1", 0, staging=s) for s in (1024, 2048))
-    assert large - small == 1024
-    moved = _need(spec, "dp1-tp2-pp1", "dp2-tp1-pp1", 0, staging=2**40) - _need(spec, "dp1-tp2-pp1", "dp2-tp1-pp1", 0, staging=1)
-    assert 0 < moved < 2**30  # capped by the bytes the rank sends and receives, not the 1 TiB budget
+    for budget in (1024, 2048, 2**40):
+        program = _program(spec, "dp1-tp2-pp1", "dp2-tp1-pp1", 0, staging=budget)
+        moved = sum(m.nbytes for s in program.steps if hasattr(s, "sends") for m in s.sends + s.recvs)
+        assert 0 < program.buffer_bytes <= min(budget + program.needed_budget, moved)
+        assert _need(spec, "dp1-tp2-pp1", "dp2-tp1-pp1", 0, staging=budget) >= program.buffer_bytes
+    assert _program(spec, "dp1-tp2-pp1", "dp2-tp1-pp1", 0, staging=2048).buffer_bytes > \
+        _program(spec, "dp1-tp2-pp1", "dp2-tp1-pp1", 0, staging=1024).buffer_bytes
 
 
 def _readings(needs, frees, pools=None):
@@ -106,23 +122,24 @@ def _measured_switch(rank: int, world_size: int) -> dict:
 
     from benchmarks.baselines.memory import peak_rss, reset_peak_rss, rss, trim_heap
     from lightning_dynatrain.megatron.gpt import build_gpt_model
-    from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
+    from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
+    from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
 
     shape = GPTShape(**SIZED)
     src, dst = ParallelConfig.parse("dp1-tp2-pp1"), ParallelConfig.parse("dp2-tp1-pp1")
-    initialize_for_layout(src, seed=SEED)
+    pgs = initialize_for_layout(src, seed=SEED)
     ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, src, seed=SEED), src, **OPTIMIZER)
-    state = MegatronTrainingState(layout=src, ddp=ddp, optimizer=optimizer)
+    state = MegatronState(layout=src, groups=pgs, ddp=ddp, optimizer=optimizer)
+    setup = SwitchSetup(shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=16 * 2**20)
     tokens = torch.randint(0, shape.vocab_size, (2, shape.seq_length + 1), generator=torch.Generator().manual_seed(3))
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     run_train_step(ddp, optimizer, batch, src, 1)
     before = [p.detach().clone() for p in ddp.module.parameters()]
     out = {}
     try:  # a limit below this rank's need: refused on every rank, before anything is freed or moved
-        hot_switch(state, dst, shape=shape, seed=SEED, staging_budget="16MiB", optimizer_kwargs=OPTIMIZER,
-                   memory_limit=1024)
+        hot_switch(state, dst, dataclasses.replace(setup, memory_limit=1024))
     except SwitchMemoryError as err:
         out["refused"] = str(err)
     out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, ddp.module.parameters()))
@@ -131,7 +148,7 @@ def _measured_switch(rank: int, world_size: int) -> dict:
     trim_heap()
     start = rss()
     reset_peak_rss()
-    result = hot_switch(state, dst, shape=shape, seed=SEED, staging_budget="16MiB", optimizer_kwargs=OPTIMIZER)
+    result = hot_switch(state, dst, setup)
     out.update(need=result.need_bytes, extra=peak_rss() - start, param_bytes=sum(v.nbytes for v in before))
     out["loss_after"] = run_train_step(result.state.ddp, result.state.optimizer, batch, dst, 1)
     destroy()

@@ -28,7 +28,8 @@ def _walk(rank: int, world_size: int) -> dict:
 
     from lightning_dynatrain.engine.fingerprint import logical_fingerprint
     from lightning_dynatrain.megatron.gpt import build_gpt_model
-    from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
+    from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
+    from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
     from lightning_dynatrain.megatron.state_bridge import megatron_store
@@ -48,9 +49,9 @@ def _walk(rank: int, world_size: int) -> dict:
 
     groups = ProcessGroupCache()
     first = ParallelConfig.parse(CHAIN[0])
-    initialize_for_layout(first, seed=SEED, groups=groups)
+    pgs = initialize_for_layout(first, seed=SEED, groups=groups)
     ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=SEED), first, **OPTIMIZER)
-    state = MegatronTrainingState(layout=first, ddp=ddp, optimizer=optimizer)
+    state = MegatronState(layout=first, groups=pgs, ddp=ddp, optimizer=optimizer)
     run_train_step(ddp, optimizer, batch_for(first), first, 1)
     start, fingerprint = snapshot(state)
     out = {"fingerprints_equal": [], "recycled": [], "in_place": [], "skipped_copies": [], "param_bytes": [],
@@ -60,8 +61,9 @@ def _walk(rank: int, world_size: int) -> dict:
     # buffers: the old gradients come back and training goes on (the checks below still hold)
     from lightning_dynatrain.engine.errors import StagingBudgetError
     try:
-        hot_switch(state, ParallelConfig.parse(CHAIN[1]), shape=shape, seed=SEED, staging_budget=8,
-                   optimizer_kwargs=OPTIMIZER, groups=groups, check_memory=False)
+        hot_switch(state, ParallelConfig.parse(CHAIN[1]),
+                   SwitchSetup(shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=8, check_memory=False),
+                   groups=groups)
     except StagingBudgetError as err:
         out["refused"] = str(err)
     out["grads_whole"] = all(b.grad_data.untyped_storage().nbytes() >= b.grad_data.nbytes for b in state.ddp.buffers)
@@ -72,8 +74,8 @@ def _walk(rank: int, world_size: int) -> dict:
     for text, recycle in zip(CHAIN[1:], RECYCLE):
         old_grads = {b.grad_data.untyped_storage().data_ptr() for b in state.ddp.buffers}
         before = len(collections)
-        result = hot_switch(state, ParallelConfig.parse(text), shape=shape, seed=SEED, staging_budget="16MiB",
-                            optimizer_kwargs=OPTIMIZER, groups=groups, recycle=recycle)
+        result = hot_switch(state, ParallelConfig.parse(text), SwitchSetup(
+            shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=16 * 2**20, recycle=recycle), groups=groups)
         out["collections"].append(len(collections) - before)
         out["gc_enabled_after"].append(gc.isenabled())
         state = result.state
@@ -81,13 +83,13 @@ def _walk(rank: int, world_size: int) -> dict:
                                                  b.param_data.untyped_storage().data_ptr() in old_grads
                                                  for b in state.ddp.buffers])
         out["fingerprints_equal"].append(snapshot(state)[1] == fingerprint)
-        out["recycled"].append(result.recycled_bytes)
-        out["moved_pages"].append(result.moved_page_bytes)
+        out["recycled"].append(result.memory.recycled_bytes)
+        out["moved_pages"].append(result.memory.moved_page_bytes)
         out["grad_bytes"].append(sum(b.grad_data.nbytes for b in state.ddp.buffers))
         out["in_place"].append(result.report.in_place.bytes)
         out["copied"].append(result.report.local_copy.bytes)
         out["copied_by_pages"].append(result.report.local_copy_pages.bytes)
-        out["skipped_copies"].append(result.skipped_copy_bytes)
+        out["skipped_copies"].append(result.memory.skipped_copy_bytes)
         out["param_bytes"].append(sum(p.nbytes for p in state.ddp.module.parameters()))
     end, _ = snapshot(state)
     out["round_trip_exact"] = start.keys() == end.keys() and all(torch.equal(start[k], end[k]) for k in start)
@@ -110,7 +112,8 @@ def _into_zero1_and_back(rank: int, world_size: int) -> dict:
 
     from lightning_dynatrain.engine.fingerprint import logical_fingerprint
     from lightning_dynatrain.megatron.gpt import build_gpt_model
-    from lightning_dynatrain.megatron.hot_switch import MegatronTrainingState, hot_switch
+    from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
+    from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
     from lightning_dynatrain.megatron.state_bridge import megatron_store
@@ -119,11 +122,11 @@ def _into_zero1_and_back(rank: int, world_size: int) -> dict:
     spec = logical_spec(shape)
     dp2 = ParallelConfig.parse("dp2-tp1-pp1")
     groups = ProcessGroupCache()
-    initialize_for_layout(dp2, seed=SEED, groups=groups)
+    pgs = initialize_for_layout(dp2, seed=SEED, groups=groups)
     ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, dp2, seed=SEED), dp2, **OPTIMIZER)
     tokens = torch.randint(0, shape.vocab_size, (2, shape.seq_length + 1), generator=torch.Generator().manual_seed(5))
     run_train_step(ddp, optimizer, {"tokens": tokens[rank:rank + 1, :-1], "labels": tokens[rank:rank + 1, 1:]}, dp2, 1)
-    state = MegatronTrainingState(layout=dp2, ddp=ddp, optimizer=optimizer)
+    state = MegatronState(layout=dp2, groups=pgs, ddp=ddp, optimizer=optimizer)
 
     def store():
         return megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
@@ -132,8 +135,8 @@ def _into_zero1_and_back(rank: int, world_size: int) -> dict:
     fingerprint = logical_fingerprint(store(), spec, dp2, rank)
     out = {"fingerprints_equal": [], "copied": [], "copied_by_pages": []}
     for text in ("dp2-tp1-pp1-zero1", "dp2-tp1-pp1"):
-        result = hot_switch(state, ParallelConfig.parse(text), shape=shape, seed=SEED, staging_budget="16MiB",
-                            optimizer_kwargs=OPTIMIZER, groups=groups)
+        result = hot_switch(state, ParallelConfig.parse(text), SwitchSetup(
+            shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=16 * 2**20), groups=groups)
         state = result.state
         out["fingerprints_equal"].append(logical_fingerprint(store(), spec, state.layout, rank) == fingerprint)
         out["copied"].append(result.report.local_copy.bytes)
@@ -198,7 +201,7 @@ def test_a_larger_gradient_buffer_takes_the_pages_of_old_state(walk):
     """dp2-tp2 -> dp4 doubles the gradient buffer: no old buffer holds it, so it stays untouched
     while the engine runs, and at the end the pages of old tensors the engine freed are moved into
     it (``StorageRecycler.fill``), all but the last piece: no fresh memory for it."""
-    from lightning_dynatrain.engine.page_moves import MIN_PIECE, can_move_pages
+    from lightning_dynatrain.memory.page_moves import MIN_PIECE, can_move_pages
 
     if not can_move_pages():
         pytest.skip("mremap is Linux")
@@ -229,7 +232,7 @@ def test_retained_params_go_into_the_zero1_param_buffer_by_their_pages(zero1_rou
     those that sit at the same offset in a page as their old tensor change places with the buffer's
     pages (``StorageRecycler.copy_by_pages``) instead of being copied byte by byte, and the state
     stays bit-identical there and back; never with recycle=False."""
-    from lightning_dynatrain.engine.page_moves import can_move_pages
+    from lightning_dynatrain.memory.page_moves import can_move_pages
 
     if not can_move_pages():
         pytest.skip("mremap is Linux")

@@ -4,7 +4,8 @@ One spawned job (``run_world4``) runs several ``Trainer.fit`` calls in the same 
 sets up and tears down megatron's groups; the gloo WORLD belongs to the harness and stays):
 
 1. loss parity: 5 steps at each of ``PARITY_LAYOUTS`` from the same seed and the same global batches;
-2. resume: 3 steps at dp2-pp2-zero1 with a checkpoint, then a resumed fit to step 5;
+2. resume: 3 steps at dp2-pp2-zero1 with a per-rank checkpoint of an earlier version, then a resumed fit
+   to step 5 (layout-free checkpoints: ``checkpoint_job.py``);
 3. schedule validation: a bad layout at step 5000 and a layout of another world size, both refused at setup;
    a scheduled switch over ``switch_memory_limit``, refused when it comes, before anything moved;
 4. switching: 30 steps with real hot switches (a request made inside step 2 is deferred to its end,
@@ -80,7 +81,7 @@ def _probe():
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             s = trainer.strategy
-            self.seen.append((trainer.global_step, str(s.layout), s.megatron.dp_size, s.megatron.num_microbatches,
+            self.seen.append((trainer.global_step, str(s.layout), s.megatron.dp_size, s.num_microbatches,
                               s.distributed_sampler_kwargs, tuple(batch["tokens"].shape)))
 
     return Probe()
@@ -99,16 +100,35 @@ def _parity(results: dict) -> None:
         )
 
 
-def _resume(results: dict, tmp: Path) -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
+def _per_rank_saver(path: Path, at_step: int):
+    """A callback writing the per-rank checkpoint earlier versions wrote (``checkpoint.legacy``) after
+    ``at_step`` steps, as ``ModelCheckpoint`` did: Lightning's dict with this rank's model shard and
+    optimizer state dicts."""
+    from lightning.pytorch.callbacks import Callback
 
+    from lightning_dynatrain.checkpoint.legacy import save_rank_checkpoint
+
+    class PerRankSaver(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step != at_step:
+                return
+            strategy = trainer.strategy
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+            checkpoint["state_dict"] = pl_module.state_dict()
+            checkpoint["optimizer_states"] = [strategy.optimizers[0].state_dict()]
+            save_rank_checkpoint(checkpoint, path, rank=strategy.global_rank, layout=strategy.layout,
+                                 world_size=strategy.world_size)
+
+    return PerRankSaver()
+
+
+def _resume(results: dict, tmp: Path) -> None:
+    """A per-rank checkpoint of an earlier version: resumed at its layout; refused at another."""
     from lightning_dynatrain.strategy import DynaTrainStrategy
 
-    layout = PARITY_LAYOUTS[-1]
-    ckpt = ModelCheckpoint(dirpath=tmp, every_n_train_steps=3, save_top_k=-1, save_last=False)
+    layout, path = PARITY_LAYOUTS[-1], tmp / "epoch=0-step=3.ckpt"
     first = _module()
-    _trainer(DynaTrainStrategy(layout), 3, enable_checkpointing=True, callbacks=[ckpt]).fit(first, datamodule=_data())
-    path = Path(ckpt.best_model_path or next(iter(sorted(tmp.glob("*.ckpt")))))
+    _trainer(DynaTrainStrategy(layout), 3, callbacks=[_per_rank_saver(path, 3)]).fit(first, datamodule=_data())
     second = _module()
     trainer = _trainer(DynaTrainStrategy(layout), STEPS)
     trainer.fit(second, datamodule=_data(), ckpt_path=path)
@@ -138,10 +158,23 @@ def _memory_refusal(results: dict) -> None:
 
     module = _module()
     strategy = DynaTrainStrategy("dp2-tp2-pp1", switch_memory_limit=1024)
-    trainer = _trainer(strategy, STEPS, callbacks=[ScheduledReconfig({2: "dp4-tp1-pp1"})])
+    trainer = _trainer(strategy, STEPS, callbacks=[ScheduledReconfig({2: "dp4-tp1-pp1"}, on_refused="raise")])
     kind, text = _error_of(lambda: trainer.fit(module, datamodule=_data()))
     results["memory_refusal"] = dict(kind=kind, text=text, global_step=trainer.global_step, layout=str(strategy.layout),
                                      history=len(strategy.switch_history), losses=[l for _, l in module.losses])
+    # the default: the refusal is a warning and a record, and training goes on at the old layout
+    module, strategy = _module(), DynaTrainStrategy("dp2-tp2-pp1", switch_memory_limit=1024)
+    schedule = ScheduledReconfig({2: "dp4-tp1-pp1"})
+    trainer = _trainer(strategy, STEPS, callbacks=[schedule])
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kind, _ = _error_of(lambda: trainer.fit(module, datamodule=_data()))
+    results["memory_refusal_continue"] = dict(
+        kind=kind, global_step=trainer.global_step, layout=str(strategy.layout), refusals=schedule.refusals,
+        state=schedule.state_dict(), losses=[l for _, l in module.losses],
+        warned=[str(w.message) for w in caught if "was refused" in str(w.message)])
 
 
 def _switching(results: dict, tmp: Path) -> None:

@@ -32,7 +32,7 @@ def main() -> None:
 
     from lightning.pytorch import Trainer, seed_everything
 
-    import lightning_dynatrain  # registers "dynatrain"
+    import lightning_dynatrain  # noqa: F401  (registers "dynatrain")
     from lightning_dynatrain.callbacks import ScheduledReconfig
     from lightning_dynatrain.data import StdlibTextDataModule
     from lightning_dynatrain.megatron.gpt import GPTShape

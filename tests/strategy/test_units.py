@@ -15,11 +15,8 @@ from lightning_dynatrain.engine.errors import StagingBudgetError
 from lightning_dynatrain.strategy import (
     BatchSizeError,
     DynaTrainStrategy,
-    RankFigures,
     ReconfigReport,
-    SwitchFigures,
     WorldSizeError,
-    figures_from_engine_report,
     num_microbatches,
     validate_target,
     vocab_divisor_for,
@@ -105,24 +102,30 @@ def _engine_report() -> SwitchReport:
                         broadcast=PrimitiveStats(), local_copy=PrimitiveStats(), in_place=PrimitiveStats())
 
 
-def test_reports_follow_the_protocol_and_log_their_figures(capsys) -> None:
-    figures = figures_from_engine_report(_engine_report(), extra_phases={"rebuild": 0.05})
-    assert isinstance(figures, SwitchFigures) and isinstance(RankFigures(), SwitchFigures)
-    assert figures.seconds == pytest.approx(0.25) and figures.moved_bytes == 4000
-    assert figures.phase_seconds["transfer"] == 0.1 and figures.phase_seconds["rebuild"] == 0.05
-    report = ReconfigReport.from_figures(figures, step=200, src="dp2-tp1-pp1", dst="dp1-tp2-pp1")  # no dist: local
-    assert (report.moved_bytes, report.retained_bytes, report.peak_staging_bytes) == (4000, 500, 4096)
+def test_a_rank_result_becomes_the_jobs_report_and_logs_its_figures(capsys) -> None:
+    from lightning_dynatrain.megatron.hot_switch import HotSwitchResult
+    from lightning_dynatrain.memory import MemoryFigures
+
+    result = HotSwitchResult(state=None, report=_engine_report(), seconds=0.25, memory=MemoryFigures(),
+                             phases={"plan": 0.002, "groups": 0.01, "model": 0.02, "ddp_optimizer": 0.02,
+                                     "engine": 0.2})
+    report = ReconfigReport.gather(result, step=200)  # no torch.distributed here: the rank's figures
+    assert (report.src, report.dst) == ("dp2-tp1-pp1", "dp1-tp2-pp1")
+    assert (report.moved_bytes, report.inter_node_bytes, report.retained_bytes, report.peak_staging_bytes) == \
+        (4000, 1000, 500, 4096)
+    assert report.phase_seconds["rebuild"] == pytest.approx(0.05) and report.phase_seconds["agree"] == 0.01
     assert report.metrics()["dynatrain/switch_seconds"] == pytest.approx(0.25)
     assert report.metrics()["dynatrain/switch_transfer_seconds"] == 0.1
-    assert set(report.metrics()) >= {"dynatrain/moved_bytes", "dynatrain/retained_bytes", "dynatrain/peak_staging_bytes"}
-    assert json.loads(json.dumps(report.to_json()))["phase_seconds"]["rebuild"] == 0.05
+    assert set(report.metrics()) >= {"dynatrain/moved_bytes", "dynatrain/retained_bytes", "dynatrain/peak_staging_bytes",
+                                     "dynatrain/broadcast_bytes", "dynatrain/inter_node_bytes"}
+    assert json.loads(json.dumps(report.to_json()))["phase_seconds"]["rebuild"] == pytest.approx(0.05)
 
     logged = []
     trainer = SimpleNamespace(loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.append((step, m)))])
     log_switch(trainer, report, is_global_zero=True)
     line = capsys.readouterr().out.strip()
-    assert line == ("[dynatrain] step 200: dp2-tp1-pp1 -> dp1-tp2-pp1 in 0.250 s, moved 3.9 KiB, retained 500 B, "
-                    "peak staging 4.0 KiB")
+    assert line == ("[dynatrain] step 200: dp2-tp1-pp1 -> dp1-tp2-pp1 in 0.250 s, moved 3.9 KiB (inter-node 1000 B, "
+                    "broadcast 0 B), retained 500 B (in place 0 B), peak staging 4.0 KiB")
     assert logged[0][0] == 200 and logged[0][1]["dynatrain/moved_bytes"] == 4000
     log_switch(trainer, ReconfigReport(step=3, src="dp4-tp1-pp1", dst="dp4-tp1-pp1"), is_global_zero=False)
     assert capsys.readouterr().out == "" and len(logged) == 1  # no-op: no metrics; rank != 0: no line

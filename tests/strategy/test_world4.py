@@ -54,7 +54,9 @@ def test_data_parallel_share_follows_the_layout(world4: list[dict]) -> None:
 
 
 def test_resume_from_a_per_rank_checkpoint(world4: list[dict]) -> None:
-    """3 steps + checkpoint + resume to 5 == 5 straight steps (zero1 optimizer shards, pipeline stages)."""
+    """A per-rank checkpoint of an earlier version (``checkpoint.legacy``) still resumes at the layout
+    that wrote it: 3 steps + checkpoint + resume to 5 == 5 straight steps (zero1 optimizer shards,
+    pipeline stages); at another layout it is refused, naming where it loads."""
     straight = world4[0][("parity", PARITY_LAYOUTS[-1])]["losses"]
     for results in world4:
         resume = results["resume"]
@@ -62,6 +64,7 @@ def test_resume_from_a_per_rank_checkpoint(world4: list[dict]) -> None:
         assert resume["losses"] == pytest.approx(straight, rel=1e-6)
         kind, text = resume["wrong_layout"]
         assert kind == "LayoutError" and "written at layout dp2-tp1-pp2-zero1" in text and "HINT" in text
+        assert "DynaTrainStrategy(layout='dp2-tp1-pp2-zero1')" in text
 
 
 @pytest.mark.parametrize("case, words", [
@@ -87,6 +90,19 @@ def test_a_switch_over_the_memory_limit_is_refused_before_anything_moves(world4:
         assert run["global_step"] == 2 and run["layout"] == "dp2-tp2-pp1" and run["history"] == 0
         assert len(run["losses"]) == 2
     assert world4[0]["memory_refusal"]["losses"] == world4[0][("parity", "dp2-tp2-pp1")]["losses"][:2]
+
+
+def test_a_refused_scheduled_switch_is_a_warning_and_training_goes_on(world4: list[dict]) -> None:
+    """ScheduledReconfig's default (on_refused="continue"): the refusal is logged and recorded (and
+    kept in the callback's state), and the fit reaches max_steps at the old layout."""
+    for rank, results in enumerate(world4):
+        run = results["memory_refusal_continue"]
+        assert run["kind"] == "" and run["global_step"] == STEPS and run["layout"] == "dp2-tp2-pp1"
+        (step, layout, kind, text), = run["refusals"]
+        assert (step, layout, kind) == (2, "dp4-tp1-pp1", "SwitchMemoryError") and "switch_memory_limit" in text
+        assert run["state"]["refusals"] == [[step, layout, kind, text]]
+        assert bool(run["warned"]) == (rank == 0)  # rank-zero warning
+        assert run["losses"] == world4[0][("parity", "dp2-tp2-pp1")]["losses"]
 
 
 def test_mid_step_request_is_deferred_and_switches_are_logged(world4: list[dict]) -> None:

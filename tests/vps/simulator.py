@@ -13,6 +13,7 @@ import numpy as np
 
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.mapping import Region, rank_regions
+from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
 
@@ -52,12 +53,14 @@ class SimulationResult:
         self.filled_elements = 0
 
 
-def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP32) -> SimulationResult:
-    """Run ``plans`` (every rank of the union world) and assert the destination state is exact."""
+def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP32,
+             members: Members | None = None) -> SimulationResult:
+    """Run ``plans`` (every process of the switch) and assert the destination state is exact.
+    ``members``: which process holds each source and destination rank (default: the same)."""
     offsets = _offsets(spec, precision)
-    world = max(src.world_size, dst.world_size)
-    src_regions = {r: rank_regions(spec, src, r, precision) for r in range(src.world_size)}
-    dst_regions = {r: rank_regions(spec, dst, r, precision) for r in range(dst.world_size)}
+    members = members or Members.same(src.world_size, dst.world_size)
+    src_regions = {members.src[r]: rank_regions(spec, src, r, precision) for r in range(src.world_size)}
+    dst_regions = {members.dst[r]: rank_regions(spec, dst, r, precision) for r in range(dst.world_size)}
     # source storage: each region holds the global indices of its elements
     src_store = {
         (r, key, i): _expected(spec, offsets, key[0], key[1], reg.box)
@@ -130,15 +133,17 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
     return result
 
 
-def minimum_moved(spec, src, dst, precision=Precision.FP32) -> int:
+def minimum_moved(spec, src, dst, precision=Precision.FP32, members: Members | None = None) -> int:
     """Elements destination ranks need, did not hold, and some source rank holds (brute force)."""
+    members = members or Members.same(src.world_size, dst.world_size)
     held = {}
     for r in range(src.world_size):
         for key, regs in rank_regions(spec, src, r, precision).items():
             held.setdefault(key, []).extend(reg.box for reg in regs)
     total = 0
     for r in range(dst.world_size):
-        have = rank_regions(spec, src, r, precision) if r < src.world_size else {}
+        src_rank = members.src_rank(members.dst[r])
+        have = rank_regions(spec, src, src_rank, precision) if src_rank is not None else {}
         for key, regs in rank_regions(spec, dst, r, precision).items():
             for reg in regs:
                 exists = np.zeros(reg.box.shape, dtype=bool)

@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import DenseCoord, ExpertCoord, ParallelConfig

@@ -5,10 +5,12 @@ destination element is written exactly once with the right value, every sent box
 sender, sends and receives mirror each other in order, and the moved elements are the minimum.
 """
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from lightning_dynatrain.vps.planner import plan_all
+from lightning_dynatrain.vps.members import Members
+from lightning_dynatrain.vps.planner import plan_all, union_world
 from lightning_dynatrain.vps.spec import Precision
+from lightning_dynatrain.vps.topology import Topology
 from tests.vps.simulator import minimum_moved, simulate
 from tests.vps.strategies import layouts, small_specs
 
@@ -37,7 +39,8 @@ def test_moe_switch_is_exact_and_minimal(case):
 
 
 def _check(spec, src, dst, precision, gpus_per_node):
-    plans = plan_all(spec, src, dst, precision=precision, gpus_per_node=gpus_per_node)
+    topology = Topology.uniform(union_world(src, dst), gpus_per_node)
+    plans = plan_all(spec, src, dst, precision=precision, topology=topology)
     result = simulate(spec, src, dst, plans, precision)
     assert result.moved_elements == minimum_moved(spec, src, dst, precision)
     assert result.moved_elements + result.retained_elements + result.filled_elements == result.dest_elements
@@ -80,12 +83,14 @@ def test_zero1_shards_that_cut_tensors_are_exact(data):
         num_experts=data.draw(st.sampled_from([0, 4])), moe_ffn_hidden=32))
     src = data.draw(layouts(spec, max_world=12).filter(lambda l: l.zero == 1 and l.dp * l.cp > 1))
     dst = data.draw(layouts(spec, max_world=12))
-    plans = plan_all(spec, src, dst, gpus_per_node=2)
-    result = simulate(spec, src, dst, plans)
-    assert result.moved_elements == minimum_moved(spec, src, dst)
     cut = [r for rank in range(src.world_size) for regs in rank_regions(spec, src, rank).values() for r in regs
            if r.flat is not None and (r.flat[0] > 0 or r.flat[1] < _local_numel(r))]
-    assert cut, f"{src}: no zero1 shard boundary fell inside a tensor"
+    # a shard boundary can land exactly on a tensor's start (both are 64-element aligned: untied
+    # dp2 does); such a draw tests nothing beyond the random specs' (dp3 and dp4 always cut)
+    assume(cut)
+    plans = plan_all(spec, src, dst, topology=Topology.uniform(union_world(src, dst), 2))
+    result = simulate(spec, src, dst, plans)
+    assert result.moved_elements == minimum_moved(spec, src, dst)
 
 
 def _local_numel(region) -> int:
@@ -93,3 +98,30 @@ def _local_numel(region) -> int:
     for d in region.view_shape:
         n *= d
     return n
+
+
+def test_a_holder_on_the_receivers_node_is_preferred_over_the_nearest_in_xor_order():
+    from lightning_dynatrain.vps.planner import choose_source
+
+    uneven = Topology((0, 0, 0, 1))  # SLURM's 3,1
+    assert choose_source((1, 3), 2, uneven) == 1  # rank 3 is nearer in XOR order but on the other node
+    assert choose_source((1, 3), 2, Topology.uniform(4, 2)) == 3  # neither on rank 2's node: the nearest
+    assert str(uneven) == "3,1 ranks per node" and str(Topology.uniform(8, 2)) == "2(x4) ranks per node"
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(st.data())
+def test_world_changes_that_renumber_are_exact_and_minimal(data):
+    """Processes that leave, join or change rank (a world change renumbers the survivors): the plan
+    for processes is exact and moves the minimum."""
+    spec = data.draw(small_specs())
+    src = data.draw(layouts(spec, max_world=8))
+    dst = data.draw(layouts(spec, max_world=8))
+    size = max(src.world_size, dst.world_size) + data.draw(st.integers(0, 2))
+    processes = list(range(size))
+    members = Members(src=tuple(data.draw(st.permutations(processes))[:src.world_size]),
+                      dst=tuple(data.draw(st.permutations(processes))[:dst.world_size]), size=size)
+    plans = plan_all(spec, src, dst, members=members, topology=Topology.uniform(size, 2))
+    result = simulate(spec, src, dst, plans, members=members)
+    assert result.moved_elements == minimum_moved(spec, src, dst, members=members)
+    assert result.moved_elements + result.retained_elements + result.filled_elements == result.dest_elements

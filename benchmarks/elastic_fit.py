@@ -1,0 +1,135 @@
+"""An elastic ``trainer.fit`` as a user runs it: ``python elastic_fit.py OUT`` under torchrun or alone.
+
+With ``DYNATRAIN_STORE`` / ``DYNATRAIN_TOKEN`` set it is elastic (``OnNodeChange`` with the model's
+layout map); ``--static`` runs the same model, data and global batch without it. Every process
+writes ``OUT/<pid>.json``: its losses by step, its last global step, its world and layout at the
+end, the changes it saw, a hash of its shard of the parameters (replicas compare equal), and when
+it was ready to train (``ready_at``, wall-clock, at ``on_train_start``).
+
+Models: ``tiny`` (worlds 1-4: ``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``; global batch 12)
+and ``270m`` (the switch benchmark's GPT; worlds 2 and 4: ``dp1-tp2-pp1``, ``dp2-tp2-pp1``).
+
+Options for tests and benchmarks: ``--step-seconds`` stretches each step (the compute of a bigger
+model) so that processes started later find the fit still running; ``--fingerprint-salt`` changes
+the model's fingerprint without changing the model; ``--stop-in-store`` ends the fit at the step
+the job's store names under ``bench/stop_at`` (every rank reads it: they stop at the same step);
+``--resume`` resumes a checkpoint; ``--save`` writes one at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+STARTED_AT = time.time()
+
+MODELS = {
+    "tiny": dict(shape=dict(hidden=32, layers=6, heads=4, ffn_hidden=64, vocab_size=256, seq_length=32,
+                            make_vocab_size_divisible_by=128),
+                 global_batch=12, seq_length=32,
+                 policy={1: "dp1-tp1-pp1", 2: "dp2-tp1-pp1", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"}),
+    "270m": dict(shape=dict(hidden=1024, layers=16, heads=16, ffn_hidden=4096, vocab_size=32000, seq_length=1024,
+                            make_vocab_size_divisible_by=128),
+                 global_batch=4, seq_length=128,
+                 policy={1: "dp1-tp1-pp1", 2: "dp1-tp2-pp1", 4: "dp2-tp2-pp1"}),
+}
+SEED = 1234
+STOP_KEY = "bench/stop_at"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--static", action="store_true")
+    parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--fingerprint-salt", default="")
+    parser.add_argument("--stop-in-store", action="store_true")
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--save", default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    model = MODELS[args.model]
+
+    import torch
+    from lightning.pytorch import Callback, Trainer
+
+    from lightning_dynatrain import DynaTrainStrategy, GPTLightningModule, OnNodeChange
+    from lightning_dynatrain.data import StdlibTextDataModule
+    from lightning_dynatrain.megatron.gpt import GPTShape
+
+    torch.set_num_threads(1)
+
+    class Pace(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            time.sleep(args.step_seconds)
+
+    class StopInStore(Callback):
+        """End the fit at the step the job's store names (the same step on every rank)."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            from lightning_dynatrain.elastic.client import JobStore
+
+            if not hasattr(self, "store"):
+                self.store = JobStore.from_environment().store
+            if self.store.check([STOP_KEY]) and trainer.global_step >= int(self.store.get(STOP_KEY)):
+                trainer.should_stop = True
+
+    class Record(Callback):
+        """What this process ends with (read before teardown releases megatron's state)."""
+
+        ready_at: float | None = None
+
+        def on_train_start(self, trainer, pl_module):
+            self.ready_at = time.time()
+
+        def on_train_end(self, trainer, pl_module):
+            strategy = trainer.strategy
+            self.left = strategy.elastic is not None and strategy.elastic.left
+            if args.save and not self.left:
+                trainer.save_checkpoint(args.save)
+            shard = hashlib.sha256()
+            for name, p in sorted(strategy.megatron.model.named_parameters()):
+                shard.update(name.encode())
+                shard.update(p.detach().float().contiguous().numpy().tobytes())
+            coord = strategy.layout.dense_coord(strategy.global_rank)
+            self.result = {"world": None if self.left else strategy.world_size,
+                           "rank": None if self.left else strategy.global_rank, "layout": str(strategy.layout),
+                           "tp_pp": None if self.left else [coord.tp, coord.pp], "shard": shard.hexdigest()}
+
+    module = GPTLightningModule(GPTShape(**model["shape"]), lr=3e-3, weight_decay=0.01,
+                                global_batch_size=model["global_batch"], micro_batch_size=1, warmup_steps=2,
+                                max_steps=args.max_steps, seed=SEED, eps=1e-6)
+    if args.fingerprint_salt:
+        module.hparams["salt"] = args.fingerprint_salt
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    record = Record()
+    callbacks: list = [record]
+    if args.step_seconds:
+        callbacks.append(Pace())
+    if args.stop_in_store:
+        callbacks.append(StopInStore())
+    if not args.static:
+        callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0))
+    trainer = Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                      strategy=DynaTrainStrategy(model["policy"][world]), max_steps=args.max_steps,
+                      callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    data = StdlibTextDataModule(seq_length=model["seq_length"], global_batch_size=model["global_batch"], shuffle=True,
+                                seed=0, max_bytes=300_000)
+    trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+    node_change = next((c for c in callbacks if isinstance(c, OnNodeChange)), None)
+    result = {"pid": os.getpid(), "losses": module.losses, "global_step": trainer.global_step, "left": record.left,
+              **record.result, "changes": node_change.changes if node_change else [], "started_at": STARTED_AT,
+              "ready_at": record.ready_at}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{os.getpid()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""An elastic job on this machine, as an operator runs one: ``dynatrain store`` in its own process,
+the first processes under ``torchrun``, later ones as ``python elastic_fit.py``; the store read
+through a real client to follow the job. Every process's output goes to one log file. The elastic
+tests (tests/elastic) and ``benchmarks/elastic.py`` drive their jobs with it.
+
+Example::
+
+    with ElasticJob(tmp_path) as job:
+        job.start_torchrun(2)
+        job.wait_for(lambda: job.step() >= 3)
+        joiner = job.start_python()
+        job.wait_for(lambda: job.installed_size() == 3)
+        results = job.finish()       # every training process's OUT/<pid>.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).with_name("elastic_fit.py")
+TOKEN = "test-job-token"
+
+
+class ElasticJob:
+    """A store process and the training processes of one job (see the module docstring)."""
+
+    def __init__(self, out: Path, *, max_steps: int, step_seconds: float, dead_after: float = 4.0,
+                 fit_args: tuple[str, ...] = ()) -> None:
+        self.out, self.max_steps, self.step_seconds, self.dead_after = out, max_steps, step_seconds, dead_after
+        self.fit_args = fit_args
+        self.log_path = out / "job.log"
+        self.procs: list[subprocess.Popen] = []
+        self.env = dict(os.environ, PYTHONPATH=str(REPO), DYNATRAIN_TOKEN=TOKEN, OMP_NUM_THREADS="1",
+                        PYTHONUNBUFFERED="1")
+
+    def __enter__(self) -> "ElasticJob":
+        from lightning_dynatrain.elastic.client import JobStore
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "w")
+        self.store_proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_dynatrain.cli", "store", "--host", "127.0.0.1", "--port", "0",
+             "--dead-after", str(self.dead_after)], env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        port = self.store_proc.stdout.readline().strip().rsplit(":", 1)[-1]
+        self.env["DYNATRAIN_STORE"] = f"127.0.0.1:{port}"
+        self.client = JobStore.connect(self.env["DYNATRAIN_STORE"], TOKEN)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.store_proc.kill()
+        self.store_proc.wait()
+        self.log.close()
+
+    # ------------------------------------------------------------------------------ processes
+    def _args(self, *extra: str) -> list[str]:
+        return [str(SCRIPT), str(self.out), "--max-steps", str(self.max_steps), "--step-seconds",
+                str(self.step_seconds), *self.fit_args, *extra]
+
+    def start_torchrun(self, nproc: int, *extra: str) -> subprocess.Popen:
+        return self._start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(nproc), "--max-restarts", "0", *self._args(*extra)])
+
+    def start_python(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return self._start([sys.executable, *self._args(*extra)], env=env)
+
+    def _start(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env={**self.env, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
+                                cwd=REPO)
+        self.procs.append(proc)
+        return proc
+
+    # ------------------------------------------------------------------------------ the store
+    def step(self) -> int:
+        s = self.client.store
+        return int(s.get("step")) if s.check(["step"]) else -1
+
+    def installed(self) -> tuple[str, ...]:
+        """The members of the world running now (the last generation the trainers installed)."""
+        s = self.client.store
+        if not s.check(["installed"]):
+            return ()
+        return self.client.membership(int(s.get("installed"))).members
+
+    def installed_size(self) -> int:
+        return len(self.installed())
+
+    def signal_member(self, rank: int, sig: int) -> int:
+        """Send ``sig`` to the process at ``rank`` of the running world (its id holds its pid)."""
+        pid = int(self.installed()[rank].split(":")[1])
+        os.kill(pid, sig)
+        return pid
+
+    def wait_for(self, condition: Callable[[], bool], *, timeout: float = 180.0, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what or condition}; log:\n{self.tail()}")
+            if all(p.poll() is not None for p in self.procs):
+                raise AssertionError(f"every process ended while waiting for {what}; log:\n{self.tail()}")
+            time.sleep(0.2)
+
+    def wait(self, proc: subprocess.Popen, timeout: float = 300.0) -> int:
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"a process did not end in {timeout} s; log:\n{self.tail()}") from None
+
+    def results(self) -> dict[int, dict]:
+        return {int(p.stem): json.loads(p.read_text()) for p in self.out.glob("*.json")}
+
+    def tail(self, lines: int = 80) -> str:
+        self.log.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(line for line in text if "Warning" not in line and "warnings.warn" not in line)[-20000:] \
+            if len(text) < lines else "\n".join(text[-lines:])
+
+
+__all__ = ["ElasticJob", "SCRIPT", "TOKEN"]

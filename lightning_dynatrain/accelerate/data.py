@@ -1,0 +1,40 @@
+"""The data side of an Accelerate run: global batches on every rank, which ``prepare`` leaves alone.
+
+A layout switch changes who is a data-parallel replica of whom, so the loader must not know the
+layout: every rank reads the same GLOBAL batch of step ``k`` (``GlobalBatchSampler``: positions
+``[k*G, (k+1)*G)``) and the engine cuts the current layout's data-parallel share. Accelerate's
+``prepare`` would shard a ``DataLoader`` by world size (every ``num_processes``-th batch per rank,
+or a slice of each): wrong under tensor and pipeline parallelism, where the ranks of one replica
+need the same rows. The loader made here carries ``_is_accelerate_prepared``, the mark Accelerate's
+``prepare_data_loader`` reads to return a loader unchanged, so it can go through ``prepare`` with
+the rest of the loop's objects.
+
+Example::
+
+    loader = global_batch_loader(StdlibBytes(128), global_batch_size=16, shuffle=True, seed=0)
+    loader = accelerator.prepare(loader)     # the same object: [16, 128] batches on every rank
+"""
+
+from __future__ import annotations
+
+from torch.utils.data import Dataset
+
+from lightning_dynatrain.data.datamodule import GlobalBatchDataLoader
+from lightning_dynatrain.data.sampler import GlobalBatchSampler
+
+
+def global_batch_loader(dataset: Dataset, *, global_batch_size: int, shuffle: bool = True, seed: int = 0,
+                        num_workers: int = 0) -> GlobalBatchDataLoader:
+    """A ``DataLoader`` of whole global batches (the same on every rank) that ``accelerator.prepare``
+    returns unchanged; ``DynaTrainEngine.dataloader`` makes one at the engine's data position.
+
+    Raises:
+        ValueError: an empty dataset or a non-positive batch size (``GlobalBatchSampler``).
+    """
+    sampler = GlobalBatchSampler(dataset, global_batch_size=global_batch_size, shuffle=shuffle, seed=seed)
+    loader = GlobalBatchDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
+    loader._is_accelerate_prepared = True
+    return loader
+
+
+__all__ = ["global_batch_loader"]

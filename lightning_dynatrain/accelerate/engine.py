@@ -1,0 +1,296 @@
+"""``DynaTrainEngine``: a megatron-core GPT trained step by step in an Accelerate loop, switching layout.
+
+The engine holds the current layout's ``MegatronState`` (megatron's groups, the model shard, megatron
+DDP and optimizer) and runs on the processes and default process group Accelerate made. It is the
+Accelerate counterpart of ``DynaTrainStrategy`` and calls the same plain functions:
+
+- building: ``megatron_step.init_groups`` / ``build_model`` / ``attach_optimizer``;
+- one step: ``megatron_step.train_step`` (this rank's data-parallel share of the global batch,
+  the step's learning rate, megatron's pipeline schedule: forward and backward over the
+  micro-batches, finalize grads, optimizer step) -- one call, so pipeline stages need nothing
+  from the loop;
+- a switch: ``strategy.switching.LayoutSwitcher`` (``megatron.hot_switch``: the same planner, engine
+  and megatron adapter as the Lightning strategy).
+
+When a switch runs: ``reconfigure(target)`` at once (call it between steps, on every rank); a
+schedule entry ``S: L`` of the plugin once ``S`` optimizer steps are done, at the first step
+boundary after that (``optimizer.step()`` of the loop, else the start of the next step). Rank 0 of
+each node prints one line per switch (``accelerator.print``)::
+
+    [dynatrain] step 2: dp2-tp2-pp1 -> dp1-tp2-pp2 in 0.412 s, moved 12.0 MiB (...), retained 30.1 MiB (...)
+
+The loss each step returns is the global batch's mean token loss, already reduced over the
+data-parallel ranks and sent from the last pipeline stage: the same float on every rank, so it
+needs no ``accelerator.reduce``; ``accelerator.gather_for_metrics`` over it returns one copy per
+process (the example gathers the run's losses once, to show they agree).
+
+The learning rate of step ``k`` (0-based) is ``lr_at(k)``: a function of the step count, so it
+survives switches and resumes untouched, as under the Lightning strategy. Weight decay is
+``adam.weight_decay``, applied the way megatron's scheduler does (``set_lr_and_wd``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynatrain.accelerate.environment import (
+    AcceleratorSetupError,
+    accelerator_facts,
+    check_accelerator,
+    cluster_environment,
+)
+from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
+from lightning_dynatrain.strategy.report import ReconfigReport
+from lightning_dynatrain.strategy.switching import LayoutSwitcher
+from lightning_dynatrain.strategy.validation import validate_target
+from lightning_dynatrain.vps.errors import DynaTrainError
+from lightning_dynatrain.vps.layout import ParallelConfig
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import Dataset
+
+    from lightning_dynatrain.accelerate.plugin import DynaTrainPlugin
+    from lightning_dynatrain.data.datamodule import GlobalBatchDataLoader
+    from lightning_dynatrain.data.sampler import GlobalBatchSampler
+    from lightning_dynatrain.megatron.state import MegatronState
+
+
+class DataMismatchError(DynaTrainError):
+    """The ranks were handed different batches for the same step."""
+
+
+class DynaTrainEngine:
+    """The current layout's megatron state, its step, its switches (see the module docstring).
+
+    Collective: every rank builds it with the same arguments, and calls ``train_step`` and
+    ``reconfigure`` in the same order.
+
+    Args:
+        accelerator: a started ``Accelerator`` (its processes and default process group are used).
+        plugin: the layout, the switch schedule and budgets.
+        recipe: the layout-free model and the batch sizes; ``params_dtype`` follows
+            ``Accelerator(mixed_precision=...)`` (leave it ``None``).
+        adam: megatron Adam's settings (peak LR, weight decay, betas, eps, gradient clipping).
+        lr_at: learning rate of optimizer step ``k`` (0-based); default the constant ``adam.lr``.
+
+    Raises:
+        AcceleratorSetupError: the Accelerator cannot run the megatron step (no process group,
+            DeepSpeed/FSDP, gradient accumulation, fp16, a recipe dtype that disagrees).
+        LayoutError / WorldSizeError / BatchSizeError / ScheduleError: the plugin's layout or a
+            schedule entry does not fit the world, the model or the batch sizes.
+
+    Attributes:
+        model, optimizer, scheduler: what the loop hands to ``accelerator.prepare`` (``prepared.py``):
+            ``prepare`` returns them unchanged.
+        history: every switch that moved state, in order (the same on every rank).
+    """
+
+    def __init__(self, accelerator: "Accelerator", plugin: "DynaTrainPlugin", *, recipe: MegatronRecipe,
+                 adam: AdamSettings, lr_at: Callable[[int], float] | None = None) -> None:
+        from lightning_dynatrain.accelerate.checkpoint import register_checkpoint_hooks
+        from lightning_dynatrain.accelerate.prepared import DynaTrainModel, DynaTrainOptimizer, DynaTrainScheduler
+        from lightning_dynatrain.strategy.megatron_step import attach_optimizer, build_model, init_groups
+        from lightning_dynatrain.strategy.topology import gather_topology
+
+        dtype = check_accelerator(**accelerator_facts(accelerator))
+        if recipe.params_dtype not in (None, dtype):
+            raise AcceleratorSetupError(
+                f"MegatronRecipe(params_dtype={recipe.params_dtype}) disagrees with "
+                f"Accelerator(mixed_precision={accelerator.mixed_precision!r})",
+                hint="leave params_dtype=None: the Accelerator's mixed_precision says it")
+        self.accelerator, self.plugin, self.adam = accelerator, plugin, adam
+        self.recipe = replace(recipe, params_dtype=dtype)
+        self.lr_at: Callable[[int], float] = lr_at if lr_at is not None else _Constant(adam.lr)
+        self.world_size = dist.get_world_size()
+        layout = plugin.validate(world_size=self.world_size, shape=recipe.shape,
+                                 global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size)
+        self.switcher = LayoutSwitcher(staging_budget=plugin.staging_budget, memory_limit=plugin.switch_memory_limit,
+                                       verify=plugin.verify, promote_broadcasts=plugin.promote_broadcasts)
+        # the same order as DynaTrainStrategy: groups, node map, model shard, DDP + optimizer
+        groups = init_groups(layout, seed=plugin.seed, groups=self.switcher.groups)
+        topology = gather_topology(cluster_environment())
+        self.switcher.new_world(topology)
+        model = build_model(self.recipe, layout, groups, device=accelerator.device)
+        self._state: MegatronState | None = attach_optimizer(model, self.recipe, layout, adam, groups)
+        #: optimizer steps done
+        self.step = 0
+        self.history: list[ReconfigReport] = []
+        self._done: set[int] = set()
+        self._samplers: list[GlobalBatchSampler] = []
+        self._data_checked = False
+        self.model = DynaTrainModel(self)
+        self.optimizer = DynaTrainOptimizer(self)
+        self.scheduler = DynaTrainScheduler(self)
+        self._hooks = register_checkpoint_hooks(accelerator, self)
+        accelerator.register_for_checkpointing(self)  # the run's progress (state_dict below)
+        accelerator.print(f"[dynatrain] layout {layout} on {self.world_size} processes "
+                          f"({dist.get_backend()}, {accelerator.distributed_type}), {topology}; {plugin}")
+
+    # ------------------------------------------------------------------------------ state
+    @property
+    def state(self) -> "MegatronState":
+        """The current layout's megatron state (groups, model shard, DDP, optimizer)."""
+        if self._state is None:
+            raise RuntimeError("DynaTrainEngine.close() has run: the megatron state is gone. HINT: build a new "
+                               "engine to train again")
+        return self._state
+
+    @property
+    def layout(self) -> ParallelConfig:
+        """The layout training runs at now."""
+        return self.state.layout
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per optimizer step at the current layout: global // (dp * micro)."""
+        from lightning_dynatrain.strategy.megatron_step import microbatches
+
+        return microbatches(self.recipe, self.layout)
+
+    # ------------------------------------------------------------------------------- data
+    def dataloader(self, dataset: "Dataset", *, shuffle: bool = True, seed: int = 0,
+                   num_workers: int = 0) -> "GlobalBatchDataLoader":
+        """A loader of GLOBAL batches (``recipe.global_batch_size`` rows, the same on every rank),
+        which ``accelerator.prepare`` leaves alone (``data.global_batch_loader``); the engine keeps it
+        at the data position of its step (``step * G``), a resume included."""
+        from lightning_dynatrain.accelerate.data import global_batch_loader
+
+        loader = global_batch_loader(dataset, global_batch_size=self.recipe.global_batch_size, shuffle=shuffle,
+                                     seed=seed, num_workers=num_workers)
+        loader.batch_sampler.set_step(self.step)
+        self._samplers.append(loader.batch_sampler)
+        return loader
+
+    # ------------------------------------------------------------------------------ steps
+    def train_step(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """One optimizer step over the global ``batch`` (the fused megatron step); the global mean loss.
+
+        A schedule entry due at this step boundary runs first.
+
+        Raises:
+            BatchSizeError: the batch is not a global batch of ``recipe.global_batch_size`` rows.
+            DataMismatchError: (first step) the ranks were handed different batches.
+        """
+        from lightning_dynatrain.strategy.megatron_step import train_step
+
+        self.step_boundary()
+        if not self._data_checked:
+            _check_same_batch(batch, step=self.step)
+            self._data_checked = True
+        loss = train_step(self.state, batch, self.recipe, lr=self.lr_at(self.step), weight_decay=self.adam.weight_decay)
+        self.step += 1
+        return loss
+
+    def step_boundary(self) -> ReconfigReport | None:
+        """Run the schedule's switch due now (entries at or before ``step`` not run yet: the latest wins)."""
+        due = [s for s, _ in self.plugin.schedule if s <= self.step and s not in self._done]
+        if not due:
+            return None
+        self._done.update(due)
+        return self.reconfigure(self.plugin.schedule_map[max(due)])
+
+    def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport:
+        """Switch to layout ``target`` now, in memory (collective: every rank, the same target, between steps).
+
+        Raises:
+            LayoutError / WorldSizeError / BatchSizeError: the target does not fit.
+            SwitchMemoryError: it would not fit in memory (or exceed the plugin's limit); nothing
+                moved, training can go on at the current layout.
+        """
+        layout = validate_target(target, world_size=self.world_size, current=self.layout, shape=self.recipe.shape,
+                                 global_batch_size=self.recipe.global_batch_size,
+                                 micro_batch_size=self.recipe.micro_batch_size)
+        if layout == self.layout:
+            report = ReconfigReport(step=self.step, src=str(layout), dst=str(layout))
+        else:
+            self._state, report = self.switcher.switch(self.state, layout, recipe=self.recipe, adam=self.adam,
+                                                       step=self.step, deferred=False)
+            self.history.append(report)
+        self.accelerator.print(str(report), flush=True)
+        return report
+
+    # ------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The run's progress, the same on every rank (Accelerate saves it from rank 0 as a custom
+        checkpoint; the model and optimizer shards go to per-rank files, ``checkpoint.py``)."""
+        return {"step": self.step, "layout": str(self.layout), "schedule_done": sorted(self._done),
+                "history": [report.to_json() for report in self.history]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the progress (after the shards: Accelerate loads custom checkpoints last).
+
+        Raises:
+            LayoutError: the progress was saved at another layout than the shards now loaded.
+        """
+        from lightning_dynatrain.vps.errors import LayoutError
+
+        if state.get("layout") != str(self.layout):
+            raise LayoutError(f"the run's progress was saved at layout {state.get('layout')}, the engine is at "
+                              f"{self.layout}", hint="load a checkpoint written by one save_state call")
+        self.step = int(state["step"])
+        self._done = {int(s) for s in state.get("schedule_done", ())}
+        self.history = [ReconfigReport(**row) for row in state.get("history", ())]
+        for sampler in self._samplers:
+            sampler.set_step(self.step)
+
+    def close(self) -> None:
+        """Release megatron's groups and the checkpoint hooks (before ``accelerator.end_training()``)."""
+        from lightning_dynatrain.strategy.megatron_step import teardown_state
+
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._state is not None and dist.is_available() and dist.is_initialized():
+            teardown_state()
+            self.switcher.close()
+        self._state = None
+
+    def __enter__(self) -> "DynaTrainEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = str(self._state.layout) if self._state is not None else "closed"
+        return f"DynaTrainEngine({where}, step {self.step}, {len(self.history)} switches)"
+
+
+class _Constant:
+    """``lr_at`` when none is given: ``adam.lr`` at every step."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def __call__(self, step: int) -> float:
+        return self.lr
+
+
+def _check_same_batch(batch: Mapping[str, torch.Tensor], *, step: int) -> None:
+    """Every rank holds the same global batch (one small all-gather): a loader that Accelerate's
+    ``prepare`` sharded by world size hands each rank other rows, which under tensor or pipeline
+    parallelism trains on garbage without failing."""
+    tokens = batch["tokens"]
+    flat = tokens.detach().reshape(-1).to("cpu", torch.int64)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64)
+    mine = (tuple(tokens.shape), int((flat * weights).sum()))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if len(set(everyone)) > 1:
+        raise DataMismatchError(
+            f"the ranks were handed different batches for step {step + 1} (shapes and checksums {everyone})",
+            hint="serve the same GLOBAL batch on every rank: build the loader with engine.dataloader(dataset) "
+            "(accelerator.prepare leaves it alone); a DataLoader Accelerate prepared is sharded by world size")
+
+
+__all__ = ["DataMismatchError", "DynaTrainEngine"]

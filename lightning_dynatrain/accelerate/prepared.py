@@ -1,0 +1,170 @@
+"""What an Accelerate loop hands to ``accelerator.prepare``: a model, an optimizer and a scheduler
+that are views of one ``DynaTrainEngine``, and that ``prepare`` returns unchanged.
+
+``Accelerator.prepare`` wraps a trainable ``nn.Module`` in torch DDP over the whole world, wraps an
+optimizer in ``AcceleratedOptimizer``, a scheduler in ``AcceleratedScheduler`` (which steps it once
+per process), and shards a ``DataLoader`` by world size: under tensor and pipeline parallelism the
+first gives every rank a replica's gradient all-reduce over ranks that hold different shards, and
+the last hands the ranks of one tensor-parallel group different rows. What ``prepare`` does
+instead, object by object (Accelerate 1.15):
+
+- ``DynaTrainModel`` and ``DynaTrainOptimizer`` carry ``_is_accelerate_prepared = True``, the mark
+  ``prepare_model``/``prepare_optimizer`` read to avoid wrapping twice: they are recorded
+  (``accelerator._models``/``_optimizers``, so ``save_state``/``load_state`` see them) and returned
+  as they are -- no DDP, no device move, no autocast;
+- ``DynaTrainScheduler`` is not a torch ``LRScheduler``: ``prepare`` returns it untouched;
+- the loader of ``engine.dataloader`` (``data.global_batch_loader``) carries the same mark: every
+  rank keeps the whole global batch, the engine cuts the current layout's data-parallel share.
+
+The loop is Accelerate's Megatron-LM loop: ``model(batch)`` in training mode runs the whole
+megatron step (forward and backward over the micro-batches through the pipeline schedule,
+finalize grads, optimizer step) and returns the loss; ``accelerator.backward(loss)`` and
+``optimizer.zero_grad()`` have nothing left to do; ``optimizer.step()`` is the step boundary, where
+a scheduled layout switch runs; ``scheduler.step()`` has nothing to do (the step's LR is
+``lr_at(step)``, set inside the fused step).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_dynatrain.accelerate.engine import DynaTrainEngine
+    from lightning_dynatrain.strategy.report import ReconfigReport
+
+
+class EvaluationNotSupportedError(RuntimeError):
+    """``DynaTrainModel`` was called in eval mode: only the training step is offered."""
+
+    def __init__(self) -> None:
+        super().__init__("DynaTrainModel runs training steps only (model.eval() was called). HINT: call model.train() "
+                         "before model(batch); a forward-only schedule across pipeline stages is not offered yet")
+
+
+class DynaTrainModel(torch.nn.Module):
+    """The model an Accelerate loop calls: ``loss = model(batch)`` runs one whole optimizer step.
+
+    It registers no parameters of its own (the shard changes at every switch; ``shard`` is the
+    current one), so ``state_dict()`` is empty: checkpoints go through ``save_state``, whose hook
+    writes every rank's shard (``checkpoint.py``), never through ``accelerator.save_model``.
+    """
+
+    def __init__(self, engine: "DynaTrainEngine") -> None:
+        super().__init__()
+        self._engine = engine  # not a Module: not registered as a child
+        self._is_accelerate_prepared = True
+
+    @property
+    def engine(self) -> "DynaTrainEngine":
+        return self._engine
+
+    @property
+    def shard(self) -> torch.nn.Module:
+        """This rank's ``GPTModel`` shard at the current layout."""
+        return self._engine.state.model
+
+    def forward(self, batch: dict[str, torch.Tensor] | None = None, **tensors: torch.Tensor) -> torch.Tensor:
+        """One optimizer step over the global batch (``model(batch)`` or ``model(**batch)``).
+
+        Returns:
+            The global mean loss as a 0-dim tensor on the accelerator's device. It is a leaf that
+            requires grad, so ``accelerator.backward(loss)`` runs and changes nothing: the step ran.
+
+        Raises:
+            EvaluationNotSupportedError: the model is in eval mode.
+        """
+        if not self.training:
+            raise EvaluationNotSupportedError()
+        loss = self._engine.train_step(batch if batch is not None else tensors)
+        return torch.tensor(loss, dtype=torch.float32, device=self._engine.accelerator.device, requires_grad=True)
+
+    def extra_repr(self) -> str:
+        return repr(self._engine)
+
+
+class DynaTrainOptimizer(torch.optim.Optimizer):
+    """The optimizer an Accelerate loop steps: the current layout's megatron optimizer, seen through the engine.
+
+    ``step()`` marks the step boundary (a scheduled switch due now runs); ``zero_grad()`` does
+    nothing (megatron zeroes its gradient buffer at the start of each step); ``param_groups`` are
+    megatron's current ones (their ``lr`` is set at each step). ``state_dict()`` is what every
+    rank shares -- the layout and world size -- because Accelerate writes rank 0's copy and loads
+    it on every rank; the sharded Adam state goes to the per-rank files of ``save_state``.
+    """
+
+    def __init__(self, engine: "DynaTrainEngine") -> None:  # no super().__init__: megatron owns the params
+        self.defaults: dict[str, Any] = {}
+        self.state: dict = {}
+        self._engine = engine
+        self._is_accelerate_prepared = True
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return self._engine.state.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:  # torch's __setstate__ may assign it
+        pass
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Read by ``accelerator.optimizer_step_was_skipped``: megatron's fp32/bf16 step never skips."""
+        return False
+
+    def step(self, closure: Any = None) -> "ReconfigReport | None":  # type: ignore[override]
+        """The step boundary: the switch the schedule has due now, if any (its report)."""
+        if closure is not None:
+            raise TypeError("DynaTrainOptimizer.step() takes no closure. HINT: model(batch) (or "
+                            "engine.train_step(batch)) runs the whole megatron step; step() only marks its end")
+        return self._engine.step_boundary()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layout": str(self._engine.layout), "world_size": self._engine.world_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check the checkpoint's layout against the engine's (the shards were loaded by then).
+
+        Raises:
+            LayoutError: the file says another layout or world size.
+        """
+        from lightning_dynatrain.vps.errors import LayoutError
+
+        saved = (state_dict.get("layout"), state_dict.get("world_size"))
+        if saved != (str(self._engine.layout), self._engine.world_size):
+            raise LayoutError(f"optimizer.bin was written at layout {saved[0]} on {saved[1]} processes, the engine "
+                              f"is at {self._engine.layout} on {self._engine.world_size}",
+                              hint="load a checkpoint written by one save_state call of a DynaTrainEngine run")
+
+    def __repr__(self) -> str:
+        return f"DynaTrainOptimizer({self._engine.layout}, {type(self._engine.state.optimizer).__name__})"
+
+
+class DynaTrainScheduler:
+    """The LR scheduler an Accelerate loop steps, as ``MegatronLMDummyScheduler`` stands in for
+    Megatron-LM's: the fused step sets step ``k``'s learning rate to ``lr_at(k)`` itself, so
+    ``step()`` does nothing and the schedule cannot drift from the step count (a switch or a
+    resume leaves it untouched)."""
+
+    def __init__(self, engine: "DynaTrainEngine") -> None:
+        self._engine = engine
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        """The learning rate the next optimizer step trains with (before megatron's per-group ``lr_mult``)."""
+        return [self._engine.lr_at(self._engine.step)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the step count is the engine's progress
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+__all__ = ["DynaTrainModel", "DynaTrainOptimizer", "DynaTrainScheduler", "EvaluationNotSupportedError"]

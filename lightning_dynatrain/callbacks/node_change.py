@@ -1,0 +1,147 @@
+"""``OnNodeChange``: processes join and leave a running ``trainer.fit``; the layout follows the world.
+
+With this callback the strategy is elastic: every process enters the job through its store (set
+``DYNATRAIN_STORE=host:port`` and ``DYNATRAIN_TOKEN``; start the store with ``dynatrain store``).
+The processes a launcher starts together form the first world. The same script started later
+(``torchrun``, ``srun`` of a new step, or one ``python train.py``) joins the running fit at the
+current step. A process that gets SIGTERM (or SLURM's SIGUSR1 warning) leaves: it hands its state
+off at the next change boundary and exits 0. At each change ``policy`` picks the new world's layout.
+
+Example::
+
+    trainer = Trainer(strategy=DynaTrainStrategy("dp2-tp1-pp1"), devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+                      callbacks=[OnNodeChange({2: "dp2-tp1-pp1", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"})])
+
+    DYNATRAIN_STORE=node1:29400 DYNATRAIN_TOKEN=... torchrun --nproc-per-node 2 train.py   # the job
+    DYNATRAIN_STORE=node1:29400 DYNATRAIN_TOKEN=... torchrun --nproc-per-node 2 train.py   # later: 2 join
+
+Each change is logged (``[dynatrain] step N: world 2 -> 4 ...``, and the metrics
+``dynatrain/world_size``, ``dynatrain/change_pause_seconds``, ``dynatrain/change_transfer_seconds``,
+``dynatrain/change_build_seconds``, ``dynatrain/change_moved_bytes``) and kept in ``changes``.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_dynatrain.elastic.policy import Policy, StepModel, parse_policy
+from lightning_dynatrain.elastic.session import MemberFailedError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+    from lightning_dynatrain.strategy.elastic import ElasticDriver
+
+#: the signals that mean "this process will be taken away": leave
+LEAVE_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
+
+
+class OnNodeChange(Callback):
+    """Make the fit elastic and pick the layout of every new world.
+
+    Args:
+        policy: ``"auto"`` (the best modelled throughput among valid layouts; see
+            ``elastic.policy``), a map ``{world size: layout}``, or a YAML file holding one.
+        memory_per_rank: ``auto`` keeps only layouts whose state takes at most this many bytes a rank.
+        step_model: the hardware ``auto`` ranks layouts for.
+        heartbeat: seconds between this process's liveness stamps in the store.
+        exit_after: seconds a process waits, once the store reports a member failed, before it ends
+            itself (it is then stuck in a collective that cannot complete).
+
+    Raises:
+        LayoutError: (at construction) the policy cannot be read; (at a change) it has no valid
+            layout for the new world.
+        LauncherError, AdmissionError: (at start) the launcher or the store cannot carry the job.
+        MemberFailedError: a member stopped without leaving; the message names it.
+    """
+
+    def __init__(self, policy: Policy = "auto", *, memory_per_rank: int | None = None,
+                 step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0) -> None:
+        parse_policy(policy)  # fail at construction, not at the first change
+        self.policy = policy if not isinstance(policy, (str, Path)) or str(policy).lower() == "auto" else Path(policy)
+        self.memory_per_rank, self.step_model = memory_per_rank, step_model
+        self.heartbeat, self.exit_after = heartbeat, exit_after
+        #: every world change this process saw, in order (rank 0's copy reaches joiners)
+        self.changes: list[dict[str, Any]] = []
+        self._driver: ElasticDriver | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._leave_noticed = False
+
+    def make_driver(self, strategy: "DynaTrainStrategy") -> "ElasticDriver":
+        """The strategy's elastic side (called by the strategy when it sets up)."""
+        from lightning_dynatrain.strategy.elastic import ElasticDriver
+
+        self._driver = ElasticDriver(strategy, policy=self.policy, memory_per_rank=self.memory_per_rank,
+                                     step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after)
+        return self._driver
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+
+        if not isinstance(trainer.strategy, DynaTrainStrategy) or self._driver is None:
+            raise TypeError("OnNodeChange needs Trainer(strategy=DynaTrainStrategy(...)): it changes the world "
+                            f"under that strategy, not under {type(trainer.strategy).__name__}")
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Lightning's own handler broadcasts inside the handler and stops every rank: a leave
+        # notice must only mark this process (it leaves at the next change boundary)
+        for sig in LEAVE_SIGNALS:
+            self._previous_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_leave_signal)
+
+    def _on_leave_signal(self, signum: int, frame: Any) -> None:
+        self._leave_noticed = True
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        assert self._driver is not None
+        if self._leave_noticed:
+            self._leave_noticed = False
+            self._driver.leave()
+        report = self._driver.at_boundary(trainer)
+        if report is not None:
+            self.changes.append(asdict(report))
+            pl_module.log_dict({"dynatrain/world_size": float(trainer.world_size),
+                                "dynatrain/change_pause_seconds": report.pause_seconds,
+                                "dynatrain/change_transfer_seconds": report.transfer_seconds,
+                                "dynatrain/change_build_seconds": report.build_seconds,
+                                "dynatrain/change_moved_bytes": float(report.moved_bytes)},
+                               on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        """A collective failed: when a member failed, say so (the store's account, within its
+        liveness bound) instead of the transport's message."""
+        if isinstance(exception, MemberFailedError) or self._driver is None or self._driver.session is None:
+            return
+        failure = self._driver.session.wait_for_failure(timeout=3 * self.heartbeat + 15.0)
+        if failure is not None:
+            raise MemberFailedError(failure, hint="see the failed process's log; restart the job from its last "
+                                    "checkpoint") from exception
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"changes": list(self.changes)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.changes = list(state_dict.get("changes", []))
+
+
+__all__ = ["LEAVE_SIGNALS", "OnNodeChange"]

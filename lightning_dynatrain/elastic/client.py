@@ -1,0 +1,168 @@
+"""A training process's view of the job's store: ask to join or leave, read the world, publish liveness.
+
+The store is a ``TCPStore`` served by a process no trainer owns (``server.py``, ``dynatrain
+store``), found through one address (``DYNATRAIN_STORE=host:port``). Everything lives under the
+prefix ``dynatrain/``; each generation's process group gets its own prefix (``gen{g}/``) when it is
+built. Reads a trainer makes every step cost one store ``get`` (about 0.1 ms on a LAN).
+
+Keys (all but the liveness stamps signed, ``records.py``):
+
+- ``requests`` (a queue): join and leave requests, each with a nonce; ``verdict/{nonce}``: the
+  store process's answer;
+- ``gen``: the latest generation; ``membership/{g}``: its ``Membership`` (store process only);
+- ``step``: the last optimizer step the job finished (rank 0 publishes it); ``installed``: the
+  last generation whose world runs (its rank 0 says so after the swap);
+- ``alive/{member}``: the time a member last said it is alive (a background thread, every second).
+
+Example::
+
+    store = JobStore.connect("node1:29400", token)
+    verdict = store.ask(JoinRequest(member=store.member_id, fingerprint=fp), timeout=60)
+    world = store.membership(verdict["generation"])
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lightning_dynatrain.elastic.records import AdmissionError, JoinRequest, LeaveRequest, Membership, Signer
+
+PREFIX = "dynatrain/"
+STORE_ENV, TOKEN_ENV = "DYNATRAIN_STORE", "DYNATRAIN_TOKEN"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``("host", port)``.
+
+    Raises:
+        AdmissionError: not ``host:port``.
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise AdmissionError(f"cannot read a store address from {address!r}",
+                             hint=f"set {STORE_ENV}=host:port (the address `dynatrain store` prints)")
+    return host, int(port)
+
+
+class JobStore:
+    """A client of the job's store (see the module docstring). One per process."""
+
+    def __init__(self, store: dist.Store, signer: Signer, member_id: str | None = None) -> None:
+        self.raw = store
+        self.store = dist.PrefixStore(PREFIX, store)
+        self.signer = signer
+        self.member_id = member_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._alive: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @classmethod
+    def connect(cls, address: str, token: bytes | str, *, timeout: float = 60.0) -> "JobStore":
+        host, port = parse_address(address)
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        except Exception as err:  # torch raises DistNetworkError, RuntimeError, TimeoutError here
+            raise AdmissionError(f"no job store answers at {address}: {err}",
+                                 hint="start it with `dynatrain store --port PORT` and pass its address") from err
+        return cls(store, Signer(token))
+
+    @classmethod
+    def from_environment(cls) -> "JobStore":
+        address, token = os.environ.get(STORE_ENV), os.environ.get(TOKEN_ENV)
+        if not address or not token:
+            raise AdmissionError(f"an elastic job needs {STORE_ENV} and {TOKEN_ENV}",
+                                 hint="start `dynatrain store --port PORT --token TOKEN` (or with the token in "
+                                 f"{TOKEN_ENV}) and give every process both variables")
+        return cls.connect(address, token)
+
+    # ---------------------------------------------------------------------------- requests
+    def send(self, request: JoinRequest | LeaveRequest) -> str:
+        """Queue ``request`` for the store process; its nonce (``verdict(nonce)`` reads the answer)."""
+        nonce = uuid.uuid4().hex
+        self.store.queue_push("requests", self.signer.sign({**request.to_dict(), "nonce": nonce}))
+        return nonce
+
+    def verdict(self, nonce: str) -> dict | None:
+        """The store process's signed answer to request ``nonce``, once there (``None`` before)."""
+        key = f"verdict/{nonce}"
+        if not self.store.check([key]):
+            return None
+        verdict = self.signer.verify(self.store.get(key))
+        return verdict if verdict is not None else {"admitted": False,
+                                                    "reason": "the verdict is not signed with this job's token"}
+
+    def ask(self, request: JoinRequest | LeaveRequest, *, timeout: float = 600.0) -> dict:
+        """Send ``request`` and wait for the store process's verdict.
+
+        Raises:
+            AdmissionError: refused (the reason is the store process's), or no answer in ``timeout``.
+        """
+        nonce = self.send(request)
+        deadline = time.monotonic() + timeout
+        while (verdict := self.verdict(nonce)) is None:
+            if time.monotonic() > deadline:
+                raise AdmissionError(f"the job's store did not answer {request.kind} request {nonce} in {timeout:.0f} s",
+                                     hint="is `dynatrain store` running for this job?")
+            time.sleep(0.02)
+        if not verdict.get("admitted"):
+            raise AdmissionError(f"the job refused this process's {request.kind} request: {verdict.get('reason')}",
+                                 hint="use the job's token and the same model, recipe and package version")
+        return verdict
+
+    # ---------------------------------------------------------------------------- the world
+    def generation(self) -> int:
+        """The latest generation (-1 before the first world formed)."""
+        return int(self.store.get("gen")) if self.store.check(["gen"]) else -1
+
+    def membership(self, generation: int) -> Membership:
+        """Generation ``generation``'s world, as the store process signed it.
+
+        Raises:
+            AdmissionError: the record is missing or not signed with the job's token.
+        """
+        key = f"membership/{generation}"
+        payload = self.signer.verify(self.store.get(key)) if self.store.check([key]) else None
+        if payload is None:
+            raise AdmissionError(f"no signed membership record for generation {generation}",
+                                 hint="someone without the job's token wrote to the store, or it was restarted")
+        return Membership.from_dict(payload)
+
+    def publish_step(self, step: int) -> None:
+        """The job finished optimizer step ``step`` (rank 0, every step: one store ``set``)."""
+        self.store.set("step", str(step))
+
+    def mark_installed(self, generation: int) -> None:
+        """Generation ``generation``'s world runs (its rank 0, once): the next change may come."""
+        self.store.set("installed", str(generation))
+
+    # ---------------------------------------------------------------------------- liveness
+    def start_alive(self, interval: float = 1.0) -> None:
+        """Say every ``interval`` seconds that this member is alive (a daemon thread)."""
+        if self._alive is not None:
+            return
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.store.set(f"alive/{self.member_id}", repr(time.time()))
+                except Exception:  # the store went away: the job is over
+                    return
+
+        self.store.set(f"alive/{self.member_id}", repr(time.time()))
+        self._alive = threading.Thread(target=beat, name="dynatrain-alive", daemon=True)
+        self._alive.start()
+
+    def stop_alive(self) -> None:
+        self._stop.set()
+        if self._alive is not None:
+            self._alive.join(timeout=5)
+            self._alive = None
+
+
+__all__ = ["JobStore", "PREFIX", "STORE_ENV", "TOKEN_ENV", "parse_address"]

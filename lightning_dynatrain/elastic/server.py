@@ -1,0 +1,223 @@
+"""The store process of an elastic job: hosts the ``TCPStore`` and is the only writer of the world.
+
+``dynatrain store --port P`` runs it beside the job (the launch script starts it on a host that
+stays; SLURM: the first node's batch script). No training process owns it, so any rank, rank 0
+included, may leave and the job can still change again.
+
+Admission is this process's job (``records.py``): it pops the signed requests, checks each (token,
+then the model's fingerprint for a join), and only then writes a new generation's ``Membership``,
+signed: member ids in rank order and the step the change takes effect at (``step`` the job last
+published + ``margin``, so every rank reads it before its step gets there; ranks are never more
+than a step apart, since every step runs collectives over the whole world). A request that fails a
+check is answered with the reason and logged; it consumes no rank and bumps no generation.
+
+Changes are one at a time: requests wait until the trainers say the previous generation is
+installed (key ``installed``); the requests of one kind waiting then make one change. Processes a
+launcher started together (one ``torchrun``, one ``srun`` step) join together: a join waits until
+every process of its launch has asked (at most ``launch_wait`` seconds). The first world forms
+from the first launch's processes, in their launch's rank order. A member of the running world
+that stops saying it is alive for ``dead_after`` seconds without leaving is recorded as failed in a
+new generation: the job must stop (every trainer's watchdog reads it). A joiner that stops before
+its generation is installed only cancels that change (a generation with the running world's
+members, ``dropped``): training goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from lightning_dynatrain.elastic.client import PREFIX
+from lightning_dynatrain.elastic.records import Membership, Signer
+
+
+@dataclass
+class _World:
+    """What the store process knows: the current world, the first world forming, requests waiting."""
+
+    generation: int = -1
+    members: tuple[str, ...] = ()
+    running: tuple[str, ...] = ()  # the members of the last generation the trainers installed
+    fingerprint: str | None = None
+    forming: dict[int, tuple[str, str]] = field(default_factory=dict)  # initial rank -> (member, nonce)
+    waiting: list[dict] = field(default_factory=list)
+    first_launch: str | None = None
+    effective_step: int = 0
+    failed: bool = False
+
+
+class StoreServer:
+    """The admission and membership loop over a master ``TCPStore`` (see the module docstring)."""
+
+    def __init__(self, store: dist.Store, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
+                 launch_wait: float = 60.0, log: Callable[[str], None] = print) -> None:
+        self.store = dist.PrefixStore(PREFIX, store)
+        self.signer = Signer(token)
+        self.margin, self.dead_after, self.launch_wait, self.log = margin, dead_after, launch_wait, log
+        self.world = _World()
+
+    def step(self) -> None:
+        """Handle every request queued, then changes that can take effect, then liveness (one pass)."""
+        while self.store.queue_len("requests"):
+            blob = self.store.queue_pop("requests", block=False)
+            request = self.signer.verify(blob)
+            if request is None:  # answered (its nonce is readable) so that its sender learns why
+                self._answer(_unsigned(blob), False, "it is not signed with the job's token")
+                continue
+            self.world.waiting.append({**request, "received": time.monotonic()})
+        if self.world.failed:
+            return
+        if self.world.generation < 0:
+            self._form_first_world()
+        else:
+            self._next_change()
+            self._check_alive()
+
+    def serve(self, *, poll: float = 0.02, should_stop: Callable[[], bool] = lambda: False) -> None:
+        while not should_stop():
+            self.step()
+            time.sleep(poll)
+
+    # ------------------------------------------------------------------------------- verdicts
+    def _answer(self, request: dict, admitted: bool, reason: str = "", **extra: object) -> None:
+        self.store.set(f"verdict/{request.get('nonce')}",
+                       self.signer.sign({"admitted": admitted, "reason": reason, **extra}))
+        if not admitted:
+            self.log(f"[dynatrain store] refused {request.get('kind')} of {request.get('member')}: {reason}")
+
+    def _publish(self, members: tuple[str, ...], effective_step: int, **change: tuple[str, ...]) -> Membership:
+        """Write the next generation (signed), then bump ``gen``."""
+        world = Membership(generation=self.world.generation + 1, members=members, effective_step=effective_step,
+                           **change)
+        self.store.set(f"membership/{world.generation}", self.signer.sign(world.to_dict()))
+        self.store.set("gen", str(world.generation))  # after the record: a reader of ``gen`` finds it
+        self.world.generation, self.world.members, self.world.effective_step = world.generation, members, effective_step
+        self.log(f"[dynatrain store] generation {world.generation}: {len(members)} members from step "
+                 f"{effective_step} (joined {list(world.joined)}, left {list(world.left)}, failed {list(world.failed)}, "
+                 f"dropped {list(world.dropped)})")
+        return world
+
+    # -------------------------------------------------------------------------------- changes
+    def _form_first_world(self) -> None:
+        """The first launch's processes, all of them, form generation 0 in their launch's order."""
+        keep = []
+        for request in self.world.waiting:
+            if request.get("kind") != "join":
+                keep.append(request)  # a leaver before the first world: wait for it
+                continue
+            if self.world.fingerprint is None:
+                self.world.fingerprint, self.world.first_launch = request["fingerprint"], request.get("launch_id")
+            if request["fingerprint"] != self.world.fingerprint:
+                self._answer(request, False, "its model, recipe or package version differs from the job's")
+                continue
+            if request.get("launch_id") != self.world.first_launch:
+                keep.append(request)  # another launch: it joins the running job
+                continue
+            self.world.forming[int(request.get("launch_rank", 0))] = (request["member"], request["nonce"])
+            size = int(request.get("launch_size", 1))
+            if len(self.world.forming) == size:
+                members = tuple(self.world.forming[r][0] for r in range(size))
+                world = self._publish(members, 0, joined=members)
+                self.world.running = members  # every member installs it before training starts
+                for r, (member, nonce) in self.world.forming.items():
+                    self._answer({"nonce": nonce, "member": member}, True, generation=world.generation)
+        self.world.waiting = keep
+
+    def _launches_ready(self, joins: list[dict]) -> list[dict]:
+        """The joins whose whole launch has asked (processes started together join together), or
+        whose launch's first request waited ``launch_wait`` seconds (the rest of it may be gone)."""
+        launches: dict[str, list[dict]] = {}
+        for request in joins:
+            launches.setdefault(str(request.get("launch_id")), []).append(request)
+        now, ready = time.monotonic(), []
+        for group in launches.values():
+            whole = len(group) >= int(group[0].get("launch_size", 1))
+            if whole or now - min(r["received"] for r in group) > self.launch_wait:
+                ready += sorted(group, key=lambda r: int(r.get("launch_rank", 0)))
+        return ready
+
+    def _current_step(self) -> int:
+        return int(self.store.get("step")) if self.store.check(["step"]) else 0
+
+    def _installed(self) -> int:
+        """The last generation the trainers installed (its new rank 0 says so)."""
+        return int(self.store.get("installed")) if self.store.check(["installed"]) else -1
+
+    def _next_change(self) -> None:
+        if self._installed() == self.world.generation:
+            self.world.running = self.world.members
+        if not self.world.waiting or self.world.running != self.world.members:
+            return  # one change at a time: the last one is not installed yet
+        kind = self.world.waiting[0].get("kind")
+        batch = [r for r in self.world.waiting if r.get("kind") == kind]
+        if kind == "join":
+            batch = self._launches_ready(batch)
+        self.world.waiting = [r for r in self.world.waiting if all(r is not b for b in batch)]
+        admitted, step = [], self._current_step() + self.margin
+        for request in batch:
+            member = request.get("member")
+            if kind == "join" and request.get("fingerprint") != self.world.fingerprint:
+                self._answer(request, False, "its model, recipe or package version differs from the job's")
+            elif kind == "join" and (member in self.world.members or member in [r.get("member") for r in admitted]):
+                self._answer(request, False, "it is a member already")
+            elif kind == "leave" and member not in self.world.members:
+                self._answer(request, False, "'leave' of a process that is not a member")
+            elif kind not in ("join", "leave"):
+                self._answer(request, False, f"unknown request {kind!r}")
+            else:
+                admitted.append(request)
+        if kind == "leave" and len(admitted) == len(self.world.members):
+            for request in admitted:
+                self._answer(request, False, "every member asked to leave: stop the job instead")
+            return
+        if not admitted:
+            return
+        names = tuple(r["member"] for r in admitted)
+        if kind == "join":
+            world = self._publish(self.world.members + names, step, joined=names)
+        else:
+            world = self._publish(tuple(m for m in self.world.members if m not in names), step, left=names)
+        for request in admitted:
+            self._answer(request, True, generation=world.generation)
+
+    def _check_alive(self) -> None:
+        now = time.time()
+
+        def dead(member: str) -> bool:
+            key = f"alive/{member}"
+            return self.store.check([key]) and now - float(self.store.get(key)) > self.dead_after
+
+        failed = tuple(m for m in self.world.running if dead(m))
+        if failed:
+            self.world.failed = True
+            self._publish(self.world.members, self.world.effective_step, failed=failed)
+            return
+        dropped = tuple(m for m in self.world.members if m not in self.world.running and dead(m))
+        if dropped:  # joiners gone before their world was installed: cancel the change
+            self._publish(self.world.running, self._current_step() + self.margin, dropped=dropped)
+
+
+def _unsigned(blob: bytes) -> dict:
+    """What can be read of a request whose signature does not hold (for the refusal)."""
+    import json
+
+    try:
+        body = json.loads(json.loads(blob)["body"])
+        return {"nonce": str(body.get("nonce")), "member": str(body.get("member")), "kind": str(body.get("kind"))}
+    except (ValueError, KeyError, TypeError):
+        return {"nonce": "unreadable", "member": "?", "kind": "?"}
+
+
+def serve_forever(host: str, port: int, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
+                  launch_wait: float = 60.0, on_ready: Callable[[int], None] | None = None) -> None:
+    """Host the job's store on ``host:port`` (0: a free port) until the process is stopped."""
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    if on_ready is not None:
+        on_ready(store.port)
+    StoreServer(store, token, margin=margin, dead_after=dead_after, launch_wait=launch_wait).serve()
+
+
+__all__ = ["StoreServer", "serve_forever"]

@@ -1,0 +1,333 @@
+"""One process's part in an elastic job: entering it, noticing changes, building the next world,
+agreeing when to swap, leaving, and noticing a member that failed.
+
+Every step boundary costs one store ``get`` (``poll``): the latest generation number. When a new
+generation appears, every member of its world starts building that world's default group in a
+background thread (``world.NextWorld``) while training steps on. From the generation's
+``effective_step`` on (every rank has read it by then: the store process sets it a few steps
+ahead), each boundary adds one tiny all-reduce over the running world, the *vote*: "I have built
+the next world" (a leaver votes yes at once). At the first boundary where every member voted, the
+world changes (``WorldChange``); until then nothing waits on a slow joiner.
+
+A joiner enters in ``enter``: its request admitted, it builds the world of its generation in the
+background, polling the store meanwhile (a change cancelled because another joiner died makes it
+ask again), and installs it; the old members install theirs at the voted boundary.
+
+Liveness: a daemon thread says every ``heartbeat`` seconds that this member is alive; the store
+process records a member silent for ``dead_after`` seconds as failed. A watchdog thread reads the
+generation every second: on a failure it records ``failure`` (the callback raises
+``MemberFailedError`` with it) and, when the main thread is stuck in a collective that will never
+complete (gloo and NCCL wait for their long timeouts), ends the process after ``exit_after``
+seconds with that message, so a job never hangs silently.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynatrain.elastic.client import JobStore
+from lightning_dynatrain.elastic.records import AdmissionError, JoinRequest, LeaveRequest, Membership
+from lightning_dynatrain.elastic.world import NextWorld, install, retire
+from lightning_dynatrain.vps.errors import DynaTrainError
+from lightning_dynatrain.vps.members import Members
+
+#: exit status of a process the watchdog ends (a member failed and a collective would hang)
+EXIT_MEMBER_FAILED = 75
+
+
+class MemberFailedError(DynaTrainError):
+    """A member of the running world stopped without leaving: the job cannot go on."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorldChange:
+    """From world ``old`` to world ``new``, as process ``me`` sees it."""
+
+    old: Membership
+    new: Membership
+    me: str
+
+    @property
+    def joining(self) -> bool:
+        return self.me not in self.old.members
+
+    @property
+    def leaving(self) -> bool:
+        return self.me not in self.new.members
+
+    @property
+    def grows(self) -> bool:
+        """Processes join (the state moves over the new world); else they leave (over the old one)."""
+        return len(self.new.members) > len(self.old.members)
+
+    @property
+    def members(self) -> Members:
+        """Which process of the switch's group holds each old and each new rank: the new world's
+        processes when it grows, the old world's when it shrinks."""
+        over = self.new if self.grows else self.old
+        return Members(src=tuple(over.rank_of(m) for m in self.old.members),
+                       dst=tuple(over.rank_of(m) for m in self.new.members), size=len(over.members))
+
+    def __str__(self) -> str:
+        what = f"+{len(self.new.joined)}" if self.grows else f"-{len(self.new.left)}"
+        return (f"world {len(self.old.members)} -> {len(self.new.members)} ({what}, generation "
+                f"{self.new.generation})")
+
+
+class ElasticSession:
+    """This process's membership of an elastic job (see the module docstring).
+
+    Args:
+        store: the job's store client (``JobStore.from_environment()``).
+        backend: the worlds' backend (``gloo`` / ``nccl``).
+        device: on NCCL, the device whose communicator each world connects eagerly.
+        timeout: collectives' timeout in every world; also how long a world's build may take.
+        heartbeat, exit_after: see the module docstring.
+    """
+
+    def __init__(self, store: JobStore, *, backend: str, device: torch.device | None = None,
+                 timeout: timedelta = timedelta(minutes=30), heartbeat: float = 1.0, exit_after: float = 30.0) -> None:
+        self.store, self.backend, self.device, self.timeout = store, backend, device, timeout
+        self.heartbeat, self.exit_after = heartbeat, exit_after
+        self.world: Membership | None = None
+        self.joined_change: WorldChange | None = None
+        self.failure: str | None = None
+        self.leave_requested = False
+        self._leave_nonce: str | None = None
+        self._seen = -1
+        self._pending: Membership | None = None
+        self._cancel: Membership | None = None
+        self._next: NextWorld | None = None
+        self._watchdog: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    @property
+    def me(self) -> str:
+        return self.store.member_id
+
+    @property
+    def rank(self) -> int:
+        assert self.world is not None, "enter() first"
+        rank = self.world.rank_of(self.me)
+        assert rank is not None, "this process left the job"
+        return rank
+
+    @property
+    def size(self) -> int:
+        assert self.world is not None, "enter() first"
+        return len(self.world.members)
+
+    # ------------------------------------------------------------------------------ entering
+    def enter(self, fingerprint: str, *, launch_rank: int, launch_size: int, launch_id: str) -> Membership:
+        """Become a member and install this process's first world; its membership.
+
+        The processes the first launch started (one ``torchrun``, one ``srun`` step: ``launch_id``,
+        ``launch_size`` processes, this one at ``launch_rank``) form the first world; a process of a
+        later launch joins the running job, with the others of its launch: ``joined_change`` says from
+        which world (the state then comes from the old members).
+
+        Raises:
+            AdmissionError: refused (token, model), no store, or the world could not be built.
+        """
+        while True:
+            request = JoinRequest(member=self.me, fingerprint=fingerprint, launch_rank=launch_rank,
+                                  launch_size=launch_size, launch_id=launch_id)
+            verdict = self.store.ask(request, timeout=self.timeout.total_seconds())
+            self.store.start_alive(self.heartbeat)
+            world = self.store.membership(int(verdict["generation"]))
+            nxt = NextWorld(self.store.raw, generation=world.generation, rank=world.rank_of(self.me),
+                            size=len(world.members), backend=self.backend, timeout=self.timeout, device=self.device)
+            if self._wait_built(nxt, world):
+                break
+            print(f"[dynatrain] the change that admitted {self.me} was cancelled (a joiner with it stopped); "
+                  "asking again", file=sys.stderr, flush=True)
+        install(nxt.group(), self.store.raw, generation=world.generation)
+        if world.generation > 0:
+            # the store publishes a change only once the world before it runs (or a cancelled
+            # change's record, with the running world's members)
+            self.joined_change = WorldChange(old=self.store.membership(world.generation - 1), new=world, me=self.me)
+        self.world, self._seen = world, world.generation
+        if self.rank == 0:
+            self.store.mark_installed(world.generation)
+        self._start_watchdog()
+        return world
+
+    def _wait_built(self, nxt: NextWorld, world: Membership) -> bool:
+        """Wait for this joiner's world; ``False`` when a later generation cancelled it."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not nxt.wait(timeout=0.2):
+            latest = self.store.generation()
+            if latest > world.generation:
+                later = self.store.membership(latest)
+                if self.me not in later.members:
+                    return False
+            if time.monotonic() > deadline:
+                raise AdmissionError(f"the world of generation {world.generation} was not built in "
+                                     f"{self.timeout.total_seconds():.0f} s", hint="a member of it is missing; see its log")
+        return True
+
+    # -------------------------------------------------------------------------- every step
+    def poll(self, step: int) -> WorldChange | None:
+        """At the boundary after optimizer step ``step``: the change to make now, if any.
+
+        Costs one store ``get`` while nothing changes; from a pending change's effective step on,
+        one small all-reduce (the vote) per boundary, on every rank alike.
+
+        Raises:
+            MemberFailedError: a member of the running world failed (every rank raises it).
+        """
+        self._raise_failure()
+        if self._leave_nonce is not None and (verdict := self.store.verdict(self._leave_nonce)) is not None:
+            self._leave_nonce = None
+            if not verdict.get("admitted"):
+                self.leave_requested = False
+                print(f"[dynatrain] the job refused {self.me}'s leave: {verdict.get('reason')}", file=sys.stderr,
+                      flush=True)
+        latest = self.store.generation()
+        if latest > self._seen:
+            self._seen = latest
+            record = self.store.membership(latest)
+            if record.failed:
+                self._failed(record)
+            self._consider(record)
+        self._apply_cancel(step)
+        pending = self._pending
+        if pending is None or step < pending.effective_step:
+            return None
+        ready = self._next.ready if self._next is not None else True  # a leaver has nothing to build
+        votes = torch.tensor([float(ready)], device=self.device or torch.device("cpu"))
+        dist.all_reduce(votes)
+        if int(votes.item()) < self.size:
+            return None
+        assert self.world is not None
+        return WorldChange(old=self.world, new=pending, me=self.me)
+
+    def _consider(self, record: Membership) -> None:
+        assert self.world is not None
+        if record.members == self.world.members:  # a change cancelled (a joiner died): at its step
+            self._cancel = record
+            return
+        self._pending, self._cancel = record, None
+        rank = record.rank_of(self.me)
+        self._next = None if rank is None else NextWorld(
+            self.store.raw, generation=record.generation, rank=rank, size=len(record.members), backend=self.backend,
+            timeout=self.timeout, device=self.device)
+
+    def _apply_cancel(self, step: int) -> None:
+        """From a cancel record's effective step on (every rank has read it; until then every rank
+        still votes for the cancelled change), the change is dropped and training goes on."""
+        if self._cancel is None or step < self._cancel.effective_step:
+            return
+        if self._pending is not None:
+            print(f"[dynatrain] generation {self._pending.generation} cancelled: {list(self._cancel.dropped)} "
+                  "stopped before joining", file=sys.stderr, flush=True)
+        self.world, self._pending, self._next, self._cancel = self._cancel, None, None, None
+
+    @property
+    def pending(self) -> Membership | None:
+        """The next generation, read but not yet in effect."""
+        return self._pending
+
+    def build_seconds(self) -> float:
+        """How long the pending world's background build took (0 for a leaver: it builds none)."""
+        return self._next.seconds if self._next is not None else 0.0
+
+    def swap(self, change: WorldChange) -> list[dist.ProcessGroup]:
+        """Install ``change.new``'s world (its members; a leaver keeps the old one). Returns the old
+        world's groups, to ``retire`` after the new world's first collective."""
+        old: list[dist.ProcessGroup] = []
+        if not change.leaving:
+            assert self._next is not None
+            old = install(self._next.group(timeout=self.timeout.total_seconds()), self.store.raw,
+                          generation=change.new.generation)
+            self.world = change.new
+            if self.rank == 0:
+                self.store.mark_installed(change.new.generation)
+        self._pending, self._next = None, None
+        return old
+
+    @staticmethod
+    def retire(groups: list[dist.ProcessGroup]) -> None:
+        retire(groups)
+
+    def publish_step(self, step: int) -> None:
+        """Rank 0 tells the store the job finished ``step`` (one store ``set``)."""
+        if self.rank == 0:
+            self.store.publish_step(step)
+
+    # ------------------------------------------------------------------------------ leaving
+    def request_leave(self) -> None:
+        """Ask to leave (a preemption notice): the change comes like any other; the state is
+        handed off at its boundary. Once; it does not wait (the others must keep stepping)."""
+        if not self.leave_requested:
+            self.leave_requested = True
+            self._leave_nonce = self.store.send(LeaveRequest(member=self.me))
+            print(f"[dynatrain] {self.me} asked to leave; it hands its state off at the change's boundary",
+                  file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------------------ failures
+    def _failed(self, record: Membership) -> None:
+        assert self.world is not None
+        ranks = {m: self.world.rank_of(m) for m in record.failed}
+        self.failure = (f"member(s) {', '.join(f'{m} (rank {r})' for m, r in ranks.items())} stopped answering "
+                        f"without leaving (no heartbeat); the job cannot go on")
+        raise MemberFailedError(self.failure, hint="see the failed process's log; restart the job from its last "
+                                "checkpoint (a member that leaves on SIGTERM hands its state off instead)")
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise MemberFailedError(self.failure, hint="see the failed process's log; restart from the last checkpoint")
+
+    def wait_for_failure(self, timeout: float) -> str | None:
+        """After a collective failed: the store's account of who failed, if it comes in ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self.failure is None and time.monotonic() < deadline:
+            try:
+                record = self.store.membership(self.store.generation())
+            except Exception:  # noqa: BLE001 - the store itself is gone: nothing more to learn
+                return None
+            if record.failed:
+                try:
+                    self._failed(record)
+                except MemberFailedError:
+                    pass
+            time.sleep(0.2)
+        return self.failure
+
+    def _start_watchdog(self) -> None:
+        def watch() -> None:
+            while not self._closed.wait(1.0):
+                try:
+                    record = self.store.membership(self.store.generation())
+                except Exception:  # noqa: BLE001 - the store went away: the job is over
+                    return
+                if record.failed and self.failure is None:
+                    try:
+                        self._failed(record)
+                    except MemberFailedError:
+                        pass
+                    print(f"[dynatrain] {self.failure}", file=sys.stderr, flush=True)
+                    if not self._closed.wait(self.exit_after):  # still running: stuck in a collective
+                        print(f"[dynatrain] ending this process ({EXIT_MEMBER_FAILED}): {self.failure}",
+                              file=sys.stderr, flush=True)
+                        os._exit(EXIT_MEMBER_FAILED)
+                    return
+
+        self._watchdog = threading.Thread(target=watch, name="dynatrain-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat and the watchdog (end of fit, or after leaving)."""
+        self._closed.set()
+        self.store.stop_alive()
+
+
+__all__ = ["EXIT_MEMBER_FAILED", "ElasticSession", "MemberFailedError", "WorldChange"]

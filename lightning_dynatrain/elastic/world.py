@@ -1,0 +1,156 @@
+"""Worlds with a life cycle: the next world's default group built in the background, installed at a
+step boundary, the old one destroyed after the first step of the new one.
+
+``torch.distributed`` has one default group (WORLD), made by ``init_process_group`` and torn down by
+``destroy_process_group``, which on gloo costs about as much as building a new one and must run
+with every member present. Changing the world in a running job instead:
+
+1. ``NextWorld``: every member of the next world builds its group in a background thread (joiners
+   in their main thread) over ``PrefixStore(f"gen{g}/", store)``, *unregistered*, while training
+   steps on the old group;
+2. ``install``: at the boundary, registered under its own name as WORLD, made the default group,
+   with ``group_count`` set to a value every member agrees on (``new_group`` names unnamed groups
+   by that counter and uses the name as a store prefix: joiners and old members must count alike);
+3. ``retire``: the old world's groups destroyed one by one once the first collective of the new
+   world has run (destroying the old WORLD first would shut every backend down on the critical path).
+
+These are c10d internals of torch 2.13 (``torch>=2.13,<2.14`` is pinned); they live here only.
+
+Example::
+
+    nxt = NextWorld(store, generation=1, rank=2, size=4)      # starts building at once
+    ...training steps on the old world...
+    old = install(nxt.group(timeout=60), store, generation=1)  # at the step boundary
+    dist.all_reduce(torch.ones(1))                             # the new world's first collective
+    retire(old)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from lightning_dynatrain.elastic.records import AdmissionError
+
+#: ``group_count`` of generation ``g``'s world: identical on every member, far from the counts any
+#: earlier generation's ``new_group`` calls reach
+GROUP_COUNT_STRIDE = 100_000
+
+
+def _group_name(generation: int) -> str:
+    return f"dynatrain_world_gen{generation}"
+
+
+def _prefix(store: dist.Store, generation: int) -> dist.Store:
+    """Generation ``generation``'s own key space: its WORLD and every group made on it."""
+    return dist.PrefixStore(f"{_group_name(generation)}/", dist.PrefixStore(f"gen{generation}/", store))
+
+
+def build_group(store: dist.Store, *, generation: int, rank: int, size: int, backend: str = "gloo",
+                timeout: timedelta = timedelta(minutes=5), device: torch.device | None = None) -> dist.ProcessGroup:
+    """Generation ``generation``'s default group, built and connected but not registered (collective
+    over the ``size`` members of that generation, through ``store``)."""
+    name = _group_name(generation)
+    prefix = _prefix(store, generation)
+    pg = c10d.ProcessGroup(prefix, rank, size)
+    if backend == "nccl":
+        options = c10d.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        be = c10d.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), rank, size, options)
+        pg._set_default_backend(c10d.ProcessGroup.BackendType.NCCL)
+        pg._register_backend(torch.device("cuda"), c10d.ProcessGroup.BackendType.NCCL, be)
+        if device is not None:  # connect now, in the background, not at the first collective
+            be.eager_connect_single_device(device)
+    else:
+        be = c10d.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, size, timeout=timeout)
+        pg._set_default_backend(c10d.ProcessGroup.BackendType.GLOO)
+        pg._register_backend(torch.device("cpu"), c10d.ProcessGroup.BackendType.GLOO, be)
+    be._set_sequence_number_for_group()
+    pg._set_group_name(name)
+    pg._set_group_desc("default_pg")
+    return pg
+
+
+class NextWorld:
+    """The next generation's group, built in a background thread from construction on."""
+
+    def __init__(self, store: dist.Store, *, generation: int, rank: int, size: int, backend: str = "gloo",
+                 timeout: timedelta = timedelta(minutes=5), device: torch.device | None = None,
+                 background: bool = True) -> None:
+        self.generation, self.rank, self.size, self.backend = generation, rank, size, backend
+        self._store = store
+        self._result: dist.ProcessGroup | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self.seconds = 0.0
+        """How long the build took (the members' rendezvous included)."""
+        self._args = dict(generation=generation, rank=rank, size=size, backend=backend, timeout=timeout, device=device)
+        if background:
+            threading.Thread(target=self._build, name=f"dynatrain-world-gen{generation}", daemon=True).start()
+        else:
+            self._build()
+
+    def _build(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._result = build_group(self._store, **self._args)
+        except BaseException as err:  # reported to whoever waits for the group
+            self._error = err
+        finally:
+            self.seconds = time.perf_counter() - start
+            self._done.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the build ended (built or failed) within ``timeout`` seconds."""
+        return self._done.wait(timeout)
+
+    def group(self, timeout: float | None = None) -> dist.ProcessGroup:
+        """The built group (waits for the build).
+
+        Raises:
+            AdmissionError: the build failed or did not finish in ``timeout`` seconds.
+        """
+        if not self._done.wait(timeout):
+            raise AdmissionError(f"the world of generation {self.generation} was not built in {timeout} s",
+                                 hint="a member of the next world is missing; see its log")
+        if self._error is not None:
+            raise AdmissionError(f"building the world of generation {self.generation} failed: {self._error}",
+                                 hint="a member of the next world stopped or is unreachable") from self._error
+        assert self._result is not None
+        return self._result
+
+
+def install(pg: dist.ProcessGroup, store: dist.Store, *, generation: int) -> list[dist.ProcessGroup]:
+    """Make ``pg`` (built by ``build_group`` over ``store``) the default group (WORLD). Returns the
+    groups of the world it replaces, to ``retire`` once the new world's first collective has run.
+
+    Groups made later (``new_group``, megatron's) live under the generation's prefix of ``store``:
+    every member, joiner or not, names them alike (``group_count``)."""
+    old = [g for g in c10d._world.pg_map if g is not None]
+    prefix = _prefix(store, generation)
+    c10d._register_pg_in_world(pg, backend_name=pg._get_backend_name(), store=prefix,
+                               group_name=_group_name(generation),
+                               backend_config=str(c10d.BackendConfig(pg._get_backend_name())), add_to_default_tag=True)
+    c10d._update_default_pg(pg)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
+    c10d._world.group_count = GROUP_COUNT_STRIDE * (generation + 1)
+    return [g for g in old if g is not pg]
+
+
+def retire(groups: list[dist.ProcessGroup]) -> None:
+    """Destroy an old world's groups (local; after the new world's first collective)."""
+    for group in groups:
+        if group in c10d._world.pg_map:
+            dist.destroy_process_group(group)
+
+
+__all__ = ["GROUP_COUNT_STRIDE", "NextWorld", "build_group", "install", "retire"]

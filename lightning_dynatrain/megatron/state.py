@@ -1,0 +1,59 @@
+"""What a rank trains with at one layout: megatron's groups, the DDP-wrapped model and its optimizer.
+
+One object per layout: building it is "initialise the layout's groups, build the model shard, wrap
+it in DDP, build the optimizer"; a hot switch turns the state of layout A into the state of layout
+B (``hot_switch.py``); the strategy trains on whichever is current.
+
+Example::
+
+    groups = initialize_for_layout(layout, seed=0)
+    model = build_gpt_model(shape, layout, seed=0, pg_collection=groups)
+    ddp, optimizer = build_ddp_and_optimizer(model, layout, lr=1e-3, pg_collection=groups)
+    state = MegatronState(layout=layout, groups=groups, ddp=ddp, optimizer=optimizer)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from lightning_dynatrain.vps.layout import ParallelConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class MegatronState:
+    """Everything megatron holds for one layout on this rank."""
+
+    layout: ParallelConfig
+    """The layout these objects were built for."""
+    groups: ProcessGroupCollection
+    """This rank's megatron groups for ``layout`` (``initialize_for_layout``'s result)."""
+    ddp: DistributedDataParallel
+    """Megatron DDP around the model shard (contiguous param and grad buffers)."""
+    optimizer: MegatronOptimizer
+    """Megatron's optimizer (distributed when ``layout.zero == 1``)."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's ``GPTModel`` shard."""
+        return self.ddp.module
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.dp.rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.groups.dp.size()
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """DDP's gradient buffers (dense, then expert): between two optimizer steps they hold
+        nothing the next step needs (megatron zeroes them first)."""
+        return [buf.grad_data for buf in [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]]
+
+
+__all__ = ["MegatronState"]

@@ -1,0 +1,297 @@
+"""The memory policy of a switch: where new state's memory comes from and where old state's goes.
+
+The engine's walker asks one object, chosen once per switch from the device (``switch_memory``):
+
+- ``start(source)``: the old state, once every rank agreed to go on (nothing is freed before);
+- ``allocate(key, numel, dtype, device)``: a destination local tensor, at its first write: the
+  destination's own tensor (a megatron model built for the new layout) or a new one;
+- ``keep(key, tensor, span)``: make a source tensor, or the contiguous run ``span`` of it, the
+  destination of ``key`` (no copy), or decline (``None``) and the walker copies;
+- ``release(key, tensor)``: the switch no longer reads a source tensor;
+- ``copy(dst, src, last_read=...)``: copy a retained box;
+- ``staging(nbytes, device)`` / ``unstage(buffer)``: the stage buffer;
+- ``finish()``: the end of the switch.
+
+``PlainMemory`` is every accelerator's policy (the caching allocator reuses what is freed) and
+works on any CPU: new tensors are allocated, old storages freed as soon as their last tensor is
+read, whole tensors that own their storage kept in place. ``RecyclingMemory`` (CPU) writes new
+state into old memory instead (``recycler.StorageRecycler``): carved out of old storages, or backed
+by their pages, and copies retained pieces by their pages where it can. Both also serve a rebuild
+that replaces old buffers (megatron's gradient buffers, ``take_old_buffers``) and builds new ones
+(``buffer_mode``) between the plan and the engine.
+
+Example (an engine-only switch)::
+
+    new_store, report = execute_switch(program, store, PlainMemory())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from lightning_dynatrain.engine.adoption import owns_storage
+from lightning_dynatrain.engine.program import StoreKey
+from lightning_dynatrain.memory.old_storage import OldStorage, ReturnToOS, Sink
+from lightning_dynatrain.memory.recycler import BUFFER_GROUP, StorageRecycler, state_group
+
+
+class Destination(Protocol):
+    """The new state's side: its tensors where they exist already, and whether a key can be pointed
+    at another tensor (a megatron model's parameter or optimizer state: ``state_bridge.MegatronTarget``)."""
+
+    def tensor(self, key: StoreKey) -> torch.Tensor | None: ...
+
+    def can_rebind(self, key: StoreKey) -> bool: ...
+
+    def rebind(self, key: StoreKey, tensor: torch.Tensor) -> bool: ...
+
+
+class FreshDestination:
+    """No destination objects: every new tensor is allocated, and any can be a kept old tensor."""
+
+    def tensor(self, key: StoreKey) -> torch.Tensor | None:
+        return None
+
+    def can_rebind(self, key: StoreKey) -> bool:
+        return True
+
+    def rebind(self, key: StoreKey, tensor: torch.Tensor) -> bool:
+        return True
+
+
+class BufferMode(Protocol):
+    """A torch-function mode under which library code builds new buffers into old memory
+    (``megatron.carve_buffers.CarveBuffers``)."""
+
+    skipped_copy_bytes: int
+
+    @property
+    def untouched_bytes(self) -> int: ...
+
+    def fault_in_untouched(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFigures:
+    """What a switch's policy did with memory, on one rank.
+
+    Attributes:
+        freed_bytes: old state given away (old buffers, then each storage the engine was done with).
+        recycled_bytes: new state written into old memory (carved, or backed by moved pages).
+        moved_page_bytes: of those, old pages moved into new tensors.
+        skipped_copy_bytes: library copies into new buffers skipped (the engine writes them).
+    """
+
+    freed_bytes: int = 0
+    recycled_bytes: int = 0
+    moved_page_bytes: int = 0
+    skipped_copy_bytes: int = 0
+
+
+class PlainMemory:
+    """Allocate, free, keep what owns its storage (see the module docstring). One per switch."""
+
+    def __init__(self, destination: Destination | None = None) -> None:
+        self.destination: Destination = destination if destination is not None else FreshDestination()
+        self.old: OldStorage | None = None
+        self._old_buffers: list[tuple[torch.UntypedStorage, torch.Tensor, int]] = []
+        self._kept: dict[StoreKey, tuple[int, int] | None] = {}
+
+    @property
+    def sink(self) -> Sink:
+        return ReturnToOS()
+
+    @property
+    def started(self) -> bool:
+        """Whether the engine began (old state may be partly gone: it cannot be restored)."""
+        return self.old is not None
+
+    @property
+    def held_bytes(self) -> int:
+        """Old memory the policy may hold beyond what the plan frees (for the memory bound)."""
+        return 0
+
+    # ------------------------------------------------------------------------------ the rebuild
+    def take_old_buffers(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Old buffers the rebuild replaces by as much (gradient buffers): freed now, or held for
+        the new buffers (``RecyclingMemory``). Their bytes."""
+        total = 0
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            self._old_buffers.append((storage, tensor, storage.nbytes()))
+            self.sink.give(storage, BUFFER_GROUP, hold=True)
+            total += tensor.nbytes
+        return total
+
+    def restore_old_buffers(self) -> None:
+        """Give the old buffers their memory back (zeroed): only before the engine started."""
+        assert not self.started, "the old state is partly freed: it cannot be restored"
+        for storage, tensor, nbytes in self._old_buffers:
+            if storage.nbytes() != nbytes:  # freed (a new buffer may view it: garbage now)
+                storage.resize_(nbytes)
+            tensor.zero_()
+        self._old_buffers.clear()
+
+    def buffer_mode(self) -> BufferMode | None:
+        """The mode to build the new buffers under (``None``: as the library allocates them)."""
+        return None
+
+    def buffers_built(self) -> None:
+        """The new buffers exist; the engine comes next."""
+
+    def bind(self, destination: Destination) -> None:
+        """The new state, once built."""
+        self.destination = destination
+
+    # ------------------------------------------------------------------------------ the engine
+    def start(self, source: dict[StoreKey, torch.Tensor]) -> None:
+        self.old = OldStorage(source, self.sink)
+
+    def allocate(self, key: StoreKey, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        tensor = self.destination.tensor(key)
+        return tensor if tensor is not None else torch.empty(numel, dtype=dtype, device=device)
+
+    def keep(self, key: StoreKey, tensor: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor | None:
+        """The destination of ``key`` made the old ``tensor`` (or its run ``span``), or ``None``.
+
+        A view into a larger storage, or a slice, is kept only where the rest of that storage can
+        be given back by its pages: keeping it would otherwise keep the whole old buffer alive.
+        """
+        assert self.old is not None, "start() first"
+        if not self.destination.can_rebind(key):
+            return None
+        if span is not None or not owns_storage(tensor):
+            if not (tensor.is_contiguous() and self.old.gives_pages_back):
+                return None
+        view = tensor if span is None else tensor.view(-1)[span[0]:span[1]]
+        if not self.destination.rebind(key, view):
+            return None
+        if span is not None or not owns_storage(tensor):
+            self.old.kept(key, view)
+        self._kept[key] = span
+        return view
+
+    def release(self, key: StoreKey, tensor: torch.Tensor) -> None:
+        assert self.old is not None, "start() first"
+        if key not in self._kept:
+            self.old.release(key, tensor)
+            return
+        span = self._kept[key]
+        if span is not None:  # the parts of the old tensor around the slice kept in place
+            flat = tensor.view(-1)
+            for rest in (flat[:span[0]], flat[span[1]:]):
+                if rest.numel():
+                    self.old.release(key, rest)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, last_read: bool) -> int:
+        """Copy ``src`` into ``dst``; the bytes that moved by their pages instead (0 here)."""
+        dst.copy_(src)
+        return 0
+
+    def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def unstage(self, buffer: torch.Tensor) -> None:
+        """The walker is done with the stage buffer (it drops its reference after this)."""
+
+    def finish(self) -> None:
+        """The engine is done: anything the policy still holds goes where it belongs."""
+
+    def figures(self) -> MemoryFigures:
+        freed = sum(t.nbytes for _, t, _ in self._old_buffers) + (self.old.freed_bytes if self.old else 0)
+        return MemoryFigures(freed_bytes=freed)
+
+
+class RecyclingMemory(PlainMemory):
+    """New state written into old memory (CPU): see the module docstring and ``recycler.py``.
+
+    Args:
+        idle_cap: bytes of old storage held for carving beyond what is reserved (the switch's
+            staging budget is a good value: the memory bound counts it).
+        buffer_mode: makes the mode library code builds its new buffers under, from the recycler
+            (``CarveBuffers``); ``None``: the buffers are allocated as usual.
+    """
+
+    def __init__(self, destination: Destination | None = None, *, idle_cap: int,
+                 buffer_mode: Callable[[StorageRecycler], BufferMode] | None = None) -> None:
+        super().__init__(destination)
+        self.recycler = StorageRecycler(idle_cap=idle_cap)
+        self._mode = buffer_mode(self.recycler) if buffer_mode is not None else None
+
+    @property
+    def sink(self) -> Sink:
+        return self.recycler
+
+    @property
+    def held_bytes(self) -> int:
+        return self.recycler.idle_cap
+
+    def take_old_buffers(self, tensors: Iterable[torch.Tensor]) -> int:
+        taken = super().take_old_buffers(tensors)
+        if self._mode is None:  # nothing will carve them: held memory would only add up
+            self.recycler.drop_group(BUFFER_GROUP)
+        return taken
+
+    def buffer_mode(self) -> BufferMode | None:
+        return self._mode
+
+    def buffers_built(self) -> None:
+        # what is left of the old buffers goes; what old state the engine frees beyond the idle
+        # cap is held for the new buffers left untouched (counted in the memory bound already)
+        self.recycler.drop_group(BUFFER_GROUP)
+        if self._mode is not None:
+            self.recycler.reserve(self._mode.untouched_bytes)
+
+    def allocate(self, key: StoreKey, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.destination.can_rebind(key):  # an old storage the engine is done with
+            carved = self.recycler.take(key, numel, dtype, state_group(key[1]))
+            if carved is not None and self.destination.rebind(key, carved):
+                return carved
+        tensor = super().allocate(key, numel, dtype, device)
+        self.recycler.fill(tensor)  # the engine writes all of it: touched pages instead of fresh ones
+        return tensor
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, last_read: bool) -> int:
+        moved = self.recycler.copy_by_pages(dst, src) if last_read else None
+        if moved is None:
+            dst.copy_(src)
+        return moved or 0
+
+    def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        buffer = super().staging(nbytes, device)
+        self.recycler.fill(buffer)
+        return buffer
+
+    def unstage(self, buffer: torch.Tensor) -> None:
+        self.recycler.give_pages(buffer)
+
+    def finish(self) -> None:
+        if self._mode is not None:  # buffers left untouched get their memory now, not in the next step
+            self._mode.fault_in_untouched()
+        self.recycler.close(self.destination.rebind)
+
+    def figures(self) -> MemoryFigures:
+        plain = super().figures()
+        return MemoryFigures(freed_bytes=plain.freed_bytes,
+                             recycled_bytes=self.recycler.reused_bytes + self.recycler.moved_in_bytes,
+                             moved_page_bytes=self.recycler.moved_in_bytes,
+                             skipped_copy_bytes=self._mode.skipped_copy_bytes if self._mode is not None else 0)
+
+
+def switch_memory(device: torch.device, *, recycle: bool | None = None, idle_cap: int,
+                  buffer_mode: Callable[[StorageRecycler], BufferMode] | None = None) -> PlainMemory:
+    """The policy for a switch on ``device``, chosen once: ``RecyclingMemory`` on CPU (unless
+    ``recycle=False``), ``PlainMemory`` on an accelerator, whose caching allocator reuses memory."""
+    if recycle is None:
+        recycle = device.type == "cpu"
+    if recycle:
+        return RecyclingMemory(idle_cap=idle_cap, buffer_mode=buffer_mode)
+    return PlainMemory()
+
+
+__all__ = ["BufferMode", "Destination", "FreshDestination", "MemoryFigures", "PlainMemory", "RecyclingMemory",
+           "switch_memory"]

@@ -1,0 +1,345 @@
+"""World changes inside a running ``trainer.fit``: the strategy's side of the Elastic Device Manager.
+
+``ElasticDriver`` (one per strategy, made when an ``OnNodeChange`` callback is present) holds this
+process's ``elastic.ElasticSession`` and does the Lightning and megatron work of a change:
+
+**Entering** (``enter``, from ``setup_environment``): every process asks the job's store to join;
+the ones a launcher started together form the first world, a process started later joins the
+running job. A joiner then takes part in the new world's first collectives, in this order, which
+the old members run at the change's boundary (``change_world``):
+
+1. the *header* broadcast from the new world's rank 0: the target layout, the source layout, the
+   global and Adam step (``enter``);
+2. the new world's topology (one all-gather) and megatron's groups for the target (``enter``);
+3. the state: the planner and engine move every tensor from the old members to their new places
+   (the joiner's ``receive_state`` in ``strategy.setup``, after its model and optimizer are built);
+4. Lightning's own state (loops, callbacks, data module; no tensors) from rank 0, restored as a
+   resumed fit restores it (``receive_trainer_state``).
+
+Between those steps the joiner's Lightning runs collectives of its own set-up (barriers, the log
+dir broadcast, the dataloader length check) that the old members passed long ago: while
+``catching_up`` they are local (``local_collectives``), until ``on_train_start``.
+
+**Leaving**: a process asked to leave (SIGTERM, SIGUSR1, ``leave()``) keeps training until the
+change's boundary, sends its state over the old world (``hot_switch.send_state``), stops its fit
+(``trainer.should_stop``) with every later collective local, and exits 0. The survivors install
+their new world before the transfer and build the target there.
+
+Example (what ``OnNodeChange`` does at each boundary)::
+
+    driver.at_boundary(trainer)      # one store read; a change when one is due
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, moved_bytes, parse_policy
+from lightning_dynatrain.elastic.records import job_fingerprint
+from lightning_dynatrain.elastic.session import ElasticSession, WorldChange
+from lightning_dynatrain.vps.errors import DynaTrainError
+from lightning_dynatrain.vps.layout import ParallelConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import lightning.pytorch as pl
+
+    from lightning_dynatrain.megatron.state import MegatronState
+    from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+
+
+class LauncherError(DynaTrainError):
+    """The processes were started by a launcher that cannot carry an elastic job."""
+
+
+class ElasticEnvironment(ClusterEnvironment):
+    """The launcher's environment for devices and nodes; the world and this process's rank from
+    the elastic session, live (Lightning reads them on every use)."""
+
+    def __init__(self, launcher: ClusterEnvironment, session: ElasticSession) -> None:
+        self.launcher, self.session = launcher, session
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return self.launcher.main_address
+
+    @property
+    def main_port(self) -> int:
+        return self.launcher.main_port
+
+    @staticmethod
+    def detect() -> bool:
+        return False
+
+    def world_size(self) -> int:
+        return self.session.size
+
+    def set_world_size(self, size: int) -> None:
+        pass  # the job's store says it
+
+    def global_rank(self) -> int:
+        return self.session.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # the job's store says it
+
+    def local_rank(self) -> int:
+        return self.launcher.local_rank()
+
+    def node_rank(self) -> int:
+        return self.launcher.node_rank()
+
+
+@dataclass
+class ChangeReport:
+    """What one world change cost and moved (the same on every process that stays)."""
+
+    step: int
+    change: str
+    src: str
+    dst: str
+    reason: str
+    detect_to_swap_seconds: float
+    pause_seconds: float
+    transfer_seconds: float
+    build_seconds: float
+    rebuild_seconds: float
+    """Building the target's groups, model, DDP and optimizer inside the pause (on demand)."""
+    moved_bytes: int
+
+    def __str__(self) -> str:
+        return (f"[dynatrain] step {self.step}: {self.change}, {self.src} -> {self.dst} in {self.pause_seconds:.3f} s "
+                f"(transfer {self.transfer_seconds:.3f} s, {self.moved_bytes / 2**20:.1f} MiB; world built "
+                f"{self.build_seconds:.3f} s in the background; detected {self.detect_to_swap_seconds:.2f} s "
+                f"before the swap). {self.reason}")
+
+
+class ElasticDriver:
+    """The strategy's elastic side (see the module docstring)."""
+
+    def __init__(self, strategy: "DynaTrainStrategy", *, policy: Any, memory_per_rank: int | None = None,
+                 step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0) -> None:
+        self.strategy = strategy
+        self.policy = parse_policy(policy)
+        self.memory_per_rank, self.step_model = memory_per_rank, step_model
+        self.heartbeat, self.exit_after = heartbeat, exit_after
+        self.session: ElasticSession | None = None
+        self.header: dict[str, Any] | None = None
+        self.catching_up = False
+        self.left = False
+        self.history: list[ChangeReport] = []
+        self._detected_at: float | None = None
+
+    @property
+    def local_collectives(self) -> bool:
+        """Collectives the strategy runs for Lightning are local (catching up, or left)."""
+        return self.catching_up or self.left
+
+    @property
+    def joining(self) -> bool:
+        return self.header is not None and self.catching_up
+
+    # ------------------------------------------------------------------------------ entering
+    def enter(self, launcher: ClusterEnvironment) -> ParallelConfig | None:
+        """Become a member, install this process's first world; the layout a joiner trains at
+        (``None`` for a member of the first world: the strategy's own)."""
+        from lightning_dynatrain.elastic.client import JobStore
+
+        strategy = self.strategy
+        launcher_world = launcher.world_size()
+        if not launcher.creates_processes_externally and launcher_world > 1:
+            raise LauncherError(
+                "elastic training (OnNodeChange) cannot run under Lightning's own launcher with more than one "
+                "process: rank 0 is the parent of every other rank and ends them all when one exits",
+                hint="launch with torchrun or srun (or one process per `python train.py`), with DYNATRAIN_STORE "
+                "and DYNATRAIN_TOKEN set; start the store with `dynatrain store`")
+        device = strategy.root_device if strategy.root_device.type == "cuda" else None
+        self.session = ElasticSession(JobStore.from_environment(), backend=strategy.process_group_backend,
+                                      device=device, timeout=strategy._timeout, heartbeat=self.heartbeat,
+                                      exit_after=self.exit_after)
+        launch_id = f"{launcher.main_address}:{launcher.main_port}" if launcher_world > 1 else self.session.me
+        self.session.enter(self.fingerprint(), launch_rank=launcher.global_rank(), launch_size=launcher_world,
+                           launch_id=launch_id)
+        strategy.cluster_environment = ElasticEnvironment(launcher, self.session)
+        _set_rank_zero(self.session.rank)
+        change = self.session.joined_change
+        if change is None:
+            return None
+        self.catching_up = True
+        self.header = _broadcast_object(None)  # (1) from the new world's rank 0, an old member
+        rank_zero_info(f"[dynatrain] joined {change} at step {self.header['step']}")
+        return ParallelConfig.parse(self.header["layout"])
+
+    def fingerprint(self) -> str:
+        """What this process would train: the module's class, recipe and optimizer settings, the
+        precision, the packages (a joiner must present the job's)."""
+        import importlib.metadata as md
+
+        module = self.strategy.lightning_module
+        versions = [md.version(p) for p in ("torch", "megatron-core", "lightning")]
+        try:
+            versions.append(md.version("lightning-dynatrain"))
+        except md.PackageNotFoundError:
+            pass
+        recipe = getattr(module, "recipe", None)
+        adam = module.configure_optimizers() if module is not None else None
+        hparams = dict(getattr(module, "hparams", {}) or {})
+        return job_fingerprint(type(module).__qualname__, recipe, adam, sorted(hparams.items()),
+                               type(self.strategy.precision_plugin).__name__,
+                               getattr(self.strategy.precision_plugin, "precision", None), versions)
+
+    def receive_state(self, build: "Callable[[], MegatronState]") -> "MegatronState":
+        """(3) A joiner's state from the old members: ``build()`` makes its DDP and optimizer at
+        the target (after the memory check, in the old members' order), the engine fills them."""
+        from lightning_dynatrain.megatron.hot_switch import receive_state
+
+        assert self.session is not None and self.session.joined_change is not None and self.header is not None
+        strategy = self.strategy
+        setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
+        result = receive_state(build, strategy.model_shard, ParallelConfig.parse(self.header["src"]), strategy.layout,
+                               setup, step=int(self.header["adam_step"]), members=self.session.joined_change.members)
+        return result.state
+
+    def receive_trainer_state(self, trainer: "pl.Trainer") -> None:
+        """(4) Lightning's state from rank 0, restored as a resumed fit restores it (no tensors)."""
+        checkpoint = _broadcast_object(None)
+        connector = trainer._checkpoint_connector
+        connector._loaded_checkpoint = checkpoint
+        from lightning.pytorch.trainer import call
+
+        call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
+        connector.restore_datamodule()
+        connector.restore_callbacks()
+        # loops, precision plugin and LR schedulers follow in Lightning's restore_training_state()
+
+    def end_catching_up(self) -> None:
+        if self.catching_up:
+            self.catching_up = False
+            self.header = None
+
+    # -------------------------------------------------------------------------- every step
+    def at_boundary(self, trainer: "pl.Trainer") -> ChangeReport | None:
+        """After optimizer step ``trainer.global_step``: publish it, make a change that is due."""
+        assert self.session is not None
+        step = trainer.global_step
+        if self.left:
+            return None
+        self.session.publish_step(step)
+        change = self.session.poll(step)
+        if change is None:
+            if self.session.pending is not None and self._detected_at is None:
+                self._detected_at = time.perf_counter()
+            return None
+        report = self.change_world(change, trainer)
+        self._detected_at = None
+        if report is not None:
+            self.history.append(report)
+            rank_zero_info(str(report))
+        return report
+
+    def choose(self, change: WorldChange) -> LayoutChoice:
+        """The target layout for the new world (the same on every old member: a pure function)."""
+        from lightning_dynatrain.megatron.state_bridge import precision_of
+
+        strategy = self.strategy
+        recipe = strategy.recipe
+        return choose_layout(self.policy, world=len(change.new.members), shape=recipe.shape,
+                             global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size,
+                             current=strategy.layout, precision=precision_of(strategy.megatron.model),
+                             members=change.members, memory_per_rank=self.memory_per_rank, model=self.step_model)
+
+    def change_world(self, change: WorldChange, trainer: "pl.Trainer") -> ChangeReport | None:
+        """Swap to ``change.new`` at this boundary and move the state (see the module docstring)."""
+        from lightning_dynatrain.megatron.hot_switch import hot_switch, send_state
+        from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
+        from lightning_dynatrain.megatron.state_bridge import adam_step, precision_of
+        from lightning_dynatrain.strategy.topology import gather_topology
+
+        assert self.session is not None
+        strategy, start = self.strategy, time.perf_counter()
+        detected = self._detected_at or start
+        choice = self.choose(change)
+        src, target, step = strategy.layout, choice.layout, trainer.global_step
+        old_world = dist.GroupMember.WORLD
+        build_seconds = self.session.build_seconds()
+        if change.leaving:
+            setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
+            send_state(strategy.megatron, target, setup, members=change.members, group=old_world)
+            self.left = True
+            trainer.should_stop = True
+            self.session.close()
+            rank_zero_info(f"[dynatrain] this process left the job at step {step} ({change})")
+            print(f"[dynatrain] process {self.session.me} handed its state off at step {step} and leaves",
+                  flush=True)
+            return None
+        old_groups = self.session.swap(change)
+        _set_rank_zero(self.session.rank)
+        groups = strategy.switcher.new_world_groups()
+        if change.grows:  # the joiners wait for (1)-(4) in this order (see the module docstring)
+            header = {"layout": str(target), "src": str(src), "step": step,
+                      "adam_step": adam_step(strategy.megatron.optimizer) or 0}
+            _broadcast_object(header if self.session.rank == 0 else None)  # (1)
+            self.session.retire(old_groups)
+            initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (2)
+            strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
+            setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
+            result = hot_switch(strategy.megatron, target, setup, groups=groups, members=change.members)  # (3)
+            strategy._install(result.state)
+            _broadcast_object(self._trainer_state(trainer) if self.session.rank == 0 else None)  # (4)
+        else:  # the leavers send over the old world; the survivors build the target on the new one
+            setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)  # the old world's topology
+            initialize_for_layout(target, seed=strategy.seed, groups=groups)
+            result = hot_switch(strategy.megatron, target, setup, groups=groups, group=old_world,
+                                members=change.members)
+            strategy._install(result.state)
+            self.session.retire(old_groups)
+            strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
+        pause = time.perf_counter() - start
+        moved = moved_bytes(setup.spec, src, target, precision_of(strategy.megatron.model),
+                            change.members)  # the plan's total: no collective (the joiners have gone on)
+        return ChangeReport(step=step, change=str(change), src=str(src), dst=str(target), reason=choice.reason,
+                            detect_to_swap_seconds=start - detected, pause_seconds=pause,
+                            transfer_seconds=result.phases.get("engine", 0.0), build_seconds=build_seconds,
+                            rebuild_seconds=result.rebuild_seconds, moved_bytes=moved)
+
+    def _trainer_state(self, trainer: "pl.Trainer") -> dict:
+        """Lightning's checkpoint dict: loops, callbacks, data module, schedulers; no tensors (the
+        strategy's holds the optimizer's scalars only, the weights go under logical keys)."""
+        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+    def leave(self) -> None:
+        """Ask to leave the job (the state is handed off at the change's boundary)."""
+        assert self.session is not None
+        self.session.request_leave()
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+
+def _broadcast_object(obj: Any) -> Any:
+    """One object from rank 0 of the world to every rank (a real collective, whatever the strategy's
+    collectives do while catching up)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _set_rank_zero(rank: int) -> None:
+    """Lightning reads the rank for its rank-zero-only calls from a module global: keep it current."""
+    rank_zero_only.rank = utils_rank_zero_only.rank = rank
+
+
+__all__ = ["ChangeReport", "ElasticDriver", "ElasticEnvironment", "LauncherError"]

@@ -1,0 +1,164 @@
+"""``DynaTrainPlugin`` and the Accelerator checks: every bad input is refused at once, with a typed error
+that names the rule and a HINT; nothing here starts a process."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_dynatrain.accelerate import AccelerateConfigError, AcceleratorSetupError, DynaTrainPlugin
+from lightning_dynatrain.accelerate.environment import check_accelerator
+from lightning_dynatrain.callbacks.scheduled import ScheduleError
+from lightning_dynatrain.engine.errors import StagingBudgetError
+from lightning_dynatrain.megatron.gpt import GPTShape
+from lightning_dynatrain.strategy.validation import BatchSizeError, WorldSizeError
+from lightning_dynatrain.vps.errors import LayoutError
+from lightning_dynatrain.vps.layout import ParallelConfig
+
+SHAPE = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=32,
+                 make_vocab_size_divisible_by=64)
+ENV = ("DYNATRAIN_LAYOUT", "DYNATRAIN_SCHEDULE", "DYNATRAIN_STAGING_BUDGET", "DYNATRAIN_SWITCH_MEMORY_LIMIT",
+       "DYNATRAIN_VERIFY", "DYNATRAIN_PROMOTE_BROADCASTS", "DYNATRAIN_SEED")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _refused(kind: type[Exception], *words: str, call) -> str:
+    with pytest.raises(kind) as info:
+        call()
+    text = str(info.value)
+    assert "HINT" in text, text
+    for word in words:
+        assert word in text, (word, text)
+    return text
+
+
+def test_a_plugin_parses_its_settings_once() -> None:
+    plugin = DynaTrainPlugin(layout="dp2-tp2-pp1", schedule="4:dp4, 2:dp1-tp2-pp2", staging_budget="64KiB",
+                             switch_memory_limit="1GiB")
+    assert plugin.layout == ParallelConfig.parse("dp2-tp2-pp1")
+    assert [(s, str(l)) for s, l in plugin.schedule] == [(2, "dp1-tp2-pp2"), (4, "dp4-tp1-pp1")]
+    assert (plugin.staging_budget, plugin.switch_memory_limit) == (64 * 1024, 2**30)
+    assert (plugin.verify, plugin.promote_broadcasts, plugin.seed) == (False, True, 1234)
+    assert str(plugin) == "DynaTrainPlugin(dp2-tp2-pp1, 2:dp1-tp2-pp2,4:dp4-tp1-pp1, staging 64.0 KiB)"
+    assert hash(plugin) == hash(DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={2: "dp1-tp2-pp2", 4: "dp4"},
+                                                staging_budget=65536, switch_memory_limit=2**30))
+    assert DynaTrainPlugin().layout == "auto" and DynaTrainPlugin().start_layout(4) == ParallelConfig(dp=4)
+
+
+@pytest.mark.parametrize("layout, words", [
+    ("dp2-tq2", ["'dp2-tq2'", "unknown part 'tq2'"]),
+    ("dp0-tp4", ["dp=0 is not a positive integer"]),
+    ("", ["layout"]),
+])
+def test_a_bad_layout_is_refused(layout: str, words: list[str]) -> None:
+    _refused(LayoutError, *words, call=lambda: DynaTrainPlugin(layout=layout))
+
+
+@pytest.mark.parametrize("schedule, words", [
+    ("3-dp4", ["entry '3-dp4' has no ':'", "STEP:LAYOUT"]),
+    ("-2:dp4", ["step -2 is negative"]),
+    ("2:dp4,2:dp2-tp2", ["step 2 appears twice"]),
+    ("x:dp4", ["step 'x' is not a whole number"]),
+    ("2:dp4-qq3", ["entry at step 2", "unknown part 'qq3'"]),
+    ({5: "tp2-dp"}, ["entry at step 5"]),
+    ("missing_schedule.yaml", ["does not exist"]),
+])
+def test_a_bad_schedule_is_refused(schedule, words: list[str]) -> None:
+    _refused(ScheduleError, *words, call=lambda: DynaTrainPlugin(schedule=schedule))
+
+
+def test_layouts_that_do_not_fit_the_world_the_model_or_the_batch_are_refused_before_anything_is_built() -> None:
+    plugin = DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={2: "dp1-tp2-pp2", 5000: "dp1-tp1-pp4"})
+    _refused(ScheduleError, "step 5000", "dp1-tp1-pp4", "pp=4 must divide the 2 layers",
+             call=lambda: plugin.validate(world_size=4, shape=SHAPE, global_batch_size=8, micro_batch_size=1))
+    _refused(WorldSizeError, "needs dp*tp*pp*cp = 4 processes but the job runs 8",
+             call=lambda: plugin.validate(world_size=8, shape=SHAPE))
+    _refused(BatchSizeError, "global batch 6 is not a multiple of dp * micro_batch_size = 2 * 4",
+             call=lambda: DynaTrainPlugin(layout="dp2-tp2-pp1").validate(world_size=4, shape=SHAPE,
+                                                                          global_batch_size=6, micro_batch_size=4))
+    _refused(ScheduleError, "step 3", "needs dp*tp*pp*cp = 2 processes",
+             call=lambda: DynaTrainPlugin(layout="dp4", schedule="3:dp2").validate(world_size=4))
+    fits = DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={2: "dp1-tp2-pp2", 4: "dp2-tp1-pp2-zero1"})
+    assert fits.validate(world_size=4, shape=SHAPE, global_batch_size=8, micro_batch_size=1) == \
+        ParallelConfig.parse("dp2-tp2-pp1")
+
+
+@pytest.mark.parametrize("field, value, kind, words", [
+    ("staging_budget", "lots", StagingBudgetError, ["'lots'"]),
+    ("staging_budget", 0, StagingBudgetError, ["positive"]),
+    ("switch_memory_limit", "4 parsecs", StagingBudgetError, ["'4 parsecs'"]),
+    ("verify", "maybe", AccelerateConfigError, ["verify='maybe'", "DYNATRAIN_VERIFY"]),
+    ("seed", "1.5", AccelerateConfigError, ["seed='1.5'", "DYNATRAIN_SEED"]),
+])
+def test_bad_budgets_and_flags_are_refused(field: str, value, kind: type[Exception], words: list[str]) -> None:
+    _refused(kind, *words, call=lambda: DynaTrainPlugin(**{field: value}))
+
+
+def test_environment_variables_are_the_defaults_and_arguments_win(monkeypatch) -> None:
+    monkeypatch.setenv("DYNATRAIN_LAYOUT", "dp1-tp2-pp2")
+    monkeypatch.setenv("DYNATRAIN_SCHEDULE", "3:dp4")
+    monkeypatch.setenv("DYNATRAIN_STAGING_BUDGET", "1MiB")
+    monkeypatch.setenv("DYNATRAIN_VERIFY", "true")
+    from_env = DynaTrainPlugin()
+    assert (str(from_env.layout), str(from_env.schedule_map[3]), from_env.staging_budget, from_env.verify) == (
+        "dp1-tp2-pp2", "dp4-tp1-pp1", 2**20, True)
+    assert str(DynaTrainPlugin(layout="dp4", schedule={}).layout) == "dp4-tp1-pp1"
+    monkeypatch.setenv("DYNATRAIN_LAYOUT", "dp2-xx2")
+    _refused(LayoutError, "unknown part 'xx2'", call=DynaTrainPlugin)
+
+
+def test_a_yaml_block_in_the_style_of_accelerates_config(tmp_path) -> None:
+    path = tmp_path / "dynatrain.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\n"
+                    "dynatrain_config:\n  dynatrain_layout: dp2-tp2-pp1\n"
+                    "  dynatrain_schedule: {2: dp1-tp2-pp2, 4: dp2-tp1-pp2-zero1}\n"
+                    "  dynatrain_staging_budget: 64KiB\n  dynatrain_verify: true\n")
+    plugin = DynaTrainPlugin.from_yaml(path)
+    assert str(plugin) == "DynaTrainPlugin(dp2-tp2-pp1, 2:dp1-tp2-pp2,4:dp2-tp1-pp2-zero1, staging 64.0 KiB)"
+    assert plugin.verify
+    assert str(DynaTrainPlugin.from_yaml(path, layout="dp4").layout) == "dp4-tp1-pp1"
+
+    path.write_text("dynatrain_config:\n  dynatrain_layout: dp4\n  layout_typo: dp2\n")
+    _refused(AccelerateConfigError, "unknown keys ['layout_typo']", "dynatrain_layout",
+             call=lambda: DynaTrainPlugin.from_yaml(path))
+    path.write_text("distributed_type: MULTI_CPU\n")
+    _refused(AccelerateConfigError, "no `dynatrain_config:` mapping", call=lambda: DynaTrainPlugin.from_yaml(path))
+    path.write_text("dynatrain_config:\n  dynatrain_schedule: {2: dp9-tp}\n")
+    _refused(ScheduleError, "entry at step 2", call=lambda: DynaTrainPlugin.from_yaml(path))
+    _refused(AccelerateConfigError, "cannot read", call=lambda: DynaTrainPlugin.from_yaml(tmp_path / "absent.yaml"))
+
+
+def test_accelerator_settings_the_megatron_step_cannot_honour_are_refused() -> None:
+    import torch
+
+    good = dict(distributed_type="DistributedType.MULTI_CPU", gradient_accumulation_steps=1, mixed_precision="no",
+                initialized=True)
+    assert check_accelerator(**good) == torch.float32
+    assert check_accelerator(**{**good, "mixed_precision": "bf16"}) == torch.bfloat16
+    _refused(AcceleratorSetupError, "not initialised", "--multi_gpu", "Accelerator(cpu=True)",
+             call=lambda: check_accelerator(**{**good, "distributed_type": "DistributedType.NO", "initialized": False}))
+    _refused(AcceleratorSetupError, "DEEPSPEED", call=lambda: check_accelerator(**{**good, "distributed_type": "DEEPSPEED"}))
+    _refused(AcceleratorSetupError, "gradient_accumulation_steps=4", "micro_batch_size",
+             call=lambda: check_accelerator(**{**good, "gradient_accumulation_steps": 4}))
+    _refused(AcceleratorSetupError, "mixed_precision='fp16'", call=lambda: check_accelerator(**{**good,
+                                                                                             "mixed_precision": "fp16"}))
+
+
+def test_a_checkpoint_is_loaded_only_when_every_rank_read_the_same_layout_json_of_this_world_size() -> None:
+    from pathlib import Path
+
+    from lightning_dynatrain.accelerate.checkpoint import CheckpointError, agreed_meta
+
+    where = Path("ckpt/dynatrain/layout.json")
+    meta = {"layout": "dp1-tp2-pp2", "world_size": 4, "step": 3}
+    assert agreed_meta([meta] * 4, where=where, world_size=4) == meta
+    _refused(WorldSizeError, "written on 4 processes at layout dp1-tp2-pp2, this run has 2", "--num_processes 4",
+             call=lambda: agreed_meta([meta] * 2, where=where, world_size=2))
+    _refused(CheckpointError, "cannot read ckpt/dynatrain/layout.json on ranks [1]", "FileNotFoundError",
+             call=lambda: agreed_meta([meta, "FileNotFoundError: no such file"], where=where, world_size=2))
+    _refused(CheckpointError, "the ranks read different", "shared file system",
+             call=lambda: agreed_meta([meta, {**meta, "step": 4}], where=where, world_size=2))

@@ -1,0 +1,62 @@
+"""Bad input and faults in a running elastic fit (real store process, torchrun, Lightning, gloo).
+
+One job, in order: a joiner without the job's token and a joiner of another model are refused with
+the reason and change nothing; a joiner that stops answering while the world that admits it is
+being built only cancels that change; a member that dies instead of leaving stops the job within a
+bounded time, with an error that names it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from benchmarks.elastic_job import ElasticJob
+
+pytestmark = pytest.mark.slow
+
+DEAD_AFTER = 4.0
+
+
+def _latest(job: ElasticJob):
+    return job.client.membership(job.client.generation())
+
+
+def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_of_leaving(tmp_path):
+    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
+        first = job.start_torchrun(2)
+        job.wait_for(lambda: job.step() >= 3, what="the first world to train")
+        members = job.installed()
+
+        intruder = job.start_python(env={"DYNATRAIN_TOKEN": "guessed"})
+        other_model = job.start_python("--fingerprint-salt", "another model")
+        assert job.wait(intruder) != 0 and job.wait(other_model) != 0
+        log = job.tail(400)
+        assert "not signed with this job's token" in log
+        assert "its model, recipe or package version differs from the job's" in log
+        assert job.client.generation() == 0 and job.installed() == members  # no rank, no generation
+
+        stalled = job.start_python()
+        job.wait_for(lambda: len(_latest(job).members) == 3, what="the joiner's generation")
+        stalled.send_signal(signal.SIGSTOP)  # it stops answering while the world that admits it is built
+        job.wait_for(lambda: _latest(job).dropped != (), what="the change to be cancelled", timeout=60)
+        step = job.step()
+        job.wait_for(lambda: job.step() >= step + 10, what="training to go on at world 2", timeout=60)
+        assert job.installed() == members and first.poll() is None
+        stalled.kill()
+
+        member = job.start_python()
+        job.wait_for(lambda: job.installed_size() == 3, what="a joiner (world 3)")
+        victim = job.installed()[2]
+        member.send_signal(signal.SIGTERM)  # asked to leave ...
+        member.kill()  # ... it dies instead
+        killed_at = time.monotonic()
+        code = job.wait(first, timeout=120)
+        stopped_after = time.monotonic() - killed_at
+        log = job.tail(400)
+    assert code != 0
+    assert re.search(rf"MemberFailedError: member\(s\) {re.escape(victim)} \(rank 2\) stopped answering", log), log
+    assert stopped_after < DEAD_AFTER + 30, f"the job took {stopped_after:.0f} s to stop"

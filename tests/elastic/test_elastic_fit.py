@@ -1,0 +1,73 @@
+"""Processes join and leave a running ``trainer.fit`` (real store process, torchrun, Lightning,
+megatron, gloo): the fit goes on at each new world's layout and ends where a static run ends.
+
+The script (``benchmarks/elastic_fit.py``) trains a GPT whose worlds 2, 3 and 4 all have valid layouts
+(``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``) at a constant global batch of 12.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.elastic_job import SCRIPT, ElasticJob
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 80
+
+
+def _static_losses(tmp_path) -> dict[int, float]:
+    out = tmp_path / "static"
+    subprocess.run([sys.executable, str(SCRIPT), str(out), "--max-steps", str(MAX_STEPS), "--static"], check=True,
+                   capture_output=True, cwd=SCRIPT.parents[1], env=ElasticJob(out, max_steps=0, step_seconds=0).env)
+    (result,) = [__import__("json").loads(p.read_text()) for p in out.glob("*.json")]
+    return dict((step, loss) for step, loss in result["losses"])
+
+
+def test_two_join_rank0_leaves_on_sigterm_one_joins_again_and_every_survivor_matches_a_static_run(tmp_path):
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25) as job:
+        first = job.start_torchrun(2)
+        job.wait_for(lambda: job.step() >= 3, what="the first world to train")
+        joiners = [job.start_python(), job.start_python()]
+        job.wait_for(lambda: job.installed_size() == 4, what="two joiners (world 4)")
+        rank0 = job.signal_member(0, signal.SIGTERM)  # a preemption notice to rank 0
+        again = job.start_python()
+        gone = lambda: all(f":{rank0}:" not in m for m in job.installed())  # noqa: E731
+        job.wait_for(gone, what="rank 0 to leave")
+        job.wait_for(lambda: gone() and job.installed_size() == 4, what="one more joiner (world 4 again)")
+        codes = [job.wait(p) for p in [first, *joiners, again]]
+        results = job.results()
+        log = job.tail()
+    assert codes == [0, 0, 0, 0], log
+    left = [r for r in results.values() if r["left"]]
+    survivors = [r for r in results.values() if not r["left"]]
+    assert [r["pid"] for r in left] == [rank0] and len(survivors) == 4, log
+    assert {r["global_step"] for r in survivors} == {MAX_STEPS}
+    assert {(r["world"], r["layout"]) for r in survivors} == {(4, "dp2-tp2-pp1")}
+    assert sorted(r["rank"] for r in survivors) == [0, 1, 2, 3]
+    for coord in ([0, 0], [1, 0]):  # the data-parallel replicas of each tensor-parallel shard are identical
+        assert len({r["shard"] for r in survivors if r["tp_pp"] == coord}) == 1
+    # every change the longest-lived survivor saw: 2 -> 4 (the joiners together, or one at a time),
+    # 4 -> 3 (rank 0 left), 3 -> 4, each at the policy's layout, each moving state
+    changes = max((r["changes"] for r in survivors), key=len)
+    sizes = [2] + [int(c["change"].split(" -> ")[1].split()[0]) for c in changes]
+    assert sizes in ([2, 4, 3, 4], [2, 3, 4, 3, 4]), changes
+    layouts = {2: "dp2-tp1-pp1", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"}
+    assert [(c["src"], c["dst"]) for c in changes] == [(layouts[a], layouts[b]) for a, b in zip(sizes, sizes[1:])]
+    assert all(c["moved_bytes"] > 0 and c["pause_seconds"] > 0 for c in changes)
+    print("\n".join(f"step {c['step']}: {c['change']} {c['src']} -> {c['dst']}: pause {c['pause_seconds']:.3f} s, "
+                    f"transfer {c['transfer_seconds']:.3f} s, built {c['build_seconds']:.3f} s, "
+                    f"{c['moved_bytes'] / 2**20:.2f} MiB" for c in changes))
+    # the loss of every step, whoever ran it, is the static run's (the same global batches)
+    static = _static_losses(tmp_path)
+    seen: dict[int, float] = {}
+    for r in results.values():
+        for step, loss in r["losses"]:
+            assert seen.setdefault(step, loss) == pytest.approx(loss, rel=1e-6), f"ranks disagree at step {step}"
+    assert sorted(seen) == list(range(1, MAX_STEPS + 1))
+    for step, loss in seen.items():
+        assert loss == pytest.approx(static[step], rel=1e-4), f"step {step}"
