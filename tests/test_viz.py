@@ -15,6 +15,7 @@ from lightning_dynatrain.vps.dryrun import dry_run
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.presets import preset
 from lightning_dynatrain.vps.spec import Precision
+from lightning_dynatrain.vps.topology import Topology
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -29,7 +30,8 @@ def test_matrix_adds_up_to_the_dry_run(src: str, dst: str, gpus_per_node: int) -
     spec = preset("llama2-7b")
     a, b = ParallelConfig.parse(src), ParallelConfig.parse(dst)
     m = transfer_matrix(spec, a, b, precision=Precision.BF16, gpus_per_node=gpus_per_node)
-    report, _ = dry_run(spec, a, b, precision=Precision.BF16, gpus_per_node=gpus_per_node)
+    topology = Topology.uniform(max(a.world_size, b.world_size), gpus_per_node)
+    report, _ = dry_run(spec, a, b, precision=Precision.BF16, topology=topology)
     assert m.moved_bytes == report.moved_bytes
     assert m.kept_bytes == report.retained_bytes
     assert (m.intra_node_bytes, m.inter_node_bytes) == (report.intra_node_bytes, report.inter_node_bytes)
