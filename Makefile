@@ -16,10 +16,10 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	touch $(STAMP)
 
 # The main job: 4 CPU processes train a byte-level GPT on the standard library's sources and hot-switch
-# layout three times (dp, tp, pp and zero change); writes runs/demo/{metrics.csv,switches.jsonl,loss.png}.
+# layout three times (dp, tp, pp and zero change), all set in examples/configs/demo.yaml; writes
+# runs/demo/{metrics.csv,switches.jsonl,config.yaml,loss.png,transfers_step{60,120,180}.png}.
 demo: $(STAMP)
-	$(PY) examples/train_gpt.py --devices 4 --max-steps 240 --layout dp4-tp1-pp1 \
-		--schedule 60:dp2-tp2-pp1,120:dp1-tp2-pp2-zero1,180:dp2-tp1-pp2-zero1 --out runs/demo
+	$(PY) examples/train_gpt.py fit --config examples/configs/demo.yaml
 
 # A dry-run plan of a switch at cluster scale (1024 ranks, Qwen3-235B MoE).
 plan-demo: $(STAMP)
@@ -31,6 +31,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/plan_at_scale.py
 	$(PY) benchmarks/step_overhead.py --devices 2
+	$(PY) benchmarks/launchers.py
 	$(PY) benchmarks/switch_vs_checkpoint.py
 
 clean:

@@ -4,6 +4,10 @@
 Example::
 
     dynatrain plan --model llama2-70b --src dp16-tp8-pp8 --dst dp8-tp8-pp16 --json
+    dynatrain plan --model llama2-7b --src dp8-tp4-pp2 --dst dp4-tp8-pp2 --plot switch.png
+
+A plan that takes more than ``PROGRESS_AFTER_S`` seconds reports its progress on stderr
+(``progress_line.ProgressLine``); ``--plot`` also draws every rank pair's bytes (``viz``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ import argparse
 import json
 import sys
 
+from pathlib import Path
+
 from lightning_dynatrain.elastic import store_cli
+from lightning_dynatrain.progress_line import ProgressLine
 from lightning_dynatrain.vps.dryrun import GB, LinkModel, dry_run
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -22,6 +29,9 @@ from lightning_dynatrain.vps.spec import Precision
 from lightning_dynatrain.vps.topology import Topology
 
 _DEFAULTS = LinkModel()
+PROGRESS_AFTER_S = 1.0
+"""A plan running longer than this prints a progress line on stderr."""
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,6 +56,10 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--copy-gbps", type=float, default=_DEFAULTS.local_copy / GB,
                    help="GB/s of a local device copy for retained state (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the figures")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="also draw a heatmap of the bytes every rank sends every other rank (kept bytes on the "
+                   "diagonal, nodes of --gpus-per-node ranks outlined) into FILE (.png, .svg or .pdf); needs "
+                   "matplotlib and plans every rank again, even with --rank")
     p.set_defaults(func=_run_plan)
 
 
@@ -57,12 +71,21 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise DynaTrainError(f"--gpus-per-node {args.gpus_per_node} is not positive", hint="use e.g. 8")
     links = LinkModel(intra_node=args.intra_node_gbps * GB, inter_node=args.inter_node_gbps * GB,
                       local_copy=args.copy_gbps * GB)
-    topology = Topology.uniform(union_world(src, dst), args.gpus_per_node)
+    if args.plot is not None and args.plot.suffix.lower() not in PLOT_SUFFIXES:
+        raise DynaTrainError(f"--plot {args.plot}: cannot tell the picture's format from its suffix",
+                             hint=f"name the file with one of {', '.join(PLOT_SUFFIXES)}, e.g. switch.png")
+    precision = Precision(args.precision)
+    world = union_world(src, dst)
+    topology = Topology.uniform(world, args.gpus_per_node)
+    ranks = f"rank {args.rank}" if args.rank is not None else f"{world} ranks"
     try:
-        report, plans = dry_run(spec, src, dst, precision=Precision(args.precision),
-                                topology=topology, links=links, only_rank=args.rank)
+        with ProgressLine(f"dynatrain plan: planning {ranks} of {args.model}", after=PROGRESS_AFTER_S):
+            report, plans = dry_run(spec, src, dst, precision=precision, topology=topology, links=links,
+                                    only_rank=args.rank)
     except IndexError as err:
         raise DynaTrainError(str(err), hint="pass a rank inside the larger of the two worlds") from None
+    if args.plot is not None:
+        _plot(args, spec, src, dst, precision)
     figures = report.as_dict()
     if args.json:
         print(json.dumps(figures))
@@ -80,6 +103,20 @@ def _run_plan(args: argparse.Namespace) -> int:
             text = f"{value:,}"
         print(f"  {key:<{width}}  {text}")
     return 0
+
+
+def _plot(args: argparse.Namespace, spec, src: ParallelConfig, dst: ParallelConfig, precision: Precision) -> None:
+    """Plan every rank again for the rank-pair bytes (``viz.transfer_matrix``) and draw them to ``--plot``."""
+    from lightning_dynatrain.viz.transfer_matrix import transfer_matrix
+    from lightning_dynatrain.viz.transfer_plot import plot_transfer_matrix
+
+    world = union_world(src, dst)
+    with ProgressLine(f"dynatrain plan: bytes between {world} ranks for {args.plot}", after=PROGRESS_AFTER_S) as line:
+        matrix = transfer_matrix(spec, src, dst, precision=precision, gpus_per_node=args.gpus_per_node,
+                                 progress=line.update)
+    path = plot_transfer_matrix(matrix, args.plot, title=f"{args.model}: {src} -> {dst} ({precision.value} state)")
+    # stdout stays one JSON object under --json
+    print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,3 +64,33 @@ def test_bad_input_exits_2_with_the_reason_and_no_traceback(args, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_plot_writes_a_heatmap_and_keeps_json_on_stdout(tmp_path):
+    picture = tmp_path / "switch.png"
+    out = dynatrain("plan", "--model", "llama2-7b", "--src", "dp2-tp2-pp4", "--dst", "dp4-tp4-pp1",
+                    "--gpus-per-node", "4", "--plot", str(picture), "--json")
+    assert out.returncode == 0, out.stderr
+    assert set(json.loads(out.stdout.strip().splitlines()[-1])) == KEYS  # stdout: the JSON object alone
+    assert f"wrote {picture}" in out.stderr
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 20_000
+
+
+def test_plot_needs_a_picture_suffix(tmp_path):
+    out = dynatrain("plan", "--model", "llama2-7b", "--src", "dp2-tp1-pp1", "--dst", "dp1-tp2-pp1",
+                    "--plot", str(tmp_path / "switch.txt"))
+    assert out.returncode == 2
+    assert "cannot tell the picture's format" in out.stderr and "HINT" in out.stderr
+
+
+def test_a_plan_longer_than_the_threshold_prints_a_progress_line(monkeypatch, capsys, tmp_path):
+    """In process, with the threshold at 0 s: the line names the ranks and ends with the time taken."""
+    from lightning_dynatrain import cli
+
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0)
+    assert cli.main(["plan", "--model", "llama2-7b", "--src", "dp8-tp4-pp2", "--dst", "dp4-tp8-pp2",
+                     "--plot", str(tmp_path / "p.png")]) == 0
+    err = capsys.readouterr().err
+    assert "dynatrain plan: planning 64 ranks of llama2-7b" in err
+    assert "dynatrain plan: bytes between 64 ranks" in err
+    assert "done in" in err

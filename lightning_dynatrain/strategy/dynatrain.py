@@ -21,7 +21,8 @@ Example::
 Launchers: ``python train.py`` (Lightning's subprocess launcher, as for DDP), ``torchrun`` and
 ``fabric run`` (TorchElasticEnvironment), ``srun`` (SLURMEnvironment). Lightning's ranks and world
 come from the cluster environment; every data-parallel notion (``distributed_sampler_kwargs``,
-``reduce``) comes from the *current layout*.
+``reduce``) comes from the *current layout*. Each process's intra-op threads are fitted to the cores
+of its node, whatever the launcher set (``threads.py``; ``DYNATRAIN_NUM_THREADS=N`` overrides).
 
 Data: the dataloader serves the same GLOBAL batch on every rank (``GlobalBatchSampler``); the
 strategy slices this rank's data-parallel share at each step, so a switch needs no dataloader
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
@@ -69,9 +70,11 @@ from lightning_dynatrain.strategy.optimizer_handle import MegatronOptimizerHandl
 from lightning_dynatrain.strategy.precision import resolve_params_dtype
 from lightning_dynatrain.strategy.report import ReconfigReport, log_switch
 from lightning_dynatrain.strategy.switching import LayoutSwitcher
+from lightning_dynatrain.strategy.threads import fit_intra_op_threads
 from lightning_dynatrain.strategy.validation import validate_target
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -241,9 +244,13 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        # Lightning's subprocess launcher sets the thread count only after starting the other ranks,
-        # so they would each use every core; share the cores here (no-op if OMP_NUM_THREADS is set).
-        _set_num_threads_if_needed(num_processes=max(1, self.num_processes))
+        # before megatron-core is first imported (init_groups): its import-time notices are named there
+        quiet_third_party_warnings(on_cpu=self.root_device.type == "cpu")
+        # Share the node's cores among its processes: launchers leave 1 thread each (torchrun), cores //
+        # processes (Lightning's), or every core in each (fabric run, srun). See threads.py for the rule.
+        threads = fit_intra_op_threads(local_processes=max(1, self.num_processes))
+        if threads.message:
+            rank_zero_info(threads.message)
         node_change = _node_change_callback(self._trainer())
         joined_at = None
         if node_change is not None:  # elastic: the job's store makes the worlds (strategy/elastic.py)

@@ -1,19 +1,23 @@
-"""A static 3-step run under each way a user starts processes: Lightning's own launcher, torchrun, SLURM srun.
+"""A 3-step run under each way a user starts processes: Lightning's own launcher, torchrun, SLURM srun
+(static), and ``fabric run`` (with a switch).
 
-Each run is real: separate OS processes, a gloo group, megatron on CPU, a Lightning ``Trainer``. The
-three must agree on the losses (same seed, same global batches).
+Each run is real: separate OS processes, a gloo group, megatron on CPU, a Lightning ``Trainer``. They
+must agree on the losses (same seed, same global batches), and whatever thread count the launcher
+left, no node may run more intra-op threads than it has cores (``strategy/threads.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from lightning_dynatrain.strategy.threads import available_cores
 from tests.dist import free_port
 
 SCRIPT = Path(__file__).with_name("launch_script.py")
@@ -23,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "LOCAL_RANK", "MASTER_", "WORLD_SIZE", "RANK", "GROUP_RANK"))}
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "LOCAL_RANK", "MASTER_", "WORLD_SIZE", "RANK", "GROUP_RANK",
+                                "OMP_NUM_THREADS", "DYNATRAIN_NUM_THREADS", "LT_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -43,13 +48,15 @@ def _check(results: list[dict], env: str) -> list[float]:
         assert r["sampler"] == {"num_replicas": 2, "rank": rank}
         assert r["global_step"] == 3 and len(r["losses"]) == 3
         assert not r["dist_after"], "the strategy destroys the process group it created"
+        assert r["threads"] == 1 or 2 * r["threads"] <= available_cores(), f"oversubscribed: {r['threads']} threads"
     assert results[0]["losses"] == results[1]["losses"], "the loss is the same float on every rank"
     return results[0]["losses"]
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> None:
+def _run(cmd: list[str], env: dict[str, str]) -> str:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +102,35 @@ def test_slurm_srun_environment(tmp_path: Path, reference: list[float]) -> None:
     assert [r["slurm_procid"] for r in results] == ["0", "1"]
     assert all(r["launcher"] is None for r in results)
     assert _check(results, "SLURMEnvironment") == reference
+
+
+def _fabric() -> str:
+    """The ``fabric`` executable of this interpreter's environment (Lightning's CLI, a torchrun wrapper)."""
+    beside = Path(sys.executable).with_name("fabric")
+    found = str(beside) if beside.exists() else shutil.which("fabric")
+    assert found, "lightning installs a `fabric` executable; none found beside the interpreter or on PATH"
+    return found
+
+
+def test_fabric_run_switches_and_fits_its_threads_to_the_cores(tmp_path: Path, reference: list[float]) -> None:
+    """``fabric run --accelerator cpu --devices 2`` with a switch at step 2 (dp2 -> tp2).
+
+    ``fabric run`` sets OMP_NUM_THREADS to all the cores in every process; the strategy lowers each
+    process to cores // 2 and rank 0 says so once. Before the switch the losses are the static
+    run's, bit for bit; the step after it runs at tp2 (another summation order) and agrees closely.
+    """
+    cores = available_cores()
+    out = _run([_fabric(), "run", "--accelerator", "cpu", "--devices", "2", str(SCRIPT), str(tmp_path),
+                "--devices", "2", "--schedule", "2:dp1-tp2-pp1"], _env())
+    results = _results(tmp_path, 2)
+    for rank, r in enumerate(results):
+        assert (r["env"], r["launcher"], r["global_rank"], r["world_size"]) == ("TorchElasticEnvironment", None, rank, 2)
+        assert r["threads"] == max(1, cores // 2)
+        assert r["switches"] == [[2, "dp2-tp1-pp1", "dp1-tp2-pp1"]] and r["final_layout"] == "dp1-tp2-pp1"
+        assert not r["dist_after"]
+    losses = results[0]["losses"]
+    assert results[1]["losses"] == losses
+    assert losses[:2] == reference[:2]
+    assert losses == pytest.approx(reference, rel=1e-4)
+    lowered = f"[dynatrain] 2 processes x {cores} intra-op threads exceed the {cores} cores of this node"
+    assert out.count(lowered) == (1 if cores >= 2 else 0), out[-3000:]

@@ -1,0 +1,98 @@
+"""Third-party warnings this project's runs trigger and cannot change, each silenced by name and reason.
+
+A training run here prints nothing a user has to act on. The project's own code triggers no
+warning (it is fixed instead, and ``tests/test_demo.py`` turns the project's warnings into errors);
+what is left comes from megatron-core, torch and Lightning, installed at the pinned versions. Each
+filter below names its category, the module the warning is attributed to and the start of its
+message, and says why it is safe to hide; nothing is filtered by category or module alone.
+
+``quiet_third_party_warnings`` installs them (idempotent; ``warnings.filterwarnings`` drops a
+duplicate before inserting). ``DynaTrainStrategy.setup_environment`` calls it before megatron-core
+is first imported, and the demo's command line calls it before parsing (jsonargparse resolves type
+hints, which imports megatron-core). Filters marked ``cpu_only`` are about GPU kernels or CUDA
+settings: on a GPU they are real advice and stay.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class QuietWarning:
+    """One third-party warning to hide.
+
+    Attributes:
+        category: the warning's class.
+        module: regular expression matched against the start of the module the warning is
+            attributed to (``warnings.filterwarnings``' ``module``).
+        message: the warning's first words (matched literally at the start of its text).
+        why: why hiding it loses the user nothing.
+        cpu_only: hide it only when the run uses no GPU.
+    """
+
+    category: type[Warning]
+    module: str
+    message: str
+    why: str
+    cpu_only: bool = False
+
+    def install(self) -> None:
+        warnings.filterwarnings("ignore", message=re.escape(self.message), category=self.category,
+                                module=self.module)
+
+
+THIRD_PARTY: tuple[QuietWarning, ...] = (
+    QuietWarning(
+        UserWarning, r"megatron\.core\.", "Transformer Engine and Apex are not installed",
+        "megatron-core 0.16.1 says at import that it uses its torch fallbacks; the project installs neither "
+        "Transformer Engine nor Apex on purpose (not needed on CPU, optional on GPU) and runs the fallbacks"),
+    QuietWarning(
+        UserWarning, r"megatron\.core\.", "Apex is not installed. Falling back to Torch Norm",
+        "the same notice for norms (megatron/core/models/backends.py, gpt_layer_specs.py)"),
+    QuietWarning(
+        UserWarning, r"megatron\.core\.transformer\.transformer_config", "full scope is deprecated",
+        "megatron-core 0.16.1 warns about its own default TransformerConfig.cuda_graph_scope='full'; CUDA graphs "
+        "are not used here"),
+    QuietWarning(
+        FutureWarning, r"torch\.distributed\.c10d_logger", "`torch.distributed.reduce_scatter_tensor` is deprecated",
+        "megatron-core 0.16.1's DDP gradient buffers call the old name (param_and_grad_buffer.py); torch 2.13 "
+        "deprecates it and both names do the same collective"),
+    QuietWarning(
+        FutureWarning, r"torch\.distributed\.c10d_logger", "`torch.distributed.all_gather_into_tensor` is deprecated",
+        "megatron-core 0.16.1's distributed optimizer gathers params with the old name (param_and_grad_buffer.py)"),
+    QuietWarning(
+        UserWarning, r"(lightning_dynatrain\.megatron\.cpu_patches|torch\.optim\.)",
+        "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+        "megatron-core 0.16.1's distributed optimizer keeps the shards of fp32 params as views of them and sets "
+        "their .grad itself (distrib_optimizer._copy_model_grads_to_main_grads); torch warns at its first read, in "
+        "megatron's zero_grad, which on CPU runs inside the adapter's torch-function mode (hence that module)"),
+    QuietWarning(
+        FutureWarning, r"lightning\.pytorch\.utilities\._pytree", "`isinstance(treespec, LeafSpec)` is deprecated",
+        "Lightning 2.6.6 builds torch's LeafSpec when it flattens step outputs; torch 2.13 deprecates the class"),
+    QuietWarning(
+        UserWarning, r"megatron\.core\.tensor_parallel\.layers",
+        "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        "a CUDA stream setting that means nothing on CPU (megatron-core says it on every tp>1 run)", cpu_only=True),
+    QuietWarning(
+        UserWarning, r"megatron\.core\.tensor_parallel\.layers",
+        "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        "the same CUDA stream advice, on runs with sequence parallelism (MoE with tp>1)", cpu_only=True),
+    QuietWarning(
+        UserWarning, r"torch\.nn\.functional", "Mismatch dtype between input and weight",
+        "under bf16-mixed megatron-core keeps norm weights in fp32 and its torch-norm fallback (no Apex or Transformer "
+        "Engine) passes them with bf16 activations; torch then runs its unfused RMSNorm, which is the computation "
+        "meant, and says it could not use the fused kernel", cpu_only=True),
+)
+
+
+def quiet_third_party_warnings(*, on_cpu: bool) -> None:
+    """Install ``THIRD_PARTY``'s filters (those marked ``cpu_only`` only when ``on_cpu``)."""
+    for quiet in THIRD_PARTY:
+        if on_cpu or not quiet.cpu_only:
+            quiet.install()
+
+
+__all__ = ["THIRD_PARTY", "QuietWarning", "quiet_third_party_warnings"]
