@@ -381,6 +381,17 @@ class DynaTrainStrategy(MegatronProcessStrategy):
                           weight_decay=self._adam.weight_decay if weight_decay is None else weight_decay)
         return self._lightning_optimizers[0].step(closure=closure)
 
+    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """The global mean loss of the global ``batch``, forward only, at the current layout (call
+        from ``validation_step``); the same float on every rank, whatever the pipeline stage."""
+        from lightning_dynatrain.strategy.megatron_step import eval_step
+
+        assert self._pgs is not None, "setup_environment makes the groups"
+        state = self._megatron
+        if state is not None:
+            return eval_step(state.ddp, state.groups, state.layout, batch, self.recipe)
+        return eval_step(self.model_shard, self._pgs, self.layout, batch, self.recipe)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._step_in_progress = True
