@@ -48,7 +48,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from lightning_dynatrain.engine.collectives import LinkCosts
 from lightning_dynatrain.engine.deadline import SwitchDeadline
-from lightning_dynatrain.engine.errors import SwitchFailedError
+from lightning_dynatrain.engine.errors import SwitchFailedError, mark_refused
 from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.vps.errors import DynaTrainError
 
@@ -272,12 +272,22 @@ class SwitchAttempt:
         watch.phase = "failed"
         watch.broken = True
         watch._abort_groups()
+        try:
+            if lost_state:
+                watch.store.set(f"{key}/lost", str(watch.rank))
+        except Exception:  # noqa: BLE001
+            pass
         missing = self._missing()
         try:
             watch.store.set(f"{key}/left/{watch.rank}", phase)
+            # a peer that freed old state says so (it failed before this rank finished naming)
+            lost_state = lost_state or watch.store.check([f"{key}/lost"])
         except Exception:  # noqa: BLE001
-            pass
-        return self._error(missing, phase, elapsed, cause, lost_state=lost_state or bool(missing))
+            lost_state = True
+        error = self._error(missing, phase, elapsed, cause, lost_state=lost_state or bool(missing))
+        if not error.lost_state:
+            mark_refused(error)  # training can go on at the old layout
+        return error
 
     def _missing(self) -> dict[int, str]:
         """Ranks whose heartbeat does not move for ``stale_after`` seconds (and did not report

@@ -194,8 +194,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         except BaseException as err:
             if not memory.started:  # refused before anything moved: training can go on at ``src``
                 memory.restore_old_buffers()
-                if attempt is None or isinstance(err, DynaTrainError):  # (the groups may be broken otherwise)
-                    initialize_for_layout(src, seed=setup.seed, groups=groups)
+                initialize_for_layout(src, seed=setup.seed, groups=groups)  # cached: creates nothing
                 if isinstance(err, DynaTrainError):  # every rank agreed on it (the engine's preflight)
                     mark_refused(err)
             raise
