@@ -336,7 +336,7 @@ class SwitchAttempt:
             if missing:
                 hint += f", after finding why rank {min(missing)} stopped (its log, the node)"
         else:
-            message += ". Nothing was moved: the old state is whole on every rank"
+            message += ". No rank freed any of its old state: the old layout's state is whole on every rank"
             hint = ("training can go on at the old layout; if the switch needs longer than its deadline, raise "
                     "switch_timeout")
         first = min(missing) if missing else None

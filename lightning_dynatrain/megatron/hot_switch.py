@@ -18,6 +18,8 @@ On every rank, between two optimizer steps:
 
 A switch refused before anything moved (memory, a budget below a row, state that does not match,
 on every rank) restores the old gradient buffers and groups: training can go on at the source.
+With ``SwitchSetup(keep_old=True)`` the old state is held until every rank confirmed its new state,
+so a switch that fails later rolls back the same way (``memory.KeepOldMemory``).
 
 Example (every rank)::
 
@@ -60,7 +62,7 @@ from lightning_dynatrain.megatron.state_bridge import (
     megatron_store,
     precision_of,
 )
-from lightning_dynatrain.memory.policy import MemoryFigures, PlainMemory, switch_memory
+from lightning_dynatrain.memory.policy import KeepOldMemory, MemoryFigures, PlainMemory, switch_memory
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.members import Members
@@ -93,6 +95,10 @@ class SwitchSetup:
     """The node of every rank (default: nodes of 8 ranks)."""
     link_costs: LinkCosts | None = None
     """The world's measured link speeds: broadcasts are promoted where they pay; ``None``: never."""
+    keep_old: bool = False
+    """Hold the old state until every rank confirmed its new state (``switch_safety="keep_old"``):
+    a switch that fails after moving bytes then rolls back to the old layout (the memory check
+    counts the old state held)."""
     spec: ModelSpec = field(init=False)
 
     def __post_init__(self) -> None:
@@ -167,7 +173,8 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
             materialize_adam_state(current.optimizer, 0)
         source = megatron_store(current.ddp, current.optimizer, spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
-    memory = switch_memory(device, recycle=setup.recycle, idle_cap=setup.staging_budget, buffer_mode=switch_buffers)
+    memory = switch_memory(device, recycle=setup.recycle, idle_cap=setup.staging_budget, buffer_mode=switch_buffers,
+                           keep_old=setup.keep_old)
     old_grads = sum(t.nbytes for t in current.gradient_buffers())
     attempt = None
     if watch is not None:
@@ -177,7 +184,8 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         if attempt is not None:
             attempt.phase("memory_check")
         with phase("memory_check"):
-            need = _check_memory(program, setup, device, f"{src} -> {target}", group, old_grads, memory.held_bytes)
+            need = _check_memory(program, setup, device, f"{src} -> {target}", group, old_grads, memory.held_bytes,
+                                 keep_old=setup.keep_old)
         memory.take_old_buffers(current.gradient_buffers())  # the new buffers take their place (or memory)
         try:
             if attempt is not None:
@@ -191,8 +199,13 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
                                            timeout=attempt.deadline.timedelta if attempt is not None else None)
             if attempt is not None:
                 attempt.confirm()  # every rank holds its new state
+            if isinstance(memory, KeepOldMemory):
+                memory.commit()  # the old state goes only now
         except BaseException as err:
-            if not memory.started:  # refused before anything moved: training can go on at ``src``
+            if isinstance(memory, KeepOldMemory) and memory.started:  # the old state is whole: back to it
+                memory.rollback()
+                initialize_for_layout(src, seed=setup.seed, groups=groups)  # cached: creates nothing
+            elif not memory.started:  # refused before anything moved: training can go on at ``src``
                 memory.restore_old_buffers()
                 initialize_for_layout(src, seed=setup.seed, groups=groups)  # cached: creates nothing
                 if isinstance(err, DynaTrainError):  # every rank agreed on it (the engine's preflight)
@@ -263,11 +276,11 @@ def _program(setup: SwitchSetup, src: ParallelConfig, dst: ParallelConfig, proce
 
 
 def _check_memory(program: SwitchProgram, setup: SwitchSetup, device: torch.device, what: str,
-                  group: dist.ProcessGroup | None, old_grads: int, held: int) -> int | None:
+                  group: dist.ProcessGroup | None, old_grads: int, held: int, *, keep_old: bool = False) -> int | None:
     """Every process's bound checked against its free memory and the limit (collective), or nothing."""
     if not (setup.check_memory or setup.memory_limit is not None):
         return None
-    need = switch_need_bytes(program, old_grad_bytes=old_grads, held_bytes=held)
+    need = switch_need_bytes(program, old_grad_bytes=old_grads, held_bytes=held, keep_old=keep_old)
     try:
         check_switch_memory(need, device=device, what=what, limit_bytes=setup.memory_limit, group=group,
                             read_free=setup.check_memory)

@@ -121,6 +121,10 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             floor (``engine.deadline``). A rank that dies or stalls during a switch makes every other
             rank raise ``SwitchFailedError`` within it, naming the rank and the phase, and the last
             checkpoint to resume from.
+        switch_safety: ``"fast"`` (default): a switch frees the old state as it moves it (a failed
+            switch loses the state of its step: resume from the last checkpoint); ``"keep_old"``: the
+            old state is held until every rank confirmed its new state (the memory check counts it),
+            so a failed switch rolls back to the old layout on every surviving rank.
         cluster_environment: Lightning's cluster environment; ``None`` lets the Trainer detect it.
         seed: seed of megatron's RNG trackers (model weights are seeded by the module's recipe).
         parallel_devices: as for any Lightning ``ParallelStrategy``.
@@ -155,6 +159,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         init_from_megatron: str | os.PathLike | None = None,
         timeout: timedelta = timedelta(minutes=30),
         switch_timeout: float | timedelta | None = None,
+        switch_safety: Literal["fast", "keep_old"] = "fast",
         cluster_environment: ClusterEnvironment | None = None,
         seed: int = 1234,
         parallel_devices: list[torch.device] | None = None,
@@ -168,6 +173,9 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         self.staging_budget = _parse_budget(staging_budget)
         self.switch_memory_limit = None if switch_memory_limit is None else _parse_budget(switch_memory_limit)
         self.switch_timeout = parse_switch_timeout(switch_timeout)
+        if switch_safety not in ("fast", "keep_old"):
+            raise DynaTrainError(f"switch_safety={switch_safety!r}", hint='use "fast" (default) or "keep_old"')
+        self.switch_safety = switch_safety
         self.verify = verify
         self.promote_broadcasts = promote_broadcasts
         self.seed = seed
@@ -279,7 +287,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             self._switcher = LayoutSwitcher(staging_budget=self.staging_budget, memory_limit=self.switch_memory_limit,
                                             verify=self.verify, promote_broadcasts=self.promote_broadcasts,
                                             switch_timeout=self.switch_timeout, training_timeout=self._timeout,
-                                            resume_from=self._last_checkpoint)
+                                            resume_from=self._last_checkpoint,
+                                            keep_old=self.switch_safety == "keep_old")
         self._pgs = init_groups(self._layout, seed=self.seed, groups=self._switcher.groups)
         topology = gather_topology(self.cluster_environment)
         self._switcher.new_world(topology)

@@ -52,6 +52,8 @@ class LayoutSwitcher:
             measured links (``engine.deadline``).
         training_timeout: the process groups' timeout outside switches.
         resume_from: says the run's last checkpoint (for ``SwitchFailedError``).
+        keep_old: hold the old state until every rank confirmed its new state; a failed switch then
+            rolls back to the old layout (``switch_safety="keep_old"``).
 
     Every switch runs under a ``SwitchWatch`` (``engine.watch``), made at the first switch of each
     world: a rank that dies or stalls makes every survivor raise ``SwitchFailedError``.
@@ -61,7 +63,7 @@ class LayoutSwitcher:
     def __init__(self, *, staging_budget: int, memory_limit: int | None = None, verify: bool = False,
                  promote_broadcasts: bool = True, switch_timeout: "SwitchDeadline | None" = None,
                  training_timeout: timedelta = timedelta(minutes=30),
-                 resume_from: Callable[[], str | None] = lambda: None) -> None:
+                 resume_from: Callable[[], str | None] = lambda: None, keep_old: bool = False) -> None:
         from lightning_dynatrain.engine.collectives import SubgroupCache
         from lightning_dynatrain.engine.watch import FaultInjection
         from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
@@ -69,6 +71,7 @@ class LayoutSwitcher:
         self.staging_budget, self.memory_limit, self.verify = staging_budget, memory_limit, verify
         self.promote_broadcasts = promote_broadcasts
         self.switch_timeout, self.training_timeout, self.resume_from = switch_timeout, training_timeout, resume_from
+        self.keep_old = keep_old
         self.fault = FaultInjection.from_environment()
         self.watch: SwitchWatch | None = None
         self.groups = ProcessGroupCache()
@@ -137,7 +140,7 @@ class LayoutSwitcher:
                 self.link_costs = measure_link_costs()  # collective; the same on every rank
             self._setup = SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
                                       staging_budget=self.staging_budget, memory_limit=self.memory_limit,
-                                      topology=self.topology, link_costs=self.link_costs)
+                                      topology=self.topology, link_costs=self.link_costs, keep_old=self.keep_old)
         return self._setup
 
     def switch(self, state: "MegatronState", target: ParallelConfig, *, recipe: "MegatronRecipe",

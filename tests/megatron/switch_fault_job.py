@@ -6,6 +6,8 @@ rank that sends itself SIGKILL or SIGSTOP as it enters the transfer phase. Each 
 megatron GPT at ``--src``, switches to ``--dst`` under a ``SwitchWatch`` with a fixed deadline,
 and writes ``OUT/rank{r}.json``: what it raised (type, the rank and phase it names, whether the
 state is lost, the checkpoint named), when (``time.time()``), and when it was done tearing down.
+With ``--keep-old`` (safe mode), after a rollback: whether the old state is bit for bit what it
+was, and the layout a second switch reached.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, required=True)
     parser.add_argument("--src", default="dp2-tp2-pp1")
     parser.add_argument("--dst", default="dp1-tp2-pp2")
+    parser.add_argument("--keep-old", action="store_true", help="SwitchSetup(keep_old=True); after a rollback, "
+                        "check the old state is bit for bit what it was and switch again")
+    parser.add_argument("--stale-after", type=float, default=2.0)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     out = Path(args.out) / f"rank{rank}.json"
@@ -36,13 +41,14 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
 
     from lightning_dynatrain.engine.deadline import SwitchDeadline
-    from lightning_dynatrain.engine.errors import SwitchFailedError
+    from lightning_dynatrain.engine.errors import SwitchFailedError, was_refused
     from lightning_dynatrain.engine.watch import FaultInjection, SwitchWatch
     from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
     from lightning_dynatrain.megatron.state import MegatronState
+    from lightning_dynatrain.megatron.state_bridge import materialize_adam_state, megatron_store
     from lightning_dynatrain.vps.layout import ParallelConfig
     from lightning_dynatrain.vps.topology import Topology
 
@@ -56,18 +62,33 @@ def main() -> None:
     state = MegatronState(layout=src, groups=pgs, **dict(zip(("ddp", "optimizer"),
                           build_ddp_and_optimizer(model, src, pg_collection=pgs, **optimizer))))
     setup = SwitchSetup(shape=shape, seed=1, optimizer=optimizer, staging_budget=4096,
-                        topology=Topology.uniform(dist.get_world_size(), 2))
-    watch = SwitchWatch.start(training_timeout=timedelta(minutes=5), timeout=SwitchDeadline.fixed(args.deadline),
-                              resume_from=lambda: "/checkpoints/last", fault=FaultInjection.from_environment())
+                        topology=Topology.uniform(dist.get_world_size(), 2), keep_old=args.keep_old)
+    materialize_adam_state(state.optimizer, 0)  # as hot_switch does before the first step
+    before = {k: t.clone() for k, t in megatron_store(state.ddp, state.optimizer, setup.spec, src, rank).items()}
+
+    def start_watch(fault):
+        return SwitchWatch.start(training_timeout=timedelta(minutes=5), timeout=SwitchDeadline.fixed(args.deadline),
+                                 resume_from=lambda: "/checkpoints/last", fault=fault, stale_after=args.stale_after)
+
+    watch = start_watch(FaultInjection.from_environment())
     result: dict = {"rank": rank, "pid": os.getpid()}
     try:
         state = hot_switch(state, dst, setup, groups=groups, watch=watch).state
         result["switched"] = True
     except SwitchFailedError as err:
         result.update(error="SwitchFailedError", t_error=time.time(), missing=err.rank, phase=err.phase,
-                      lost_state=err.lost_state, resume_from=err.resume_from, message=str(err))
+                      lost_state=err.lost_state, resume_from=err.resume_from, message=str(err),
+                      refused=was_refused(err))
     except Exception as err:  # noqa: BLE001 - reported to the test as it is
         result.update(error=type(err).__name__, t_error=time.time(), message=traceback.format_exc())
+    if args.keep_old and result.get("refused"):  # rolled back: the old state, then training goes on
+        after = megatron_store(state.ddp, state.optimizer, setup.spec, src, rank)
+        result["old_state_whole"] = sorted(before) == sorted(after) and all(
+            torch.equal(before[k].view(-1).view(torch.uint8), after[k].view(-1).view(torch.uint8)) for k in before)
+        watch.close()
+        watch = start_watch(None)  # a failed switch broke the watch's group
+        state = hot_switch(state, dst, setup, groups=groups, watch=watch).state
+        result["retried"] = str(state.layout)
     # the job's teardown, as the strategy's: nothing here may wait on the missing rank
     watch.close()
     destroy(keep=groups)

@@ -43,9 +43,11 @@ def _state(pid: int) -> str:
         return ""
 
 
-def _run(tmp_path: Path, how: str, *, timeout_s: float) -> tuple[float, list[dict]]:
-    """Start the ranks, note when the victim died or stopped, wait for the survivors; every
-    process still there at the end is killed. Returns (time of the fault, survivors' results)."""
+def _run(tmp_path: Path, how: str, *, timeout_s: float, deadline_s: float = DEADLINE_S, extra: tuple[str, ...] = (),
+         resume_after: float | None = None) -> tuple[float, list[dict]]:
+    """Start the ranks, note when the victim died or stopped (and continue it ``resume_after``
+    seconds later), wait for the others; every process still there at the end is killed. Returns
+    (time of the fault, results of every rank that ended, in rank order)."""
     port = free_port()
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
@@ -57,15 +59,17 @@ def _run(tmp_path: Path, how: str, *, timeout_s: float) -> tuple[float, list[dic
                        DYNATRAIN_SWITCH_FAULT=f"{VICTIM}:transfer:{how}", OMP_NUM_THREADS="1",
                        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
             log = open(tmp_path / f"rank{rank}.log", "w")
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--deadline", str(DEADLINE_S),
-                                           "--src", "dp4-tp1-pp1-zero1", "--dst", "dp1-tp2-pp2"],
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--deadline", str(deadline_s),
+                                           "--src", "dp4-tp1-pp1-zero1", "--dst", "dp1-tp2-pp2", *extra],
                                           env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
         victim = procs[VICTIM]
-        t_fault = None
+        t_fault, waiting = None, [p for i, p in enumerate(procs) if i != VICTIM or resume_after is not None]
         while time.monotonic() - start < timeout_s:
             if t_fault is None and (victim.poll() is not None or _state(victim.pid) == "T"):
                 t_fault = time.time()
-            if all(p.poll() is not None for i, p in enumerate(procs) if i != VICTIM):
+            if resume_after is not None and t_fault is not None and time.time() > t_fault + resume_after:
+                victim.send_signal(signal.SIGCONT)
+            if all(p.poll() is not None for p in waiting):
                 break
             time.sleep(0.05)
         else:
@@ -74,7 +78,7 @@ def _run(tmp_path: Path, how: str, *, timeout_s: float) -> tuple[float, list[dic
         assert t_fault is not None, "rank 2 never died or stopped"
         survivors = []
         for rank in range(WORLD):
-            if rank == VICTIM:
+            if procs[rank] not in waiting:
                 continue
             assert procs[rank].returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-4000:]
             survivors.append(json.loads((tmp_path / f"rank{rank}.json").read_text()))
@@ -111,4 +115,21 @@ def test_stopped_rank_in_transfer(tmp_path: Path) -> None:
     """SIGSTOP: nothing closes; the waits on it fail at the deadline, the others learn it from the abort flag."""
     t_fault, survivors = _run(tmp_path, "STOP", timeout_s=240)
     _check(t_fault, survivors, DEADLINE_S + STALE_S + SLACK_S)
-    assert signal.SIGSTOP  # the victim is killed in _run's finally
+
+
+def test_keep_old_rolls_back_when_a_rank_stalls_past_the_deadline(tmp_path: Path) -> None:
+    """Safe mode (``keep_old``): rank 2 stalls (SIGSTOP) in the transfer phase for longer than a 6 s
+    deadline, then goes on (SIGCONT) while the others are still finding out who is missing. Every
+    rank, rank 2 included, raises ``SwitchFailedError`` with the state not lost (marked refused),
+    holds its old state bit for bit, and a second switch (a new watch) succeeds: training goes on."""
+    deadline = 6.0
+    t_fault, ranks = _run(tmp_path, "STOP", timeout_s=240, deadline_s=deadline, resume_after=deadline + 1.0,
+                          extra=("--keep-old", "--stale-after", "4"))
+    assert [r["rank"] for r in ranks] == list(range(WORLD))
+    for r in ranks:
+        assert r["error"] == "SwitchFailedError", r["message"]
+        assert r["missing"] is None and not r["lost_state"] and r["refused"], r["message"]
+        assert "with every rank still alive" in r["message"] and "state is whole on every rank" in r["message"]
+        assert r["old_state_whole"], f"rank {r['rank']}: the rolled-back state differs from the state before"
+        assert r["retried"] == "dp1-tp2-pp2", r
+    print(f"seconds from the stall to each rank's SwitchFailedError: {[round(r['t_error'] - t_fault, 1) for r in ranks]}")
