@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from lightning_dynatrain.engine.collectives import LinkCosts
-from lightning_dynatrain.engine.deadline import SwitchDeadline
+from lightning_dynatrain.engine.deadline import DEFAULT_FLOOR_S, SwitchDeadline
 from lightning_dynatrain.engine.errors import SwitchFailedError, mark_refused
 from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.vps.errors import DynaTrainError
@@ -105,17 +105,20 @@ class SwitchWatch:
         training_timeout: the groups' timeout outside switches (restored after each switch).
         timeout: every switch's deadline; ``None``: derived from each switch's bytes (``SwitchDeadline.derive``).
         resume_from: says the run's last checkpoint, for the error (``None``: none known).
-        interval: seconds between heartbeats; a rank silent for ``stale_after`` seconds is missing.
+        interval: seconds between heartbeats (default 0.25 s, longer past 256 ranks: the store takes
+            ``size / interval`` writes a second); a rank silent for ``stale_after`` seconds (at least
+            8 heartbeats) is missing.
         fault: the test hook (``FaultInjection.from_environment()``).
     """
 
     def __init__(self, group: dist.ProcessGroup, store: dist.Store, *, training_timeout: timedelta,
                  timeout: SwitchDeadline | None = None, resume_from: Callable[[], str | None] = lambda: None,
-                 interval: float = 0.25, stale_after: float = 2.0, fault: FaultInjection | None = None) -> None:
+                 interval: float | None = None, stale_after: float = 2.0, fault: FaultInjection | None = None) -> None:
         self.group, self.store = group, store
         self.rank, self.size = group.rank(), group.size()
         self.training_timeout, self.timeout, self.resume_from = training_timeout, timeout, resume_from
-        self.interval, self.stale_after, self.fault = interval, max(stale_after, 4 * interval), fault
+        interval = interval if interval is not None else 0.25 * max(1.0, self.size / 256)
+        self.interval, self.stale_after, self.fault = interval, max(stale_after, 8 * interval), fault
         self.switch = 0
         self.phase = "idle"
         self.broken = False
@@ -130,9 +133,10 @@ class SwitchWatch:
     @classmethod
     def start(cls, *, training_timeout: timedelta, timeout: SwitchDeadline | None = None,
               resume_from: Callable[[], str | None] = lambda: None, fault: FaultInjection | None = None,
-              first_deadline: SwitchDeadline | None = None, **kwargs) -> "SwitchWatch":
-        """Make the switch's group over the whole world (collective over WORLD) and start the heartbeat."""
-        deadline = timeout or first_deadline or SwitchDeadline(training_timeout.total_seconds(), "training timeout")
+              **kwargs) -> "SwitchWatch":
+        """Make the switch's group over the whole world (collective over WORLD, created under
+        ``timeout`` or the derived deadline's floor) and start the heartbeat."""
+        deadline = timeout or SwitchDeadline(DEFAULT_FLOOR_S, "the derived deadline's floor")
         group = dist.new_group(list(range(dist.get_world_size())), timeout=deadline.timedelta)
         base = c10d._get_default_store()
         # a namespace of its own per watch on this store: every rank makes watches equally often
@@ -237,6 +241,7 @@ class SwitchAttempt:
             store.set(f"{key}/all", "1")
         end = self.started + self.deadline.seconds
         seen: dict[int, tuple[int | None, float]] = {}  # rank -> (heartbeat count, when it last moved)
+        look = time.monotonic() + watch.stale_after / 2  # heartbeats are read only if the wait lasts
         while True:
             try:
                 store.wait([f"{key}/all"], timedelta(seconds=watch.interval))
@@ -247,7 +252,7 @@ class SwitchAttempt:
                 rank, phase, cause = store.get(f"{key}/abort").decode().split("|", 2)
                 raise SwitchPeerFailedError(f"rank {rank} reported a failure in phase {phase!r}: {cause}")
             now = time.monotonic()
-            for r in range(watch.size):
+            for r in range(watch.size) if now > look else ():
                 if r == watch.rank or store.check([f"{key}/done/{r}"]):
                     continue
                 beat = watch.read_beat(r)

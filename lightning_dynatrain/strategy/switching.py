@@ -110,8 +110,9 @@ class LayoutSwitcher:
             self.subgroups.close()
             self.subgroups = SubgroupCache()
         if self.watch is None:
+            fault, self.fault = self.fault, None  # the test hook fires in the first watched switch only
             self.watch = SwitchWatch.start(training_timeout=self.training_timeout, timeout=self.switch_timeout,
-                                           resume_from=self.resume_from, fault=self.fault)
+                                           resume_from=self.resume_from, fault=fault)
         return self.watch
 
     def world_change_setup(self, recipe: "MegatronRecipe", adam: "AdamSettings") -> "SwitchSetup":
@@ -129,15 +130,17 @@ class LayoutSwitcher:
         self.subgroups.close()
         self.groups.close()
 
-    def setup(self, recipe: "MegatronRecipe", adam: "AdamSettings") -> "SwitchSetup":
-        """What every switch of this world shares (made at the first switch: it measures the links)."""
+    def setup(self, recipe: "MegatronRecipe", adam: "AdamSettings",
+              group: dist.ProcessGroup | None = None) -> "SwitchSetup":
+        """What every switch of this world shares (made at the first switch: it measures the links,
+        on ``group``: the watch's, whose timeout bounds the measurement)."""
         if self._setup is None:
             from lightning_dynatrain.engine.collectives import measure_link_costs
             from lightning_dynatrain.megatron.hot_switch import SwitchSetup
             from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
 
             if self.promote_broadcasts and self.link_costs is None:
-                self.link_costs = measure_link_costs()  # collective; the same on every rank
+                self.link_costs = measure_link_costs(group)  # collective; the same on every rank
             self._setup = SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
                                       staging_budget=self.staging_budget, memory_limit=self.memory_limit,
                                       topology=self.topology, link_costs=self.link_costs, keep_old=self.keep_old)
@@ -152,9 +155,10 @@ class LayoutSwitcher:
         """
         from lightning_dynatrain.megatron.hot_switch import hot_switch
 
-        setup = self.setup(recipe, adam)
+        watch = self._watch()
+        setup = self.setup(recipe, adam, group=watch.group)
         before = fingerprint(state, setup) if self.verify else None
-        result = hot_switch(state, target, setup, groups=self.groups, subgroups=self.subgroups, watch=self._watch())
+        result = hot_switch(state, target, setup, groups=self.groups, subgroups=self.subgroups, watch=watch)
         if before is not None:
             verify_unchanged(before, result.state, setup)
         return result.state, ReconfigReport.gather(result, step=step, deferred=deferred)
