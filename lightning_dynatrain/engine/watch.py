@@ -35,6 +35,7 @@ Example (every rank)::
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -114,7 +115,8 @@ class SwitchWatch:
     def __init__(self, group: dist.ProcessGroup, store: dist.Store, *, training_timeout: timedelta,
                  timeout: SwitchDeadline | None = None, resume_from: Callable[[], str | None] = lambda: None,
                  interval: float | None = None, stale_after: float = 2.0, fault: FaultInjection | None = None) -> None:
-        self.group, self.store = group, store
+        self.group: dist.ProcessGroup | None = group
+        self.store = store
         self.rank, self.size = group.rank(), group.size()
         self.training_timeout, self.timeout, self.resume_from = training_timeout, timeout, resume_from
         interval = interval if interval is not None else 0.25 * max(1.0, self.size / 256)
@@ -165,9 +167,20 @@ class SwitchWatch:
     def _abort_groups(self) -> None:
         """Make pending waits on the switch's group return (NCCL: at once; gloo: no effect)."""
         try:
-            self.group.abort()
+            if self.group is not None:
+                self.group.abort()
         except Exception:  # noqa: BLE001 - a backend without abort
             pass
+
+    def _drop_group(self) -> None:
+        """Destroy the switch's group and let it go: its connections close, so a peer blocked on this
+        rank fails now, not at the deadline (gloo's ``abort`` does not wake it). The caller must
+        hold no reference to it (``hot_switch`` clears the failed walk's frames first)."""
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized() and group in c10d._world.pg_map:
+            dist.destroy_process_group(group)
+        del group
+        gc.collect()
 
     def read_beat(self, rank: int) -> _Beat | None:
         key = f"beat/{rank}"
@@ -186,7 +199,7 @@ class SwitchWatch:
 
     def end(self) -> None:
         """The switch ended: the groups get their own timeout back (the switch's group keeps the deadline)."""
-        set_timeouts(self.training_timeout, but=self.group)
+        set_timeouts(self.training_timeout, but=self.group)  # (a failed switch dropped its group)
         if self.phase != "failed":
             self.phase = "idle"
 
@@ -194,10 +207,9 @@ class SwitchWatch:
         """Stop the heartbeat and destroy the switch's group (local)."""
         self._stop.set()
         self._thread.join(timeout=5)
-        if self.broken:
-            self._abort_groups()
-        if dist.is_initialized() and self.group in c10d._world.pg_map:
+        if self.group is not None and dist.is_initialized() and self.group in c10d._world.pg_map:
             dist.destroy_process_group(self.group)
+        self.group = None
 
 
 class SwitchPeerFailedError(RuntimeError):
@@ -266,7 +278,9 @@ class SwitchAttempt:
 
     def failure(self, err: BaseException, *, lost_state: bool) -> SwitchFailedError:
         """This rank's switch failed with ``err``: tell the others (abort flag), find the rank(s) that
-        went missing (heartbeats), and the error to raise. Takes up to ``stale_after`` seconds."""
+        went missing (heartbeats; the first rank's verdict is shared), wait until every other
+        survivor has its verdict too (rank 0 may host the store: it must not end before the others
+        have read it), and the error to raise. Takes about ``stale_after`` seconds."""
         watch, key = self.watch, self._key
         phase, elapsed = watch.phase, time.monotonic() - self.started
         cause = " ".join(f"{type(err).__name__}: {err}".split())[:300]
@@ -277,15 +291,15 @@ class SwitchAttempt:
         watch.phase = "failed"
         watch.broken = True
         watch._abort_groups()
+        watch._drop_group()  # peers blocked on this rank fail at once (gloo: their connections close)
         try:
             if lost_state:
                 watch.store.set(f"{key}/lost", str(watch.rank))
         except Exception:  # noqa: BLE001
             pass
-        missing = self._missing()
-        try:
-            watch.store.set(f"{key}/left/{watch.rank}", phase)
-            # a peer that freed old state says so (it failed before this rank finished naming)
+        missing = self._verdict()
+        self._leave(missing)
+        try:  # a survivor that freed old state said so before it left
             lost_state = lost_state or watch.store.check([f"{key}/lost"])
         except Exception:  # noqa: BLE001
             lost_state = True
@@ -293,6 +307,34 @@ class SwitchAttempt:
         if not error.lost_state:
             mark_refused(error)  # training can go on at the old layout
         return error
+
+    def _verdict(self) -> dict[int, str]:
+        """The missing ranks: the first failing rank's verdict if there is one, else this rank's (shared)."""
+        store, key = self.watch.store, f"{self._key}/missing"
+        try:
+            if store.check([key]):
+                return _decode_missing(store.get(key))
+        except Exception:  # noqa: BLE001 - the store is gone: name nobody
+            return {}
+        missing = self._missing()
+        try:
+            return _decode_missing(store.compare_set(key, "", _encode_missing(missing)))
+        except Exception:  # noqa: BLE001
+            return missing
+
+    def _leave(self, missing: dict[int, str]) -> None:
+        """Say this rank has its verdict, and wait (bounded) until every rank not missing says so."""
+        watch = self.watch
+        end = max(time.monotonic() + watch.stale_after, self.started + self.deadline.seconds + watch.stale_after)
+        try:
+            watch.store.set(f"{self._key}/left/{watch.rank}", watch.phase)
+            waiting = [r for r in range(watch.size) if r != watch.rank and r not in missing]
+            while waiting and time.monotonic() < end:
+                waiting = [r for r in waiting if not watch.store.check([f"{self._key}/left/{r}"])]
+                if waiting:
+                    time.sleep(watch.interval)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
+            pass
 
     def _missing(self) -> dict[int, str]:
         """Ranks whose heartbeat does not move for ``stale_after`` seconds (and did not report
@@ -347,6 +389,15 @@ class SwitchAttempt:
         first = min(missing) if missing else None
         return SwitchFailedError(message, hint=hint, rank=first, phase=missing.get(first, phase) if missing else phase,
                                  lost_state=lost_state, resume_from=resume)
+
+
+def _encode_missing(missing: dict[int, str]) -> str:
+    return ";".join(f"{r}={p}" for r, p in sorted(missing.items())) or "none"
+
+
+def _decode_missing(raw: bytes) -> dict[int, str]:
+    text = raw.decode()
+    return {} if text == "none" else {int(r): p for r, p in (item.split("=", 1) for item in text.split(";"))}
 
 
 def set_timeouts(timeout: timedelta, *, but: dist.ProcessGroup | None = None) -> None:

@@ -31,6 +31,7 @@ Example (every rank)::
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -214,6 +215,8 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     except Exception as err:
         if attempt is None or was_refused(err):
             raise
+        group = None  # the watch drops the switch's group: nothing here may hold it
+        traceback.clear_frames(err.__traceback__)
         raise attempt.failure(err, lost_state=memory.started) from err
     finally:
         if watch is not None:
