@@ -18,9 +18,15 @@ second cycle's.
     python benchmarks/soak.py --switches 200 --json
 
 Lightning's launcher starts the 4 processes (``Trainer(devices=4)``), each with 1 intra-op
-thread. Prints a table on rank 0; with ``--json`` the last line is one JSON object: per rank the
-growth figures and the samples at each cycle's end, seconds per switch by cycle (``cycle_seconds``:
-the switches' seconds; ``cycle_median_seconds``), and ``goals`` ({name: {value, limit, met}}).
+thread. Prints a table on rank 0; with ``--json`` the last line is one JSON object: per rank
+(``ranks``) the growth figures (``rss_growth_bytes``, ``rss_peak_growth_bytes``, ``fds_growth``,
+``python_threads_growth``, ``os_threads_growth``, ``process_groups_growth``, each also as
+``..._peak_growth``: the most above the first cycle's end at any switch) and the samples at each
+cycle's end (with the objects Python's cyclic collector tracks and its full collections so far);
+seconds per switch by cycle (``cycle_seconds``, ``cycle_median_seconds``, per phase
+``cycle_median_phase_seconds``); as a control for a shared machine's pace, rank 0's seconds of the
+training step before each switch (``cycle_median_step_seconds``, ``step_last_over_second_cycle``);
+and ``goals`` ({name: {value, limit, met}}) with ``all_met``.
 
 ``soak_fit`` (the fit and its samples, per rank) and ``summarize`` are what ``tests/strategy/test_soak.py``
 runs, shorter.
@@ -231,6 +237,7 @@ def summarize(results: list[dict], cycle: int) -> dict:
             "cycle_seconds": [[round(s, 4) for s in c] for c in cycles],
             "cycle_median_seconds": [round(m, 4) for m in medians], "last_over_second_cycle": round(ratio, 4),
             "cycle_median_phase_seconds": phases, "cycle_median_step_seconds": steps,
+            "step_last_over_second_cycle": round(steps[-1] / steps[1], 4),
             "final_loss": results[0]["losses"][-1] if results[0]["losses"] else None,
             "goals": goals, "all_met": all(g["met"] for g in goals.values())}
 
@@ -266,6 +273,8 @@ def print_table(summary: dict, layouts: tuple[str, ...], wall_s: float) -> None:
     print("median seconds per switch by cycle: " + " ".join(f"{m:.3f}" for m in summary["cycle_median_seconds"]))
     print("  and of the training step before it (rank 0; the machine's pace): "
           + " ".join(f"{m:.3f}" for m in summary["cycle_median_step_seconds"]))
+    print(f"  last cycle over the second: switches {summary['last_over_second_cycle']:.3f}, "
+          f"training steps {summary['step_last_over_second_cycle']:.3f}")
     for name, goal in summary["goals"].items():
         print(f"  {name:32} {goal['value']!s:>12} <= {goal['limit']!s:<10} {'met' if goal['met'] else 'NOT MET'}")
 

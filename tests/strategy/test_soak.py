@@ -87,3 +87,52 @@ def test_old_models_rotary_tables_are_released(soak4: list[dict]) -> None:
         assert result["rope_alive"] == result["rope_in_model"], (
             f"{result['rope_alive']} rotary embeddings alive after {CYCLES} cycles, the model has "
             f"{result['rope_in_model']}: old models' modules are kept")
+
+
+# ------------------------------------------------------------------ the benchmark's figures, no processes
+def _fake_rank(rank: int, rss: list[int], groups: list[int], seconds: list[float]) -> dict:
+    from benchmarks.soak import Sample
+
+    def row(i: int) -> dict:
+        return dict(step=i + 1, dst="x", seconds=seconds[i], step_seconds=0.5, phase_seconds={"plan": seconds[i] / 2},
+                    rss_bytes=rss[i], fds=10, python_threads=2, os_threads=5, process_groups=groups[i],
+                    gc_objects=100, gc_full_collections=0)
+
+    start = Sample(rss_bytes=rss[0] - 1000, fds=10, python_threads=2, os_threads=5, process_groups=1, gc_objects=90,
+                   gc_full_collections=0)
+    from dataclasses import asdict
+
+    return dict(rank=rank, start=asdict(start), samples=[row(i) for i in range(len(rss))], losses=[5.5, 5.0])
+
+
+def test_schedule_cycles_from_the_second_layout() -> None:
+    from benchmarks.soak import make_schedule
+
+    assert make_schedule(("a", "b", "c"), 5, 2) == {2: "b", 4: "c", 6: "a", 8: "b", 10: "c"}
+    with pytest.raises(ValueError, match="at least 2 layouts"):
+        make_schedule(("a",), 4, 1)
+
+
+def test_growth_is_counted_from_the_first_cycles_end() -> None:
+    from benchmarks.soak import rank_growth
+
+    # 2 layouts a cycle: the first cycle ends at the 2nd switch
+    growth = rank_growth(_fake_rank(0, [100, 500, 900, 700, 600, 650], [7, 9, 9, 11, 9, 9], [1.0] * 6), 2)
+    assert (growth["rss_growth_bytes"], growth["rss_peak_growth_bytes"]) == (150, 400)
+    assert (growth["process_groups_growth"], growth["process_groups_peak_growth"]) == (0, 2)
+    assert [c["step"] for c in growth["cycle_ends"]] == [2, 4, 6]
+    with pytest.raises(ValueError, match="at least two cycles"):
+        rank_growth(_fake_rank(0, [1, 2, 3], [1, 1, 1], [1.0] * 3), 2)
+
+
+def test_goals_compare_the_last_cycle_with_the_second() -> None:
+    from benchmarks.soak import RSS_GOAL_BYTES, summarize
+
+    seconds = [9.0, 9.0, 1.0, 1.0, 1.0, 1.2]  # the first cycle (group creation) does not count
+    results = [_fake_rank(r, [0, 0, 0, 0, 0, RSS_GOAL_BYTES + r], [5] * 6, seconds) for r in range(2)]
+    summary = summarize(results, 2)
+    assert summary["cycle_median_seconds"] == [9.0, 1.0, 1.1]
+    assert summary["goals"]["last_over_second_cycle_seconds"] == {"value": 1.1, "limit": 1.1, "met": True}
+    assert summary["goals"]["rss_growth_bytes"]["met"] is False  # rank 1 is over
+    assert summary["goals"]["process_groups_growth"]["met"] is True
+    assert summary["all_met"] is False
