@@ -1,9 +1,11 @@
 """A short soak (``benchmarks/soak.py``): three cycles of four layouts in one fit on 4 processes.
 
 After the first cycle (every layout and its process groups seen once) nothing may grow: open
-files, Python and OS threads, live process groups. After the last switch the only rotary
-embedding alive is the current model's (megatron's class-wide rotary cache kept old models'
-modules alive). Timing and memory goals live in the benchmark, not here.
+files, Python and OS threads, live process groups. After the last switch the only model and DDP
+tracked are the current ones (dropped states are taken apart, not left in reference cycles for the
+collector), and the only rotary embedding alive after a collection is the current model's
+(megatron's class-wide rotary cache kept old models' modules alive). Timing and memory goals live
+in the benchmark, not here.
 """
 
 from __future__ import annotations
@@ -17,26 +19,36 @@ from tests.dist import run_distributed
 CYCLES = 3
 
 
-def _rope_census():
+def _census():
     from lightning.pytorch import Callback
 
-    class RopeCensus(Callback):
-        """After the last switch: rotary modules alive (after a full collection) and the current model's."""
+    class Census(Callback):
+        """After the last switch: megatron models and DDPs the collector tracks (live ones and cyclic
+        garbage not yet collected), then rotary modules alive after a full collection, and the
+        current model's."""
 
         def __init__(self) -> None:
-            self.alive: int | None = None
-            self.in_model: int | None = None
+            self.models: int | None = None
+            self.ddps: int | None = None
+            self.rope_alive: int | None = None
+            self.rope_in_model: int | None = None
 
         def on_train_end(self, trainer, pl_module) -> None:
             import gc
 
+            from megatron.core.distributed import DistributedDataParallel
             from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+            from megatron.core.models.gpt import GPTModel
 
+            tracked = gc.get_objects()
+            self.models = sum(1 for o in tracked if isinstance(o, GPTModel))
+            self.ddps = sum(1 for o in tracked if isinstance(o, DistributedDataParallel))
+            del tracked
             gc.collect()
-            self.alive = sum(1 for o in gc.get_objects() if isinstance(o, RotaryEmbedding))
-            self.in_model = sum(1 for m in pl_module.model.modules() if isinstance(m, RotaryEmbedding))
+            self.rope_alive = sum(1 for o in gc.get_objects() if isinstance(o, RotaryEmbedding))
+            self.rope_in_model = sum(1 for m in pl_module.model.modules() if isinstance(m, RotaryEmbedding))
 
-    return RopeCensus()
+    return Census()
 
 
 def _soak_job(rank: int, world_size: int) -> dict:
@@ -47,11 +59,12 @@ def _soak_job(rank: int, world_size: int) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)  # Lightning then launches nothing: the harness made the processes
     os.environ["NODE_RANK"] = "0"
     torch.set_num_threads(1)
-    census = _rope_census()
+    census = _census()
     _, results = soak_fit(LAYOUTS, CYCLES * len(LAYOUTS), 1, callbacks=[census])
     mine = next(r for r in results if r["rank"] == rank)
     return dict(growth=rank_growth(mine, len(LAYOUTS)), switched_to=[s["dst"] for s in mine["samples"]],
-                losses=mine["losses"], rope_alive=census.alive, rope_in_model=census.in_model)
+                losses=mine["losses"], rope_alive=census.rope_alive, rope_in_model=census.rope_in_model,
+                models=census.models, ddps=census.ddps)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +100,16 @@ def test_old_models_rotary_tables_are_released(soak4: list[dict]) -> None:
         assert result["rope_alive"] == result["rope_in_model"], (
             f"{result['rope_alive']} rotary embeddings alive after {CYCLES} cycles, the model has "
             f"{result['rope_in_model']}: old models' modules are kept")
+
+
+@pytest.mark.slow
+def test_old_states_do_not_wait_for_the_cyclic_collector(soak4: list[dict]) -> None:
+    """Each switch takes the state it replaces apart (``release_state``): after 12 switches the one
+    model and DDP the collector tracks are the current ones, with no collection run."""
+    for result in soak4:
+        assert (result["models"], result["ddps"]) == (1, 1), (
+            f"{result['models']} GPT models and {result['ddps']} DDPs tracked after {CYCLES} cycles: dropped "
+            "states are left for the cyclic collector")
 
 
 # ------------------------------------------------------------------ the benchmark's figures, no processes
