@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo plan-demo test bench clean
+.PHONY: setup demo plan-demo test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ plan-demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The tests that need no multi-process run (a few minutes).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_at_scale.py

@@ -13,7 +13,8 @@ Options for tests and benchmarks: ``--step-seconds`` stretches each step (the co
 model) so that processes started later find the fit still running; ``--fingerprint-salt`` changes
 the model's fingerprint without changing the model; ``--stop-in-store`` ends the fit at the step
 the job's store names under ``bench/stop_at`` (every rank reads it: they stop at the same step);
-``--resume`` resumes a checkpoint; ``--save`` writes one at the end.
+``--resume`` resumes a checkpoint; ``--save`` writes one at the end; ``--log-dir`` adds a
+``CSVLogger`` there (every step logged: its metrics file must continue whoever is rank 0).
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ def main() -> None:
     parser.add_argument("--stop-in-store", action="store_true")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--save", default=None)
+    parser.add_argument("--log-dir", default=None)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = MODELS[args.model]
 
     import torch
     from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.loggers import CSVLogger
 
     from lightning_dynatrain import DynaTrainStrategy, GPTLightningModule, OnNodeChange
     from lightning_dynatrain.data import StdlibTextDataModule
@@ -116,9 +119,11 @@ def main() -> None:
         callbacks.append(StopInStore())
     if not args.static:
         callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0))
+    logger = CSVLogger(args.log_dir, name="metrics") if args.log_dir else False
     trainer = Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                       strategy=DynaTrainStrategy(model["policy"][world]), max_steps=args.max_steps,
-                      callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                      enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     data = StdlibTextDataModule(seq_length=model["seq_length"], global_batch_size=model["global_batch"], shuffle=True,
                                 seed=0, max_bytes=300_000)

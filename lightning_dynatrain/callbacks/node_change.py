@@ -17,7 +17,9 @@ Example::
 
 Each change is logged (``[dynatrain] step N: world 2 -> 4 ...``, and the metrics
 ``dynatrain/world_size``, ``dynatrain/change_pause_seconds``, ``dynatrain/change_transfer_seconds``,
-``dynatrain/change_build_seconds``, ``dynatrain/change_moved_bytes``) and kept in ``changes``.
+``dynatrain/change_build_seconds``, ``dynatrain/change_moved_bytes``, and
+``dynatrain/change_overlap_slowdown``: how much slower the steps run while the next world was built
+were than the steps before) and kept in ``changes``.
 """
 
 from __future__ import annotations
@@ -111,12 +113,14 @@ class OnNodeChange(Callback):
         report = self._driver.at_boundary(trainer)
         if report is not None:
             self.changes.append(asdict(report))
-            pl_module.log_dict({"dynatrain/world_size": float(trainer.world_size),
-                                "dynatrain/change_pause_seconds": report.pause_seconds,
-                                "dynatrain/change_transfer_seconds": report.transfer_seconds,
-                                "dynatrain/change_build_seconds": report.build_seconds,
-                                "dynatrain/change_moved_bytes": float(report.moved_bytes)},
-                               on_step=True, on_epoch=False, batch_size=1)
+            metrics = {"dynatrain/world_size": float(trainer.world_size),
+                       "dynatrain/change_pause_seconds": report.pause_seconds,
+                       "dynatrain/change_transfer_seconds": report.transfer_seconds,
+                       "dynatrain/change_build_seconds": report.build_seconds,
+                       "dynatrain/change_moved_bytes": float(report.moved_bytes)}
+            if report.overlap_slowdown is not None:
+                metrics["dynatrain/change_overlap_slowdown"] = report.overlap_slowdown
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:

@@ -32,7 +32,9 @@ Example (what ``OnNodeChange`` does at each boundary)::
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, moved_bytes, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
 from lightning_dynatrain.elastic.session import ElasticSession, WorldChange
+from lightning_dynatrain.strategy.loggers import continue_loggers, flush_loggers, logger_versions, pin_logger_versions
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -118,12 +121,18 @@ class ChangeReport:
     rebuild_seconds: float
     """Building the target's groups, model, DDP and optimizer inside the pause (on demand)."""
     moved_bytes: int
+    overlap_slowdown: float | None = None
+    """Mean seconds of the steps run while the next world was built (from the change's detection to
+    its boundary) over the median of the 10 steps before, minus 1; ``None`` without both."""
 
     def __str__(self) -> str:
         return (f"[dynatrain] step {self.step}: {self.change}, {self.src} -> {self.dst} in {self.pause_seconds:.3f} s "
                 f"(transfer {self.transfer_seconds:.3f} s, {self.moved_bytes / 2**20:.1f} MiB; world built "
-                f"{self.build_seconds:.3f} s in the background; detected {self.detect_to_swap_seconds:.2f} s "
-                f"before the swap). {self.reason}")
+                f"{self.build_seconds:.3f} s in the background{self._slowdown()}; detected "
+                f"{self.detect_to_swap_seconds:.2f} s before the swap). {self.reason}")
+
+    def _slowdown(self) -> str:
+        return "" if self.overlap_slowdown is None else f", steps meanwhile {100 * self.overlap_slowdown:+.0f}%"
 
 
 class ElasticDriver:
@@ -141,6 +150,9 @@ class ElasticDriver:
         self.left = False
         self.history: list[ChangeReport] = []
         self._detected_at: float | None = None
+        self._last_boundary: float | None = None
+        self._steady_steps: deque[float] = deque(maxlen=10)  # step seconds with no change pending
+        self._overlapped_steps: list[float] = []  # step seconds while a change was pending
 
     @property
     def local_collectives(self) -> bool:
@@ -174,13 +186,20 @@ class ElasticDriver:
                            launch_id=launch_id)
         strategy.cluster_environment = ElasticEnvironment(launcher, self.session)
         _set_rank_zero(self.session.rank)
+        loggers = self._loggers()
         change = self.session.joined_change
-        if change is None:
+        if change is None:  # the first world: one version directory for whoever is rank 0 later
+            pin_logger_versions(loggers, _broadcast_object(logger_versions(loggers) if self.session.rank == 0 else None))
             return None
         self.catching_up = True
         self.header = _broadcast_object(None)  # (1) from the new world's rank 0, an old member
+        pin_logger_versions(loggers, self.header["loggers"])
         rank_zero_info(f"[dynatrain] joined {change} at step {self.header['step']}")
         return ParallelConfig.parse(self.header["layout"])
+
+    def _loggers(self) -> list:
+        trainer = self.strategy._trainer()
+        return list(trainer.loggers) if trainer is not None else []
 
     def fingerprint(self) -> str:
         """What this process would train: the module's class, recipe and optimizer settings, the
@@ -237,17 +256,32 @@ class ElasticDriver:
         if self.left:
             return None
         self.session.publish_step(step)
+        self._time_step(pending=self._detected_at is not None)
         change = self.session.poll(step)
         if change is None:
             if self.session.pending is not None and self._detected_at is None:
                 self._detected_at = time.perf_counter()
             return None
         report = self.change_world(change, trainer)
-        self._detected_at = None
+        self._detected_at, self._last_boundary = None, time.perf_counter()  # the pause is not a step
         if report is not None:
+            report.overlap_slowdown = self._overlap_slowdown()
             self.history.append(report)
             rank_zero_info(str(report))
+        self._overlapped_steps = []
         return report
+
+    def _time_step(self, *, pending: bool) -> None:
+        """Record the step that just ended, as overlapping a background build or not."""
+        now = time.perf_counter()
+        if self._last_boundary is not None:
+            (self._overlapped_steps if pending else self._steady_steps).append(now - self._last_boundary)
+        self._last_boundary = now
+
+    def _overlap_slowdown(self) -> float | None:
+        if not self._overlapped_steps or not self._steady_steps:
+            return None
+        return statistics.fmean(self._overlapped_steps) / statistics.median(self._steady_steps) - 1
 
     def choose(self, change: WorldChange) -> LayoutChoice:
         """The target layout for the new world (the same on every old member: a pure function)."""
@@ -275,6 +309,8 @@ class ElasticDriver:
         old_world = dist.GroupMember.WORLD
         build_seconds = self.session.build_seconds()
         if change.leaving:
+            if strategy.global_rank == 0:  # written before the survivors can go on: the next rank 0 appends
+                flush_loggers(trainer.loggers)
             setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
             send_state(strategy.megatron, target, setup, members=change.members, group=old_world)
             self.left = True
@@ -284,12 +320,14 @@ class ElasticDriver:
             print(f"[dynatrain] process {self.session.me} handed its state off at step {step} and leaves",
                   flush=True)
             return None
+        was_rank_zero = strategy.global_rank == 0
         old_groups = self.session.swap(change)
         _set_rank_zero(self.session.rank)
         groups = strategy.switcher.new_world_groups()
         if change.grows:  # the joiners wait for (1)-(4) in this order (see the module docstring)
             header = {"layout": str(target), "src": str(src), "step": step,
-                      "adam_step": adam_step(strategy.megatron.optimizer) or 0}
+                      "adam_step": adam_step(strategy.megatron.optimizer) or 0,
+                      "loggers": logger_versions(trainer.loggers)}
             _broadcast_object(header if self.session.rank == 0 else None)  # (1)
             self.session.retire(old_groups)
             initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (2)
@@ -306,6 +344,8 @@ class ElasticDriver:
             strategy._install(result.state)
             self.session.retire(old_groups)
             strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
+            if self.session.rank == 0 and not was_rank_zero:  # the old rank 0 left (its files are written)
+                continue_loggers(trainer.loggers)
         pause = time.perf_counter() - start
         moved = moved_bytes(setup.spec, src, target, precision_of(strategy.megatron.model),
                             change.members)  # the plan's total: no collective (the joiners have gone on)

@@ -7,6 +7,7 @@ The script (``benchmarks/elastic_fit.py``) trains a GPT whose worlds 2, 3 and 4 
 
 from __future__ import annotations
 
+import csv
 import signal
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def _static_losses(tmp_path) -> dict[int, float]:
 
 
 def test_two_join_rank0_leaves_on_sigterm_one_joins_again_and_every_survivor_matches_a_static_run(tmp_path):
-    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25) as job:
+    logs = tmp_path / "logs"
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=("--log-dir", str(logs))) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         joiners = [job.start_python(), job.start_python()]
@@ -59,8 +61,15 @@ def test_two_join_rank0_leaves_on_sigterm_one_joins_again_and_every_survivor_mat
     layouts = {2: "dp2-tp1-pp1", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"}
     assert [(c["src"], c["dst"]) for c in changes] == [(layouts[a], layouts[b]) for a, b in zip(sizes, sizes[1:])]
     assert all(c["moved_bytes"] > 0 and c["pause_seconds"] > 0 for c in changes)
+    assert all(c["overlap_slowdown"] is not None and c["overlap_slowdown"] > -1 for c in changes)
+    # one metrics file, continued by each rank 0 in turn (rank 0 left at one change): every step in it
+    (metrics,) = logs.glob("metrics/version_*/metrics.csv")
+    with open(metrics, newline="") as f:
+        logged = {int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")}
+    assert logged == set(range(MAX_STEPS)), sorted(set(range(MAX_STEPS)) - logged)
     print("\n".join(f"step {c['step']}: {c['change']} {c['src']} -> {c['dst']}: pause {c['pause_seconds']:.3f} s, "
-                    f"transfer {c['transfer_seconds']:.3f} s, built {c['build_seconds']:.3f} s, "
+                    f"transfer {c['transfer_seconds']:.3f} s, built {c['build_seconds']:.3f} s "
+                    f"(steps meanwhile {100 * c['overlap_slowdown']:+.0f}%), "
                     f"{c['moved_bytes'] / 2**20:.2f} MiB" for c in changes))
     # the loss of every step, whoever ran it, is the static run's (the same global batches)
     static = _static_losses(tmp_path)

@@ -1,0 +1,79 @@
+"""Loggers that continue when rank 0 changes: one version directory and one metrics file per run.
+
+Lightning's file loggers write on rank 0 only, and pick their version lazily on the rank that logs:
+the next free ``version_N`` under their root. In an elastic fit the process that is rank 0 changes
+when rank 0 leaves, and its successor would pick ``version_{N+1}``; Lightning's ``CSVLogger``
+would also delete the ``metrics.csv`` it finds there when its writer is made. So:
+
+- every member takes rank 0's versions when it enters the job (the first world by a broadcast, a
+  joiner in the header of its change): ``logger_versions`` / ``pin_logger_versions``;
+- a rank 0 that leaves writes out what its loggers hold before it hands its state off
+  (``flush_loggers``), and its successor takes the metrics file over as it stands
+  (``continue_loggers``): its CSV writer starts from the file's columns and appends.
+
+TensorBoard's writer starts a new event file in the same directory by itself. Loggers without a
+version directory (``_version``; e.g. WandB's run ids) are left as they are.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+
+def logger_versions(loggers: Sequence[Any]) -> list[Any]:
+    """Each logger's version as this process would write it (``None`` for a logger without one)."""
+    return [logger.version if hasattr(logger, "_version") else None for logger in loggers]
+
+
+def pin_logger_versions(loggers: Sequence[Any], versions: Sequence[Any]) -> None:
+    """Make each logger write to ``versions``' directory (rank 0's), whichever rank logs later."""
+    if len(versions) != len(loggers):
+        raise ValueError(f"{len(versions)} logger versions for {len(loggers)} loggers: the processes of one job "
+                         "must configure the same loggers")
+    for logger, version in zip(loggers, versions):
+        if version is not None and hasattr(logger, "_version"):
+            logger._version = version  # what the constructor's `version=` sets
+
+
+def flush_loggers(loggers: Sequence[Any]) -> None:
+    """Write out what the loggers hold (a rank 0 about to leave)."""
+    for logger in loggers:
+        logger.save()
+
+
+def continue_loggers(loggers: Sequence[Any]) -> None:
+    """This process just became rank 0: take over each CSV metrics file as it stands."""
+    for logger in loggers:
+        if isinstance(logger, CSVLogger) and logger._experiment is None:
+            logger._experiment = _adopt_csv(logger.log_dir)
+
+
+def _adopt_csv(log_dir: str) -> ExperimentWriter:
+    """A CSV writer over ``log_dir`` that keeps its ``metrics.csv`` (Lightning's constructor deletes
+    one it finds) and knows its columns, so that its rows append under the same header."""
+    path = os.path.join(log_dir, ExperimentWriter.NAME_METRICS_FILE)
+    aside = path + ".continued"
+    kept = os.path.isfile(path)
+    if kept:
+        os.replace(path, aside)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Experiment logs directory")
+            writer = ExperimentWriter(log_dir=log_dir)
+    finally:
+        if kept:
+            os.replace(aside, path)
+    if kept:
+        with open(path, newline="") as f:
+            writer.metrics_keys = sorted(next(csv.reader(f), []))
+    return writer
+
+
+__all__ = ["continue_loggers", "flush_loggers", "logger_versions", "pin_logger_versions"]
