@@ -12,7 +12,7 @@ Example::
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_dynatrain.data.sampler import GlobalBatchSampler
 from lightning_dynatrain.data.stdlib_text import StdlibBytes
@@ -44,10 +44,12 @@ class StdlibTextDataModule(pl.LightningDataModule):
         seed: seed of that order.
         max_bytes: cap on the corpus size (``None``: the whole stdlib, ~31 MB).
         num_workers: DataLoader workers; 0 keeps the sampler in the training process.
+        val_samples: samples held out at the end of the corpus for validation, in global batches
+            in order (0: no validation data).
     """
 
     def __init__(self, *, seq_length: int, global_batch_size: int, shuffle: bool = True, seed: int = 0,
-                 max_bytes: int | None = None, num_workers: int = 0) -> None:
+                 max_bytes: int | None = None, num_workers: int = 0, val_samples: int = 0) -> None:
         super().__init__()
         self.seq_length = seq_length
         self.global_batch_size = global_batch_size
@@ -55,18 +57,37 @@ class StdlibTextDataModule(pl.LightningDataModule):
         self.seed = seed
         self.max_bytes = max_bytes
         self.num_workers = num_workers
-        self.dataset: StdlibBytes | None = None
+        if val_samples < 0 or val_samples % global_batch_size:
+            raise ValueError(f"val_samples={val_samples} is not a whole number of global batches of "
+                             f"{global_batch_size}; pass a multiple of global_batch_size (0: no validation)")
+        self.val_samples = val_samples
+        self.dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
         self.sampler: GlobalBatchSampler | None = None
 
     def setup(self, stage: str) -> None:
         if self.dataset is None:
-            self.dataset = StdlibBytes(self.seq_length, max_bytes=self.max_bytes)
+            corpus = StdlibBytes(self.seq_length, max_bytes=self.max_bytes)
+            train = len(corpus) - self.val_samples
+            if train < self.global_batch_size:
+                raise ValueError(f"{len(corpus)} samples leave {train} for training after val_samples="
+                                 f"{self.val_samples}: fewer than one global batch; hold out fewer")
+            self.dataset = Subset(corpus, range(train)) if self.val_samples else corpus
+            self.val_dataset = Subset(corpus, range(train, len(corpus))) if self.val_samples else None
 
     def train_dataloader(self) -> GlobalBatchDataLoader:
         assert self.dataset is not None, "setup() runs before train_dataloader()"
         self.sampler = GlobalBatchSampler(self.dataset, global_batch_size=self.global_batch_size,
                                           shuffle=self.shuffle, seed=self.seed)
         return GlobalBatchDataLoader(self.dataset, batch_sampler=self.sampler, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> GlobalBatchDataLoader | list:
+        """The held-out samples in global batches, in order (the same at every layout); ``[]``
+        (Lightning runs no validation) without ``val_samples``."""
+        if self.val_dataset is None:
+            return []
+        sampler = GlobalBatchSampler(self.val_dataset, global_batch_size=self.global_batch_size, shuffle=False)
+        return GlobalBatchDataLoader(self.val_dataset, batch_sampler=sampler, num_workers=self.num_workers)
 
 
 __all__ = ["GlobalBatchDataLoader", "StdlibTextDataModule"]

@@ -25,6 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
@@ -152,16 +153,18 @@ class SubgroupCache:
     def __init__(self) -> None:
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
-    def ensure(self, member_sets: Iterable[tuple[int, ...]], comm: GroupComm) -> None:
+    def ensure(self, member_sets: Iterable[tuple[int, ...]], comm: GroupComm, *,
+               timeout: timedelta | None = None) -> None:
         """Create the missing subgroups of every rank's ``member_sets`` (plan ranks: the broadcasts
-        each rank takes part in), in sorted order. Collective over ``comm``: every rank calls it,
-        with what it knows (possibly nothing)."""
+        each rank takes part in), in sorted order, with ``timeout`` (default torch's). Collective
+        over ``comm``: every rank calls it, with what it knows (possibly nothing)."""
         gathered: list[list[tuple[int, ...]] | None] = [None] * comm.size
         dist.all_gather_object(gathered, sorted(set(member_sets)), group=comm.group)
         for members in sorted({tuple(m) for sets in gathered for m in (sets or ())}):
             ranks = comm.global_ranks(members)
             if ranks not in self._groups:
-                self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=not comm.is_world())
+                self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=not comm.is_world(),
+                                                     timeout=timeout)
 
     def get(self, members: tuple[int, ...], comm: GroupComm) -> dist.ProcessGroup:
         ranks = comm.global_ranks(members)

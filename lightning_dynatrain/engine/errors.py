@@ -23,6 +23,26 @@ class SwitchAbortedError(DynaTrainError):
     """Another rank found a problem before anything moved; every rank stops with this error."""
 
 
+class SwitchFailedError(DynaTrainError):
+    """A rank died or stalled during a switch, or one of its waits ran past the switch's deadline:
+    every surviving rank raises it, naming the rank that went missing and the phase.
+
+    Attributes:
+        rank: the rank that stopped answering (its heartbeat stopped), or ``None`` when every rank
+            was still alive (a wait ran past the deadline, or a peer's collective failed).
+        phase: the switch's phase on the rank that went missing (its last heartbeat), else this rank's.
+        lost_state: the training state of this step is gone (old storage freed as it was moved, or a
+            rank holding a part of it is gone): resume from ``resume_from``. ``False``: the old state
+            is whole on every rank and training can go on at the old layout.
+        resume_from: the last checkpoint of the run, if the caller knows one.
+    """
+
+    def __init__(self, message: str, *, hint: str, rank: int | None, phase: str, lost_state: bool,
+                 resume_from: str | None) -> None:
+        super().__init__(message, hint=hint)
+        self.rank, self.phase, self.lost_state, self.resume_from = rank, phase, lost_state, resume_from
+
+
 class EngineInternalError(RuntimeError):
     """A plan and the regions it was computed from disagree: a bug, please report it."""
 
@@ -39,5 +59,5 @@ def was_refused(err: BaseException) -> bool:
     return bool(getattr(err, "switch_refused", False))
 
 
-__all__ = ["EngineInternalError", "StagingBudgetError", "StateStoreError", "SwitchAbortedError", "mark_refused",
-           "was_refused"]
+__all__ = ["EngineInternalError", "StagingBudgetError", "StateStoreError", "SwitchAbortedError", "SwitchFailedError",
+           "mark_refused", "was_refused"]

@@ -35,8 +35,13 @@ def switch_peak_bytes(
     shared_source_kinds: Iterable[StateKind] = (),
     preallocated_kinds: Iterable[StateKind] = (),
     with_staging: bool = False,
+    keep_old: bool = False,
 ) -> int:
-    """Peak bytes this rank's switch takes beyond its old state (the stage buffer only ``with_staging``)."""
+    """Peak bytes this rank's switch takes beyond its old state (the stage buffer only ``with_staging``).
+
+    ``keep_old``: the old state is held whole until the switch is confirmed (``switch_safety="keep_old"``):
+    nothing is given back and nothing is kept in place."""
+    keeps_in_place = keeps_in_place and not keep_old
     shared, preallocated = frozenset(shared_source_kinds), frozenset(preallocated_kinds)
     old = {t.key: t.numel * DTYPE_SIZES[t.dtype] for t in program.sources}
     new = {t.key: t.numel * DTYPE_SIZES[t.dtype] for t in program.destinations}
@@ -54,7 +59,7 @@ def switch_peak_bytes(
 
     def give(key: StoreKey, nbytes: int) -> None:
         nonlocal net
-        net -= 0 if key[1] in shared else nbytes
+        net -= 0 if key[1] in shared or keep_old else nbytes
 
     for step in program.steps:
         if isinstance(step, (Keep, Copy)):

@@ -19,7 +19,8 @@ Example (every rank)::
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,7 +52,8 @@ if TYPE_CHECKING:  # the memory package builds on the engine's keys and programs
 
 def execute_switch(program: SwitchProgram, source: MutableMapping[StoreKey, torch.Tensor],
                    memory: "PlainMemory | None" = None, *, group: dist.ProcessGroup | None = None,
-                   subgroups: SubgroupCache | None = None) -> tuple[dict[StoreKey, torch.Tensor], SwitchReport]:
+                   subgroups: SubgroupCache | None = None, on_phase: Callable[[str], None] | None = None,
+                   timeout: timedelta | None = None) -> tuple[dict[StoreKey, torch.Tensor], SwitchReport]:
     """Run ``program`` on this rank: move its state from the source layout to the destination's.
 
     Args:
@@ -61,6 +63,9 @@ def execute_switch(program: SwitchProgram, source: MutableMapping[StoreKey, torc
         group: the process group holding the union of both worlds; default the global group.
         subgroups: where promoted broadcasts' subgroups are kept across switches (needed when the
             program was compiled with link costs).
+        on_phase: told ``"preflight"`` before the checks and ``"transfer"`` before the first step
+            (``SwitchWatch``'s phases).
+        timeout: subgroups made by this switch are created with this timeout (the switch's deadline).
 
     Returns:
         The destination store (every destination local tensor) and this rank's report.
@@ -79,9 +84,13 @@ def execute_switch(program: SwitchProgram, source: MutableMapping[StoreKey, torc
     comm = GroupComm(group, device)
     walk = _Walk(program, source, memory, comm, SwitchRecorder(program.rank, program.topology, comm.synchronize))
     with walk.rec.phase("plan"):
+        if on_phase is not None:
+            on_phase("preflight")
         preflight(program, comm, source)
         if program.promotes:  # every rank's broadcast groups, made on every rank (collective)
-            subgroups.ensure(program.broadcast_groups, comm)  # type: ignore[union-attr]
+            subgroups.ensure(program.broadcast_groups, comm, timeout=timeout)  # type: ignore[union-attr]
+    if on_phase is not None:
+        on_phase("transfer")
     memory.start(dict(source))
     walk.subgroups = subgroups
     walk.drop_unread()

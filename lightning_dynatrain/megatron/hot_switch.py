@@ -18,6 +18,8 @@ On every rank, between two optimizer steps:
 
 A switch refused before anything moved (memory, a budget below a row, state that does not match,
 on every rank) restores the old gradient buffers and groups: training can go on at the source.
+With ``SwitchSetup(keep_old=True)`` the old state is held until every rank confirmed its new state,
+so a switch that fails later rolls back the same way (``memory.KeepOldMemory``).
 
 Example (every rank)::
 
@@ -29,9 +31,11 @@ Example (every rank)::
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import MappingProxyType
 
 import torch
@@ -40,10 +44,11 @@ import torch.distributed as dist
 from lightning_dynatrain.engine.collectives import LinkCosts, SubgroupCache
 from lightning_dynatrain.engine.comm import group_rank
 from lightning_dynatrain.engine.compiler import switch_program
-from lightning_dynatrain.engine.errors import mark_refused
+from lightning_dynatrain.engine.errors import mark_refused, was_refused
 from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.walker import execute_switch
+from lightning_dynatrain.engine.watch import SwitchWatch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec, release_rope_caches
@@ -58,7 +63,7 @@ from lightning_dynatrain.megatron.state_bridge import (
     megatron_store,
     precision_of,
 )
-from lightning_dynatrain.memory.policy import MemoryFigures, PlainMemory, switch_memory
+from lightning_dynatrain.memory.policy import KeepOldMemory, MemoryFigures, PlainMemory, switch_memory
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.members import Members
@@ -91,6 +96,10 @@ class SwitchSetup:
     """The node of every rank (default: nodes of 8 ranks)."""
     link_costs: LinkCosts | None = None
     """The world's measured link speeds: broadcasts are promoted where they pay; ``None``: never."""
+    keep_old: bool = False
+    """Hold the old state until every rank confirmed its new state (``switch_safety="keep_old"``):
+    a switch that fails after moving bytes then rolls back to the old layout (the memory check
+    counts the old state held)."""
     spec: ModelSpec = field(init=False)
 
     def __post_init__(self) -> None:
@@ -135,7 +144,8 @@ class _Phases:
 @automatic_gc_paused()
 def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, *,
                groups: ProcessGroupCache | None = None, subgroups: SubgroupCache | None = None,
-               group: dist.ProcessGroup | None = None, members: Members | None = None) -> HotSwitchResult:
+               group: dist.ProcessGroup | None = None, members: Members | None = None,
+               watch: SwitchWatch | None = None) -> HotSwitchResult:
     """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over ``group``
     (default the world). Python's automatic garbage collection is paused meanwhile.
 
@@ -144,10 +154,15 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     each rank of A and B (a world change; default process ``p`` is rank ``p`` of both). The target's
     megatron groups are made on the default group (the new world, installed before).
 
+    ``watch`` (``engine.watch.SwitchWatch``, made once per world): every wait of the switch runs
+    under its deadline, on the watch's group (instead of ``group``), and a rank that dies or stalls
+    makes every survivor raise ``SwitchFailedError``.
+
     Raises:
         SwitchMemoryError: the switch would not fit in memory (or exceed ``setup.memory_limit``).
         StagingBudgetError, StateStoreError, SwitchAbortedError: refused before anything moved.
         In each case on every rank, with the old state whole (``engine.errors.was_refused``).
+        SwitchFailedError: (with ``watch``) a rank went missing, or a wait ran past the deadline.
     """
     start, phase = time.perf_counter(), _Phases()
     src, spec = current.layout, setup.spec
@@ -159,23 +174,53 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
             materialize_adam_state(current.optimizer, 0)
         source = megatron_store(current.ddp, current.optimizer, spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
-    memory = switch_memory(device, recycle=setup.recycle, idle_cap=setup.staging_budget, buffer_mode=switch_buffers)
+    memory = switch_memory(device, recycle=setup.recycle, idle_cap=setup.staging_budget, buffer_mode=switch_buffers,
+                           keep_old=setup.keep_old)
     old_grads = sum(t.nbytes for t in current.gradient_buffers())
-    with phase("memory_check"):
-        need = _check_memory(program, setup, device, f"{src} -> {target}", group, old_grads, memory.held_bytes)
-    memory.take_old_buffers(current.gradient_buffers())  # the new buffers take their place (or memory)
+    attempt = None
+    if watch is not None:
+        assert group is None and members.is_identity, "a watched switch runs within one world, on the watch's group"
+        attempt, group = watch.begin(program, setup.link_costs, f"{src} -> {target}"), watch.group
     try:
-        new = _rebuild(current, target, setup, step, memory, phase, groups)
-        memory.bind(MegatronTarget(new, spec, members.dst_rank(process)))
-        with phase("engine"):
-            _, report = execute_switch(program, source, memory, group=group, subgroups=subgroups)
-    except BaseException as err:
-        if not memory.started:  # refused before anything moved: training can go on at ``src``
-            memory.restore_old_buffers()
-            initialize_for_layout(src, seed=setup.seed, groups=groups)
-            if isinstance(err, DynaTrainError):  # every rank agreed on it (the engine's preflight)
-                mark_refused(err)
-        raise
+        if attempt is not None:
+            attempt.phase("memory_check")
+        with phase("memory_check"):
+            need = _check_memory(program, setup, device, f"{src} -> {target}", group, old_grads, memory.held_bytes,
+                                 keep_old=setup.keep_old)
+        memory.take_old_buffers(current.gradient_buffers())  # the new buffers take their place (or memory)
+        try:
+            if attempt is not None:
+                attempt.phase("rebuild")
+            new = _rebuild(current, target, setup, step, memory, phase, groups,
+                           timeout=attempt.deadline.timedelta if attempt is not None else None)
+            memory.bind(MegatronTarget(new, spec, members.dst_rank(process)))
+            with phase("engine"):
+                _, report = execute_switch(program, source, memory, group=group, subgroups=subgroups,
+                                           on_phase=attempt.phase if attempt is not None else None,
+                                           timeout=attempt.deadline.timedelta if attempt is not None else None)
+            if attempt is not None:
+                attempt.confirm()  # every rank holds its new state
+            if isinstance(memory, KeepOldMemory):
+                memory.commit()  # the old state goes only now
+        except BaseException as err:
+            if isinstance(memory, KeepOldMemory) and memory.started:  # the old state is whole: back to it
+                memory.rollback()
+                initialize_for_layout(src, seed=setup.seed, groups=groups)  # cached: creates nothing
+            elif not memory.started:  # refused before anything moved: training can go on at ``src``
+                memory.restore_old_buffers()
+                initialize_for_layout(src, seed=setup.seed, groups=groups)  # cached: creates nothing
+                if isinstance(err, DynaTrainError):  # every rank agreed on it (the engine's preflight)
+                    mark_refused(err)
+            raise
+    except Exception as err:
+        if attempt is None or was_refused(err):
+            raise
+        group = None  # the watch drops the switch's group: nothing here may hold it
+        traceback.clear_frames(err.__traceback__)
+        raise attempt.failure(err, lost_state=memory.started) from err
+    finally:
+        if watch is not None:
+            watch.end()
     release_rope_caches()  # megatron's class-wide cache would keep the old model's rotary tables alive
     return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
                            memory=memory.figures(), need_bytes=need)
@@ -236,11 +281,11 @@ def _program(setup: SwitchSetup, src: ParallelConfig, dst: ParallelConfig, proce
 
 
 def _check_memory(program: SwitchProgram, setup: SwitchSetup, device: torch.device, what: str,
-                  group: dist.ProcessGroup | None, old_grads: int, held: int) -> int | None:
+                  group: dist.ProcessGroup | None, old_grads: int, held: int, *, keep_old: bool = False) -> int | None:
     """Every process's bound checked against its free memory and the limit (collective), or nothing."""
     if not (setup.check_memory or setup.memory_limit is not None):
         return None
-    need = switch_need_bytes(program, old_grad_bytes=old_grads, held_bytes=held)
+    need = switch_need_bytes(program, old_grad_bytes=old_grads, held_bytes=held, keep_old=keep_old)
     try:
         check_switch_memory(need, device=device, what=what, limit_bytes=setup.memory_limit, group=group,
                             read_free=setup.check_memory)
@@ -250,10 +295,10 @@ def _check_memory(program: SwitchProgram, setup: SwitchSetup, device: torch.devi
 
 
 def _rebuild(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, step: int, memory: PlainMemory,
-             phase: _Phases, groups: ProcessGroupCache | None) -> MegatronState:
-    """The target's megatron objects, built on the groups made for it, with no weight init."""
+             phase: _Phases, groups: ProcessGroupCache | None, *, timeout: timedelta | None = None) -> MegatronState:
+    """The target's megatron objects, built on the groups made for it (created with ``timeout``), with no weight init."""
     with phase("groups"):
-        pgs = initialize_for_layout(target, seed=setup.seed, groups=groups)
+        pgs = initialize_for_layout(target, seed=setup.seed, groups=groups, timeout=timeout)
     with phase("model"):
         model = build_gpt_model(setup.shape, target, seed=setup.seed, params_dtype=current.model.config.params_dtype,
                                 initialize=False, pg_collection=pgs)

@@ -69,7 +69,8 @@ def new_buffer_bytes(program: SwitchProgram) -> int:
     return total
 
 
-def switch_need_bytes(program: SwitchProgram, *, old_grad_bytes: int, held_bytes: int = 0) -> int:
+def switch_need_bytes(program: SwitchProgram, *, old_grad_bytes: int, held_bytes: int = 0,
+                      keep_old: bool = False) -> int:
     """Upper bound on the memory this rank's hot switch takes beyond its state at the source (pure).
 
     The old gradient buffers are freed first (``old_grad_bytes``), then the new model's buffers are
@@ -77,14 +78,16 @@ def switch_need_bytes(program: SwitchProgram, *, old_grad_bytes: int, held_bytes
     (``switch_peak_bytes``: the stage buffer included), with the source's zero1 params views into
     one buffer (nothing of it goes before the end) and the destination's zero1 param buffer and
     bf16 main params already built. A memory policy may hold ``held_bytes`` of old storage on top
-    (``PlainMemory.held_bytes``).
+    (``PlainMemory.held_bytes``). ``keep_old``: the old state, its gradient buffers included, is
+    held whole until every rank confirmed its new state (``switch_safety="keep_old"``).
     """
     if program.rank >= program.dst.world_size:  # a rank leaving builds nothing
         return 0
     preallocated = [StateKind.MAIN_PARAM] + ([StateKind.PARAM] if program.dst.zero else [])
     engine = switch_peak_bytes(program, with_staging=True, preallocated_kinds=preallocated,
-                               shared_source_kinds=[StateKind.PARAM] if program.src.zero else [])
-    return max(0, new_buffer_bytes(program) - old_grad_bytes + engine + held_bytes)
+                               shared_source_kinds=[StateKind.PARAM] if program.src.zero else [], keep_old=keep_old)
+    freed_first = 0 if keep_old else old_grad_bytes
+    return max(0, new_buffer_bytes(program) - freed_first + engine + held_bytes)
 
 
 def proc_field_bytes(path: str, field: str) -> int | None:

@@ -384,6 +384,51 @@ def run_train_step(
         )
         finalize_model_grads([ddp_model], pg_collection=pgs)
         optimizer.step()
+    return _global_mean_loss(reports, pgs, device)
+
+
+def run_eval_step(
+    model: torch.nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    layout: ParallelConfig,
+    num_microbatches: int,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+) -> float:
+    """``run_train_step``'s forward passes only (megatron's forward-only schedule across pipeline
+    stages, no gradients, nothing updated); ``model`` is megatron's DDP or the bare model shard.
+
+    Returns:
+        The global mean loss over this batch's tokens, the same float on every rank.
+    """
+    pgs = pg_collection if pg_collection is not None else current_process_groups()
+    if pgs.pp.size() != layout.pp:
+        raise LayoutError(f"pipeline group of size {pgs.pp.size()} does not match layout {layout}",
+                          hint="build the model after initialize_for_layout(layout, ...)")
+    device = next(model.parameters()).device
+    micro = _microbatches({k: v.to(device) for k, v in batch.items()}, num_microbatches)
+    micro_batch_size, seq_length = micro[0]["tokens"].shape
+    was_training = model.training
+    model.eval()
+    try:
+        with megatron_on_cpu(), torch.no_grad():
+            reports = get_forward_backward_func()(
+                forward_step_func=_forward_step,
+                data_iterator=iter(micro),
+                model=[model],
+                num_microbatches=num_microbatches,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=True,
+            )
+    finally:
+        model.train(was_training)
+    return _global_mean_loss(reports, pgs, device)
+
+
+def _global_mean_loss(reports: list, pgs: ProcessGroupCollection, device: torch.device) -> float:
+    """Sum the last stage's (loss sum, tokens) over the data-parallel ranks and hand the ratio to
+    every pipeline stage: the same float on every rank."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     last_stage = pgs.pp.rank() == pgs.pp.size() - 1
     if last_stage:
@@ -403,6 +448,7 @@ __all__ = [
     "copy_group_settings",
     "group_settings",
     "optimizer_state_views",
+    "run_eval_step",
     "run_train_step",
     "set_group_settings",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -78,15 +79,16 @@ class ProcessGroupCache:
         self._groups.clear()
 
 
-def initialize_for_layout(layout: ParallelConfig, *, seed: int,
-                          groups: ProcessGroupCache | None = None) -> ProcessGroupCollection:
+def initialize_for_layout(layout: ParallelConfig, *, seed: int, groups: ProcessGroupCache | None = None,
+                          timeout: timedelta | None = None) -> ProcessGroupCollection:
     """(Re)build megatron's process groups for ``layout`` on the current WORLD and seed its RNGs.
 
     Runs ``destroy()`` first if groups exist, then ``initialize_model_parallel`` with the layout's
     tp/pp/cp/ep/etp sizes (data parallel is what remains) in order ``tp-cp-ep-dp-pp``, then
     ``model_parallel_cuda_manual_seed(seed)`` (on CPU through the CPU RNG tracker of
     ``cpu_patches``). Collective: every rank of WORLD must call it with the same arguments.
-    With ``groups``, groups come from (and stay in) that cache.
+    With ``groups``, groups come from (and stay in) that cache. ``timeout``: the new groups' own
+    timeout, their creation's included (default megatron's 30 minutes; a switch passes its deadline).
 
     Returns:
         The groups of this rank as megatron's ``ProcessGroupCollection``, to be passed to modules.
@@ -119,6 +121,7 @@ def initialize_for_layout(layout: ParallelConfig, *, seed: int,
             # checkpoint formats; ``get_megatron_optimizer(pg_collection=...)`` refuses them anyway,
             # and on CPU they would duplicate the real (gloo) groups at every switch.
             create_gloo_process_groups=False,
+            **({} if timeout is None else {"distributed_timeout_minutes": timeout.total_seconds() / 60}),
         )
         model_parallel_cuda_manual_seed(seed)
     return current_process_groups()

@@ -282,10 +282,59 @@ class RecyclingMemory(PlainMemory):
                              skipped_copy_bytes=self._mode.skipped_copy_bytes if self._mode is not None else 0)
 
 
+class _Held:
+    """A ``Sink`` that frees nothing until told: what ``KeepOldMemory`` gives back waits here."""
+
+    def __init__(self) -> None:
+        self.storages: list[torch.UntypedStorage] = []
+
+    def give(self, storage: torch.UntypedStorage, group: str, *, hold: bool = False) -> None:
+        self.storages.append(storage)
+
+    def give_range(self, storage: torch.UntypedStorage, start: int, end: int, group: str) -> int:
+        raise AssertionError("KeepOldMemory keeps nothing in place: no range of an old storage is given back")
+
+
+class KeepOldMemory(PlainMemory):
+    """``switch_safety="keep_old"``: the old state stays whole until every rank confirmed its new
+    state. Nothing is kept in place (the new state is all new memory, ``keep`` says no), and what
+    the engine releases, the old gradient buffers included, is held: ``commit`` frees it after the
+    switch is confirmed, ``rollback`` gives the old buffers back after a failure (the old model,
+    DDP and optimizer then hold the state of before the switch, bit for bit)."""
+
+    def __init__(self, destination: Destination | None = None) -> None:
+        super().__init__(destination)
+        self._held = _Held()
+
+    @property
+    def sink(self) -> Sink:
+        return self._held
+
+    def keep(self, key: StoreKey, tensor: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor | None:
+        return None
+
+    def commit(self) -> None:
+        """Every rank holds its new state: free the old."""
+        out = ReturnToOS()
+        for storage in self._held.storages:
+            out.give(storage, BUFFER_GROUP)
+        self._held.storages.clear()
+
+    def rollback(self) -> None:
+        """The switch failed: the old state is whole; its gradient buffers are zeroed (as at a step's start)."""
+        self._held.storages.clear()
+        self.old = None  # nothing was freed: ``restore_old_buffers`` may run
+        self.restore_old_buffers()
+
+
 def switch_memory(device: torch.device, *, recycle: bool | None = None, idle_cap: int,
-                  buffer_mode: Callable[[StorageRecycler], BufferMode] | None = None) -> PlainMemory:
-    """The policy for a switch on ``device``, chosen once: ``RecyclingMemory`` on CPU (unless
-    ``recycle=False``), ``PlainMemory`` on an accelerator, whose caching allocator reuses memory."""
+                  buffer_mode: Callable[[StorageRecycler], BufferMode] | None = None,
+                  keep_old: bool = False) -> PlainMemory:
+    """The policy for a switch on ``device``, chosen once: ``KeepOldMemory`` with ``keep_old``, else
+    ``RecyclingMemory`` on CPU (unless ``recycle=False``), ``PlainMemory`` on an accelerator, whose
+    caching allocator reuses memory."""
+    if keep_old:
+        return KeepOldMemory()
     if recycle is None:
         recycle = device.type == "cpu"
     if recycle:
@@ -293,5 +342,5 @@ def switch_memory(device: torch.device, *, recycle: bool | None = None, idle_cap
     return PlainMemory()
 
 
-__all__ = ["BufferMode", "Destination", "FreshDestination", "MemoryFigures", "PlainMemory", "RecyclingMemory",
-           "switch_memory"]
+__all__ = ["BufferMode", "Destination", "FreshDestination", "KeepOldMemory", "MemoryFigures", "PlainMemory",
+           "RecyclingMemory", "switch_memory"]

@@ -6,10 +6,11 @@ default process group, a device per process, megatron's own mixed precision in p
 autocast (``precision.py``), and job-wide collectives. ``DynaTrainStrategy`` adds the layout, the
 model and the switches.
 
-``is_distributed`` is ``False`` on purpose: the dataloader serves the same GLOBAL batch on every
-rank (``data.GlobalBatchSampler``) and the strategy slices this rank's data-parallel share at each
-step, so a switch needs no dataloader rebuild; Lightning then injects no ``DistributedSampler``
-(which would fix the dp size when built).
+The dataloader serves the same GLOBAL batch on every rank (``data.GlobalBatchSampler``) and the
+strategy slices this rank's data-parallel share at each step, so a switch needs no dataloader
+rebuild. ``is_distributed`` is ``True`` (so that ``self.log(..., sync_dist=True)`` reduces, over the
+current layout's data-parallel group: ``reduce``), and the strategy turns off Lightning's
+``DistributedSampler`` injection, which would fix the data-parallel size when the loader is built.
 """
 
 from __future__ import annotations
@@ -94,8 +95,15 @@ class MegatronProcessStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """``False`` on purpose: the data is global batches on every rank (see module docstring)."""
-        return False
+        """``True``: ``self.log(..., sync_dist=True)`` reduces (see the module docstring)."""
+        return True
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        trainer = self._trainer()
+        if trainer is not None:  # before any dataloader is requested: global batches, no DistributedSampler
+            trainer._accelerator_connector.use_distributed_sampler = False
 
     @override
     def _configure_launcher(self) -> None:

@@ -62,6 +62,7 @@ from typing_extensions import override
 
 from lightning_dynatrain.checkpoint.writer import CheckpointWriter
 from lightning_dynatrain.data.sampler import GlobalBatchSampler
+from lightning_dynatrain.engine.deadline import parse_switch_timeout
 from lightning_dynatrain.engine.errors import mark_refused
 from lightning_dynatrain.strategy import checkpoint as checkpointing
 from lightning_dynatrain.strategy.base import MegatronProcessStrategy
@@ -115,6 +116,15 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             with Lightning's counters at 0 (``validate`` loads the weights). Ignored when ``fit`` or
             ``validate`` is given a ``ckpt_path``: a run being resumed goes on from its own checkpoint.
         timeout: timeout of collectives (``init_process_group``).
+        switch_timeout: how long any wait of a switch may take (seconds or a ``timedelta``); ``None``:
+            derived from each switch's bytes and the measured links, with a wide margin and a 60 s
+            floor (``engine.deadline``). A rank that dies or stalls during a switch makes every other
+            rank raise ``SwitchFailedError`` within it, naming the rank and the phase, and the last
+            checkpoint to resume from.
+        switch_safety: ``"fast"`` (default): a switch frees the old state as it moves it (a failed
+            switch loses the state of its step: resume from the last checkpoint); ``"keep_old"``: the
+            old state is held until every rank confirmed its new state (the memory check counts it),
+            so a failed switch rolls back to the old layout on every surviving rank.
         cluster_environment: Lightning's cluster environment; ``None`` lets the Trainer detect it.
         seed: seed of megatron's RNG trackers (model weights are seeded by the module's recipe).
         parallel_devices: as for any Lightning ``ParallelStrategy``.
@@ -128,6 +138,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         StagingBudgetError: ``staging_budget`` or ``switch_memory_limit`` is not a byte count.
         SwitchMemoryError: (at a switch) it would not fit in memory, or exceed ``switch_memory_limit``;
             nothing was moved and training can go on at the old layout.
+        SwitchFailedError: (at a switch) a rank died or stalled, or a wait ran past ``switch_timeout``.
         CheckpointMismatchError: (at ``ckpt_path`` / ``init_from_megatron``) the checkpoint holds another
             model or precision; nothing was loaded.
         CheckpointError: (same) the path is not a checkpoint this strategy reads.
@@ -147,6 +158,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         async_save: bool = False,
         init_from_megatron: str | os.PathLike | None = None,
         timeout: timedelta = timedelta(minutes=30),
+        switch_timeout: float | timedelta | None = None,
+        switch_safety: Literal["fast", "keep_old"] = "fast",
         cluster_environment: ClusterEnvironment | None = None,
         seed: int = 1234,
         parallel_devices: list[torch.device] | None = None,
@@ -159,6 +172,10 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             "auto" if isinstance(layout, str) and layout.strip().lower() == "auto" else ParallelConfig.parse(layout))
         self.staging_budget = _parse_budget(staging_budget)
         self.switch_memory_limit = None if switch_memory_limit is None else _parse_budget(switch_memory_limit)
+        self.switch_timeout = parse_switch_timeout(switch_timeout)
+        if switch_safety not in ("fast", "keep_old"):
+            raise DynaTrainError(f"switch_safety={switch_safety!r}", hint='use "fast" (default) or "keep_old"')
+        self.switch_safety = switch_safety
         self.verify = verify
         self.promote_broadcasts = promote_broadcasts
         self.seed = seed
@@ -268,7 +285,10 @@ class DynaTrainStrategy(MegatronProcessStrategy):
 
         if self._switcher is None:
             self._switcher = LayoutSwitcher(staging_budget=self.staging_budget, memory_limit=self.switch_memory_limit,
-                                            verify=self.verify, promote_broadcasts=self.promote_broadcasts)
+                                            verify=self.verify, promote_broadcasts=self.promote_broadcasts,
+                                            switch_timeout=self.switch_timeout, training_timeout=self._timeout,
+                                            resume_from=self._last_checkpoint,
+                                            keep_old=self.switch_safety == "keep_old")
         self._pgs = init_groups(self._layout, seed=self.seed, groups=self._switcher.groups)
         topology = gather_topology(self.cluster_environment)
         self._switcher.new_world(topology)
@@ -386,6 +406,17 @@ class DynaTrainStrategy(MegatronProcessStrategy):
                           weight_decay=self._adam.weight_decay if weight_decay is None else weight_decay)
         return self._lightning_optimizers[0].step(closure=closure)
 
+    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """The global mean loss of the global ``batch``, forward only, at the current layout (call
+        from ``validation_step``); the same float on every rank, whatever the pipeline stage."""
+        from lightning_dynatrain.strategy.megatron_step import eval_step
+
+        assert self._pgs is not None, "setup_environment makes the groups"
+        state = self._megatron
+        if state is not None:
+            return eval_step(state.ddp, state.groups, state.layout, batch, self.recipe)
+        return eval_step(self.model_shard, self._pgs, self.layout, batch, self.recipe)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._step_in_progress = True
@@ -440,6 +471,18 @@ class DynaTrainStrategy(MegatronProcessStrategy):
                            "deferred to the end of the step (after its optimizer step)")
             return None
         return self._reconfigure_now(layout, deferred=False)
+
+    def _last_checkpoint(self) -> str | None:
+        """The run's latest checkpoint: a ``ModelCheckpoint``'s last (else best) save, else the one
+        this fit resumed from; ``None`` when there is none."""
+        trainer = self._trainer()
+        if trainer is None:
+            return None
+        for callback in trainer.checkpoint_callbacks:
+            path = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+            if path:
+                return str(path)
+        return str(trainer.ckpt_path) if trainer.ckpt_path else None
 
     @property
     def pending_layout(self) -> ParallelConfig | None:

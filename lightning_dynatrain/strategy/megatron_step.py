@@ -13,6 +13,8 @@ A layout change turns the state of layout A into the state of layout B in memory
 ``train_step`` runs one optimizer step over the GLOBAL batch: it cuts this rank's data-parallel
 share by the state's layout, sets the scheduled learning rate, and calls megatron's pipeline
 schedule through ``run_train_step`` (forward/backward over micro-batches, finalize grads, step).
+``eval_step`` runs the same forward passes only (validation), on a model with or without its
+optimizer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.data.sampler import dp_share_bounds
 from lightning_dynatrain.megatron.gpt import build_gpt_model
-from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
+from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_eval_step, run_train_step
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
@@ -114,6 +116,18 @@ def train_step(state: MegatronState, batch: Mapping[str, torch.Tensor], recipe: 
                           pg_collection=state.groups)
 
 
+def eval_step(model: torch.nn.Module, groups: ProcessGroupCollection, layout: ParallelConfig,
+              batch: Mapping[str, torch.Tensor], recipe: MegatronRecipe) -> float:
+    """The global mean loss of the global ``batch`` at ``layout``, forward only (same on every rank).
+
+    ``model`` is megatron's DDP when an optimizer is built (fitting), else the bare model shard
+    (``trainer.validate``).
+    """
+    dp = groups.dp
+    local = local_share(batch, dp_rank=dp.rank(), dp_size=dp.size(), global_batch_size=recipe.global_batch_size)
+    return run_eval_step(model, local, layout, microbatches(recipe, layout), pg_collection=groups)
+
+
 def optimizer_state_dict(state: MegatronState) -> dict:
     """This rank's optimizer state: the inner torch optimizers' state dicts (same-layout resume only)."""
     return {"layout": str(state.layout), "inner": [None if o is None else o.state_dict() for o in _inner(state)]}
@@ -137,6 +151,7 @@ def _inner(state: MegatronState) -> list[torch.optim.Optimizer | None]:
 __all__ = [
     "attach_optimizer",
     "build_model",
+    "eval_step",
     "init_groups",
     "load_optimizer_state_dict",
     "local_share",

@@ -142,6 +142,13 @@ class GPTLightningModule(pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=self.global_batch_size)
         self.log("train/lr", lr, on_step=True, on_epoch=False, batch_size=self.global_batch_size)
 
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """The global batch's mean loss at the current layout, logged as ``val_loss`` (the same on
+        every rank; ``sync_dist`` reduces it over the data-parallel ranks as any metric)."""
+        loss = self._strategy().eval_step(batch)
+        self.log("val_loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True,
+                 batch_size=self.global_batch_size)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         assert self.model is not None, "configure_model() builds the model"
         return self.model(*args, **kwargs)

@@ -13,6 +13,8 @@ optimizer-step boundary, a request made during a training step deferred to its e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -23,6 +25,8 @@ from lightning_dynatrain.vps.topology import Topology
 
 if TYPE_CHECKING:
     from lightning_dynatrain.engine.collectives import LinkCosts
+    from lightning_dynatrain.engine.deadline import SwitchDeadline
+    from lightning_dynatrain.engine.watch import SwitchWatch
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup
     from lightning_dynatrain.megatron.state import MegatronState
@@ -44,15 +48,32 @@ class LayoutSwitcher:
         memory_limit: at most this many bytes a switch may take on one rank; ``None``: no limit.
         verify: fingerprint the full logical state around every switch.
         promote_broadcasts: measure the links once per world and let switches broadcast where that pays.
+        switch_timeout: every switch's deadline; ``None``: derived from each switch's bytes and the
+            measured links (``engine.deadline``).
+        training_timeout: the process groups' timeout outside switches.
+        resume_from: says the run's last checkpoint (for ``SwitchFailedError``).
+        keep_old: hold the old state until every rank confirmed its new state; a failed switch then
+            rolls back to the old layout (``switch_safety="keep_old"``).
+
+    Every switch runs under a ``SwitchWatch`` (``engine.watch``), made at the first switch of each
+    world: a rank that dies or stalls makes every survivor raise ``SwitchFailedError``.
+    ``DYNATRAIN_SWITCH_FAULT`` (a test hook, ``engine.watch.FaultInjection``) is read here, once.
     """
 
     def __init__(self, *, staging_budget: int, memory_limit: int | None = None, verify: bool = False,
-                 promote_broadcasts: bool = True) -> None:
+                 promote_broadcasts: bool = True, switch_timeout: "SwitchDeadline | None" = None,
+                 training_timeout: timedelta = timedelta(minutes=30),
+                 resume_from: Callable[[], str | None] = lambda: None, keep_old: bool = False) -> None:
         from lightning_dynatrain.engine.collectives import SubgroupCache
+        from lightning_dynatrain.engine.watch import FaultInjection
         from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
 
         self.staging_budget, self.memory_limit, self.verify = staging_budget, memory_limit, verify
         self.promote_broadcasts = promote_broadcasts
+        self.switch_timeout, self.training_timeout, self.resume_from = switch_timeout, training_timeout, resume_from
+        self.keep_old = keep_old
+        self.fault = FaultInjection.from_environment()
+        self.watch: SwitchWatch | None = None
         self.groups = ProcessGroupCache()
         self.subgroups = SubgroupCache()
         self.topology: Topology | None = None
@@ -62,6 +83,7 @@ class LayoutSwitcher:
     def new_world(self, topology: Topology) -> None:
         """A world starts (setup): its topology; its link costs are measured at its first switch."""
         self.topology, self.link_costs, self._setup = topology, None, None
+        self._close_watch()
 
     def new_world_groups(self) -> "ProcessGroupCache":
         """Fresh group caches for a new world (the old world's groups are retired with it)."""
@@ -69,7 +91,29 @@ class LayoutSwitcher:
         from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
 
         self.groups, self.subgroups = ProcessGroupCache(), SubgroupCache()
+        self._close_watch()
         return self.groups
+
+    def _close_watch(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+
+    def _watch(self) -> "SwitchWatch":
+        """This world's watch (made at its first switch, or again after a failed one broke its group;
+        collective)."""
+        from lightning_dynatrain.engine.collectives import SubgroupCache
+        from lightning_dynatrain.engine.watch import SwitchWatch
+
+        if self.watch is not None and self.watch.broken:  # training went on after a failed switch
+            self._close_watch()
+            self.subgroups.close()
+            self.subgroups = SubgroupCache()
+        if self.watch is None:
+            fault, self.fault = self.fault, None  # the test hook fires in the first watched switch only
+            self.watch = SwitchWatch.start(training_timeout=self.training_timeout, timeout=self.switch_timeout,
+                                           resume_from=self.resume_from, fault=fault)
+        return self.watch
 
     def world_change_setup(self, recipe: "MegatronRecipe", adam: "AdamSettings") -> "SwitchSetup":
         """What a world change's switch uses: this world's topology, no broadcasts (their groups
@@ -82,31 +126,39 @@ class LayoutSwitcher:
 
     def close(self) -> None:
         """Destroy the groups this run made (collective use ends: call at teardown)."""
+        self._close_watch()
         self.subgroups.close()
         self.groups.close()
 
-    def setup(self, recipe: "MegatronRecipe", adam: "AdamSettings") -> "SwitchSetup":
-        """What every switch of this world shares (made at the first switch: it measures the links)."""
+    def setup(self, recipe: "MegatronRecipe", adam: "AdamSettings",
+              group: dist.ProcessGroup | None = None) -> "SwitchSetup":
+        """What every switch of this world shares (made at the first switch: it measures the links,
+        on ``group``: the watch's, whose timeout bounds the measurement)."""
         if self._setup is None:
             from lightning_dynatrain.engine.collectives import measure_link_costs
             from lightning_dynatrain.megatron.hot_switch import SwitchSetup
             from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
 
             if self.promote_broadcasts and self.link_costs is None:
-                self.link_costs = measure_link_costs()  # collective; the same on every rank
+                self.link_costs = measure_link_costs(group)  # collective; the same on every rank
             self._setup = SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
                                       staging_budget=self.staging_budget, memory_limit=self.memory_limit,
-                                      topology=self.topology, link_costs=self.link_costs)
+                                      topology=self.topology, link_costs=self.link_costs, keep_old=self.keep_old)
         return self._setup
 
     def switch(self, state: "MegatronState", target: ParallelConfig, *, recipe: "MegatronRecipe",
                adam: "AdamSettings", step: int, deferred: bool) -> tuple["MegatronState", ReconfigReport]:
-        """Move every piece of training state from ``state``'s layout to ``target``; collective."""
+        """Move every piece of training state from ``state``'s layout to ``target``; collective.
+
+        Raises:
+            SwitchFailedError: a rank died or stalled, or a wait ran past the deadline (every survivor).
+        """
         from lightning_dynatrain.megatron.hot_switch import hot_switch
 
-        setup = self.setup(recipe, adam)
+        watch = self._watch()
+        setup = self.setup(recipe, adam, group=watch.group)
         before = fingerprint(state, setup) if self.verify else None
-        result = hot_switch(state, target, setup, groups=self.groups, subgroups=self.subgroups)
+        result = hot_switch(state, target, setup, groups=self.groups, subgroups=self.subgroups, watch=watch)
         if before is not None:
             verify_unchanged(before, result.state, setup)
         return result.state, ReconfigReport.gather(result, step=step, deferred=deferred)
