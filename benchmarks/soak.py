@@ -16,6 +16,7 @@ second cycle's.
     python benchmarks/soak.py                    # 100 switches, 4 processes
     python benchmarks/soak.py --quick            # 3 cycles, a smoke run
     python benchmarks/soak.py --switches 200 --json
+    python benchmarks/soak.py --switch-timeout 60    # every switch under a deadline watch
 
 Lightning's launcher starts the 4 processes (``Trainer(devices=4)``), each with 1 intra-op
 thread. Prints a table on rank 0; with ``--json`` the last line is one JSON object: per rank
@@ -161,13 +162,14 @@ def _probe_callback(clock):
 
 
 def soak_fit(layouts: tuple[str, ...] = LAYOUTS, switches: int = 100, every: int = 1,
-             callbacks: Sequence = ()) -> tuple[int, list[dict]]:
+             callbacks: Sequence = (), switch_timeout: float | None = None) -> tuple[int, list[dict]]:
     """One ``Trainer.fit`` with ``switches`` scheduled switches: this process's rank, and every rank's
     samples (the same list on every rank).
 
     Every rank calls it (under Lightning's launcher, torchrun, or a harness that made the processes).
     A rank's samples: ``{"rank", "start": Sample fields at the fit's start, "samples": [per switch:
-    step, dst, seconds, Sample fields], "losses"}``. ``callbacks`` run after the schedule and the probe.
+    step, dst, seconds, Sample fields], "losses"}``. ``callbacks`` run after the schedule and the probe;
+    ``switch_timeout`` is the strategy's (every switch under a deadline watch).
     """
     from lightning.pytorch import Trainer
 
@@ -183,7 +185,7 @@ def soak_fit(layouts: tuple[str, ...] = LAYOUTS, switches: int = 100, every: int
                                 eps=1e-6)
     clock = _clock_callback()
     probe = _probe_callback(clock)
-    strategy = DynaTrainStrategy(layouts[0], seed=SEED)
+    strategy = DynaTrainStrategy(layouts[0], seed=SEED, switch_timeout=switch_timeout)
     trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=max_steps,
                       callbacks=[clock, ScheduledReconfig(schedule, on_refused="raise"), probe, *callbacks], logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -285,6 +287,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--switches", type=int, default=100, help="switches in the fit (at least two cycles)")
     p.add_argument("--every", type=int, default=1, help="optimizer steps between switches")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="the cycle, comma-separated (4 processes each)")
+    p.add_argument("--switch-timeout", type=float, default=None,
+                   help="DynaTrainStrategy(switch_timeout=...): every switch under a deadline watch (seconds)")
     p.add_argument("--quick", action="store_true", help=f"{QUICK_CYCLES} cycles only (a smoke run)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
@@ -309,11 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     start = time.perf_counter()
-    rank, results = soak_fit(args.layouts, args.switches, args.every)
+    rank, results = soak_fit(args.layouts, args.switches, args.every, switch_timeout=args.switch_timeout)
     if rank != 0:
         return 0
     summary = summarize(results, len(args.layouts))
-    summary.update(layouts=list(args.layouts), every=args.every, processes=len(results),
+    summary.update(layouts=list(args.layouts), every=args.every, switch_timeout=args.switch_timeout,
+                   processes=len(results),
                    threads_per_process=torch.get_num_threads(), wall_seconds=round(time.perf_counter() - start, 1))
     print_table(summary, args.layouts, time.perf_counter() - start)
     if args.json:
