@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/step_overhead.py --devices 2
 	$(PY) benchmarks/launchers.py
 	$(PY) benchmarks/switch_vs_checkpoint.py
+	$(PY) benchmarks/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -213,8 +213,12 @@ class DynaTrainEngine:
         if layout == self.layout:
             report = ReconfigReport(step=self.step, src=str(layout), dst=str(layout))
         else:
-            self._state, report = self.switcher.switch(self.state, layout, recipe=self.recipe, adam=self.adam,
+            from lightning_dynatrain.megatron.state import release_state
+
+            old = self.state
+            self._state, report = self.switcher.switch(old, layout, recipe=self.recipe, adam=self.adam,
                                                        step=self.step, deferred=False)
+            release_state(old)  # taken apart: reference counting frees it (``megatron.state``)
             self.history.append(report)
         self.accelerator.print(str(report), flush=True)
         return report

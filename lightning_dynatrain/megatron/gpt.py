@@ -335,9 +335,28 @@ def _set_tensor_parallel_attributes(model: torch.nn.Module, shape: GPTShape) -> 
             set_tensor_model_parallel_attributes(weight, True, 0, 1)
 
 
+def release_rope_caches() -> None:
+    """Empty megatron's rotary position-table caches, so that models let go can be freed.
+
+    ``RotaryEmbedding.forward`` (and ``YarnRotaryEmbedding.forward``) carry a class-wide
+    ``functools.lru_cache(maxsize=32)`` keyed by the module: every model built and run keeps its
+    rotary module (with its old context-parallel group) and its table (``seq x dim`` floats, on the
+    model's device) alive until 32 newer entries push it out. Call it when a model is dropped (a
+    switch, teardown); a model still in use recomputes its table once, at its next forward.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    for cls in (RotaryEmbedding, YarnRotaryEmbedding):
+        cache_clear = getattr(cls.forward, "cache_clear", None)
+        if cache_clear is not None:  # megatron versions without the cache
+            cache_clear()
+
+
 __all__ = [
     "GPTShape",
     "build_gpt_model",
+    "release_rope_caches",
     "layer_spec",
     "logical_spec",
     "padded_vocab_size",

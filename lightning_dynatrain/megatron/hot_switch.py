@@ -51,7 +51,7 @@ from lightning_dynatrain.engine.walker import execute_switch
 from lightning_dynatrain.engine.watch import SwitchWatch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
-from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
+from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec, release_rope_caches
 from lightning_dynatrain.megatron.memory_check import SwitchMemoryError, check_switch_memory, switch_need_bytes
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, copy_group_settings
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
@@ -221,6 +221,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     finally:
         if watch is not None:
             watch.end()
+    release_rope_caches()  # megatron's class-wide cache would keep the old model's rotary tables alive
     return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
                            memory=memory.figures(), need_bytes=need)
 
@@ -266,6 +267,7 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     device = next(current.model.parameters()).device
     _check_memory(program, setup, device, f"leaving {src}", group, 0, 0)
     _, report = execute_switch(program, source, PlainMemory(), group=group)
+    release_rope_caches()
     return report
 
 

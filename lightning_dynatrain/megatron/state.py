@@ -56,4 +56,25 @@ class MegatronState:
         return [buf.grad_data for buf in [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]]
 
 
-__all__ = ["MegatronState"]
+def release_state(state: MegatronState) -> None:
+    """Take apart a state nothing trains on any more (a switch installed its successor), so that
+    reference counting frees its objects now.
+
+    Megatron's modules and DDP hold themselves in reference cycles (gradient hooks whose closures
+    hold the DDP, which holds the hooks' nodes; module hooks; bucket groups that point at each
+    other), so a dropped state would otherwise wait for Python's next *full* collection, which a
+    long run reaches only after its tracked objects grew by a quarter: its Python objects pile up
+    from switch to switch until then. The state's tensors are not the issue (a switch hands their
+    memory to the new state or frees it). This drops the attributes of the DDP and every module
+    under it, of its buffers, buckets and bucket groups, and of the optimizer: the state must not
+    be used afterwards.
+    """
+    ddp = state.ddp
+    groups = [*ddp.bucket_groups, *ddp.expert_parallel_bucket_groups]
+    parts = [*ddp.modules(), *ddp.buffers, *ddp.expert_parallel_buffers, *groups,
+             *(b for g in groups for b in g.buckets), state.optimizer]
+    for part in parts:
+        vars(part).clear()
+
+
+__all__ = ["MegatronState", "release_state"]

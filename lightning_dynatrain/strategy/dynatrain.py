@@ -350,8 +350,9 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         """Make ``state`` the one training runs on: the module's ``model``, Lightning's optimizer handle.
 
         The one place that points Lightning at a layout's megatron objects (setup and every switch).
+        The state it replaces is taken apart (``release_state``: nothing may use it afterwards).
         """
-        self._megatron = state
+        old, self._megatron = self._megatron, state
         self._gpt_model = state.model
         self._layout = state.layout
         module = self.lightning_module
@@ -362,6 +363,10 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         else:
             self.optimizers = [MegatronOptimizerHandle(state)]
         self.lr_scheduler_configs = []
+        if old is not None and old is not state:
+            from lightning_dynatrain.megatron.state import release_state
+
+            release_state(old)
 
     @override
     def on_train_start(self) -> None:

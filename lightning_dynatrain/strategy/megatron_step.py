@@ -70,8 +70,12 @@ def attach_optimizer(model: torch.nn.Module, recipe: MegatronRecipe, layout: Par
 
 
 def teardown_state(groups: ProcessGroupCache | None = None) -> None:
-    """Release megatron's groups, cached ones too (the modules must not communicate afterwards)."""
+    """Release megatron's groups, cached ones too (the modules must not communicate afterwards), and
+    megatron's rotary-table cache (it would keep the run's last models alive)."""
+    from lightning_dynatrain.megatron.gpt import release_rope_caches
+
     destroy()
+    release_rope_caches()
     if groups is not None:
         groups.close()
 
