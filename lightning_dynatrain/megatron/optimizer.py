@@ -360,28 +360,12 @@ def run_train_step(
         token count (the quantity whose gradient is applied when micro-batches hold equal token
         counts); the same float on every rank.
     """
-    pgs = pg_collection if pg_collection is not None else current_process_groups()
-    if pgs.pp.size() != layout.pp:
-        raise LayoutError(
-            f"pipeline group of size {pgs.pp.size()} does not match layout {layout}",
-            hint="build the model, DDP and optimizer after initialize_for_layout(layout, ...)",
-        )
-    device = next(ddp_model.parameters()).device
-    micro = _microbatches({k: v.to(device) for k, v in batch.items()}, num_microbatches)
-    micro_batch_size, seq_length = micro[0]["tokens"].shape
+    pgs, device, micro = _micro_batches(ddp_model, batch, layout, num_microbatches, pg_collection)
     ddp_model.train()
     with megatron_on_cpu():
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = get_forward_backward_func()(
-            forward_step_func=_forward_step,
-            data_iterator=iter(micro),
-            model=[ddp_model],
-            num_microbatches=num_microbatches,
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=False,
-        )
+        reports = _pipeline_schedule(ddp_model, micro, forward_only=False)
         finalize_model_grads([ddp_model], pg_collection=pgs)
         optimizer.step()
     return _global_mean_loss(reports, pgs, device)
@@ -401,29 +385,35 @@ def run_eval_step(
     Returns:
         The global mean loss over this batch's tokens, the same float on every rank.
     """
-    pgs = pg_collection if pg_collection is not None else current_process_groups()
-    if pgs.pp.size() != layout.pp:
-        raise LayoutError(f"pipeline group of size {pgs.pp.size()} does not match layout {layout}",
-                          hint="build the model after initialize_for_layout(layout, ...)")
-    device = next(model.parameters()).device
-    micro = _microbatches({k: v.to(device) for k, v in batch.items()}, num_microbatches)
-    micro_batch_size, seq_length = micro[0]["tokens"].shape
+    pgs, device, micro = _micro_batches(model, batch, layout, num_microbatches, pg_collection)
     was_training = model.training
     model.eval()
     try:
         with megatron_on_cpu(), torch.no_grad():
-            reports = get_forward_backward_func()(
-                forward_step_func=_forward_step,
-                data_iterator=iter(micro),
-                model=[model],
-                num_microbatches=num_microbatches,
-                seq_length=seq_length,
-                micro_batch_size=micro_batch_size,
-                forward_only=True,
-            )
+            reports = _pipeline_schedule(model, micro, forward_only=True)
     finally:
         model.train(was_training)
     return _global_mean_loss(reports, pgs, device)
+
+
+def _micro_batches(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], layout: ParallelConfig,
+                   num_microbatches: int, pg_collection: ProcessGroupCollection | None
+                   ) -> tuple[ProcessGroupCollection, torch.device, list[dict[str, torch.Tensor]]]:
+    """The groups (checked against ``layout``), the model's device and ``batch`` cut into micro-batches there."""
+    pgs = pg_collection if pg_collection is not None else current_process_groups()
+    if pgs.pp.size() != layout.pp:
+        raise LayoutError(f"pipeline group of size {pgs.pp.size()} does not match layout {layout}",
+                          hint="build the model (and DDP, optimizer) after initialize_for_layout(layout, ...)")
+    device = next(model.parameters()).device
+    return pgs, device, _microbatches({k: v.to(device) for k, v in batch.items()}, num_microbatches)
+
+
+def _pipeline_schedule(model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], *, forward_only: bool) -> list:
+    """Megatron's schedule for the current pipeline (1F1B, or no pipelining) over ``micro``."""
+    micro_batch_size, seq_length = micro[0]["tokens"].shape
+    return get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(micro), model=[model],
+                                       num_microbatches=len(micro), seq_length=seq_length,
+                                       micro_batch_size=micro_batch_size, forward_only=forward_only)
 
 
 def _global_mean_loss(reports: list, pgs: ProcessGroupCollection, device: torch.device) -> float:

@@ -26,13 +26,13 @@ def switches(draw, *, moe=None):
     return spec, src, dst, draw(st.sampled_from(list(Precision))), draw(st.sampled_from([1, 2, 4, 8]))
 
 
-@settings(max_examples=350, **SETTINGS)
+@settings(max_examples=200, **SETTINGS)
 @given(switches(moe=False))
 def test_dense_switch_is_exact_and_minimal(case):
     _check(*case)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(switches(moe=True))
 def test_moe_switch_is_exact_and_minimal(case):
     _check(*case)
