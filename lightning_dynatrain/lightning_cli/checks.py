@@ -25,6 +25,7 @@ from lightning_dynatrain.vps.errors import DynaTrainError
 STRATEGY_KEY = "trainer.strategy"
 LAYOUT_KEY = "trainer.strategy.init_args.layout"
 SCHEDULE_KEY = "schedule"
+ELASTIC_KEY = "elastic"
 POSITIVE = ("hidden", "layers", "heads", "ffn_hidden", "seq_length", "vocab_size", "global_batch_size",
             "micro_batch_size")
 #: Lightning's older spellings of the precisions megatron runs
@@ -125,6 +126,12 @@ def check_config(cfg: Any) -> None:
         _at(LAYOUT_KEY, raw_layout, lambda: validate_target(start, world_size=world or start.world_size,
                                                              shape=shape, **batch))
 
+    raw_policy = _get(cfg, ELASTIC_KEY)
+    if raw_policy:
+        from lightning_dynatrain.elastic.policy import parse_policy
+
+        _at(ELASTIC_KEY, raw_policy, lambda: parse_policy(raw_policy))
+
     raw_schedule = _get(cfg, SCHEDULE_KEY)
     schedule = _at(SCHEDULE_KEY, raw_schedule, lambda: parse_schedule(raw_schedule or None))
     if schedule and (world or start is not None):
@@ -138,4 +145,4 @@ def _example(name: str) -> int:
             "global_batch_size": 16, "micro_batch_size": 2}[name]
 
 
-__all__ = ["ConfigError", "LAYOUT_KEY", "SCHEDULE_KEY", "STRATEGY_KEY", "check_config", "world_size"]
+__all__ = ["ConfigError", "ELASTIC_KEY", "LAYOUT_KEY", "SCHEDULE_KEY", "STRATEGY_KEY", "check_config", "world_size"]

@@ -16,6 +16,8 @@ The schema (``fit --print_config`` prints it whole; ``fit --help`` lists every k
   ``seed_everything`` (an int; ``true``, a random global seed, leaves them at 1234).
 - ``data``: ``StdlibTextDataModule``; ``seq_length`` and ``global_batch_size`` follow the model's.
 - ``schedule``: ``ScheduledReconfig``'s schedule, ``{step: layout}``, ``"STEP:LAYOUT,..."`` or a YAML path.
+- ``elastic``: ``OnNodeChange``'s layout policy (``{world size: layout}``, ``auto`` or a YAML path): the fit
+  becomes elastic (launch with torchrun or srun and ``DYNATRAIN_STORE``; see ``docs/elastic.md``).
 - ``out``: the run's directory (``RunRecorder``: metrics.csv, switches.jsonl, loss.png, one
   transfers_step{N}.png per switch, and LightningCLI's config.yaml); also ``trainer.default_root_dir``.
 - ``seed_everything``: 1234 unless set.
@@ -73,6 +75,10 @@ class DynaTrainCLI(LightningCLI):
         parser.add_argument("--schedule", type=dict[int, str] | str | None, default=None,
                             help="layout switches: {step: layout}, 'STEP:LAYOUT,...' or a YAML file "
                             "(ScheduledReconfig)")
+        parser.add_argument("--elastic", type=dict[int, str] | str | None, default=None,
+                            help="make the fit elastic (OnNodeChange) with this layout policy: {world size: layout}, "
+                            "'auto' or a YAML file; launch with torchrun or srun and DYNATRAIN_STORE / DYNATRAIN_TOKEN "
+                            "set (`dynatrain store`)")
         parser.add_argument("--out", type=str, default="runs/train_gpt",
                             help="the run's directory: metrics.csv, switches.jsonl, loss.png, transfers_step{N}.png, "
                             "config.yaml")
@@ -104,11 +110,13 @@ class DynaTrainCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         from lightning.pytorch.callbacks import ProgressBar
 
-        from lightning_dynatrain.callbacks import LayoutProgressBar, RunRecorder, ScheduledReconfig
+        from lightning_dynatrain.callbacks import LayoutProgressBar, OnNodeChange, RunRecorder, ScheduledReconfig
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         self.recorder = RunRecorder(cfg.out)
         callbacks = [self.recorder, ScheduledReconfig(cfg.schedule or None)]
+        if cfg.get("elastic"):
+            callbacks.append(OnNodeChange(cfg.elastic))
         trainer_callbacks = self._get(self.config_init, "trainer").get("callbacks") or []
         if not isinstance(trainer_callbacks, list):
             trainer_callbacks = [trainer_callbacks]

@@ -109,6 +109,8 @@ def test_family_and_precision_change_the_run(parsed) -> None:
     ({"schedule": {60: "dp2-tp2-pp1", 5000: "dp1-tp1-pp8"}}, "config key schedule",
      "schedule entry at step 5000 (dp1-tp1-pp8)"),
     ({"schedule": "60-dp2-tp2-pp1"}, "config key schedule", "has no ':'"),
+    ({"elastic": {2: "dp2-tp1-pp1", 4: "dp2-tp1-pp1"}}, "config key elastic",
+     "maps world sizes to layouts of other sizes"),
     ({"trainer.precision": "16-mixed"}, "config key trainer.precision = '16-mixed'",
      "fp16 needs megatron's dynamic loss scaler"),
     ({"trainer.strategy.init_args.staging_budget": "lots"}, "config key trainer.strategy.init_args.staging_budget",
@@ -130,6 +132,13 @@ def test_a_bad_value_stops_at_start_naming_its_key_and_the_rule(tmp_path: Path, 
     assert key in err and rule in err, err[-2000:]
     assert "Traceback" not in err
     assert len(err.splitlines()) <= 4, err  # the error in view, not under the list of every option
+
+
+def test_the_elastic_policy_is_a_key_of_the_same_config(tmp_path: Path, parsed) -> None:
+    policy = {2: "dp2-tp1-pp1", 4: "dp2-tp2-pp1"}
+    config = parsed(["fit", "--config", str(_write(tmp_path, {"elastic": policy}))])
+    assert config.elastic == policy
+    assert parsed(["fit", "--config", str(DEMO_YAML)]).elastic is None
 
 
 def test_an_unknown_old_flag_says_which_flags_exist(capsys) -> None:
