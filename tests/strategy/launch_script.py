@@ -34,15 +34,11 @@ def main() -> None:
 
     import lightning_dynatrain  # noqa: F401  (registers "dynatrain")
     from lightning_dynatrain.callbacks import ScheduledReconfig
-    from lightning_dynatrain.data import StdlibTextDataModule
-    from lightning_dynatrain.megatron.gpt import GPTShape
-    from lightning_dynatrain.strategy import DynaTrainStrategy, GPTLightningModule
+    from lightning_dynatrain.strategy import DynaTrainStrategy
+    from tiny_fit import tiny_module_and_data
 
     seed_everything(0)
-    shape = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=32,
-                     make_vocab_size_divisible_by=128)
-    module = GPTLightningModule(shape, lr=3e-3, global_batch_size=8, micro_batch_size=2, seed=1234)
-    data = StdlibTextDataModule(seq_length=32, global_batch_size=8, seed=0, max_bytes=200_000)
+    module, data = tiny_module_and_data()
     strategy = "dynatrain" if args.registry_name else DynaTrainStrategy(args.layout)
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,

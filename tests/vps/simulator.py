@@ -136,14 +136,15 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
 def minimum_moved(spec, src, dst, precision=Precision.FP32, members: Members | None = None) -> int:
     """Elements destination ranks need, did not hold, and some source rank holds (brute force)."""
     members = members or Members.same(src.world_size, dst.world_size)
-    held = {}
-    for r in range(src.world_size):
-        for key, regs in rank_regions(spec, src, r, precision).items():
-            held.setdefault(key, []).extend(reg.box for reg in regs)
+    src_regions = [rank_regions(spec, src, r, precision) for r in range(src.world_size)]
+    held: dict = {}  # each box once, however many replicas hold it
+    for regions in src_regions:
+        for key, regs in regions.items():
+            held.setdefault(key, set()).update(reg.box for reg in regs)
     total = 0
     for r in range(dst.world_size):
         src_rank = members.src_rank(members.dst[r])
-        have = rank_regions(spec, src, src_rank, precision) if src_rank is not None else {}
+        have = src_regions[src_rank] if src_rank is not None else {}
         for key, regs in rank_regions(spec, dst, r, precision).items():
             for reg in regs:
                 exists = np.zeros(reg.box.shape, dtype=bool)
