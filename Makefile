@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo plan-demo test test-fast bench clean
+.PHONY: setup demo plan-demo test test-fast gpu-check bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ test: $(STAMP)
 # The tests that need no multi-process run (a few minutes).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
+
+# What one GPU can prove in a few minutes (world 1); without CUDA the CPU parts, the rest skipped.
+gpu-check: $(STAMP)
+	scripts/gpu_check.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_at_scale.py

@@ -85,6 +85,12 @@ THIRD_PARTY: tuple[QuietWarning, ...] = (
         "under bf16-mixed megatron-core keeps norm weights in fp32 and its torch-norm fallback (no Apex or Transformer "
         "Engine) passes them with bf16 activations; torch then runs its unfused RMSNorm, which is the computation "
         "meant, and says it could not use the fused kernel", cpu_only=True),
+    QuietWarning(
+        UserWarning, r"megatron\.core\.transformer\.transformer_config",
+        "If you are using transformer_engine as the transformer implementation, the core_attn",
+        "megatron-core 0.16.1 says it for every selective recompute of core attention, in case Transformer "
+        "Engine's fused attention is used; the project builds megatron's local spec, whose attention is not "
+        "fused, so recomputing it is what saves memory (recompute='selective')"),
 )
 
 

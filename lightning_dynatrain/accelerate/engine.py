@@ -111,7 +111,9 @@ class DynaTrainEngine:
         layout = plugin.validate(world_size=self.world_size, shape=recipe.shape,
                                  global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size)
         self.switcher = LayoutSwitcher(staging_budget=plugin.staging_budget, memory_limit=plugin.switch_memory_limit,
-                                       verify=plugin.verify, promote_broadcasts=plugin.promote_broadcasts)
+                                       verify=plugin.verify, promote_broadcasts=plugin.promote_broadcasts,
+                                       switch_timeout=plugin.switch_timeout,
+                                       keep_old=plugin.switch_safety == "keep_old")
         # the same order as DynaTrainStrategy: groups, node map, model shard, DDP + optimizer
         groups = init_groups(layout, seed=plugin.seed, groups=self.switcher.groups)
         topology = gather_topology(cluster_environment())
@@ -209,7 +211,7 @@ class DynaTrainEngine:
         """
         layout = validate_target(target, world_size=self.world_size, current=self.layout, shape=self.recipe.shape,
                                  global_batch_size=self.recipe.global_batch_size,
-                                 micro_batch_size=self.recipe.micro_batch_size)
+                                 micro_batch_size=self.recipe.micro_batch_size, execution=self.recipe.execution)
         if layout == self.layout:
             report = ReconfigReport(step=self.step, src=str(layout), dst=str(layout))
         else:

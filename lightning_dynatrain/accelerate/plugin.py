@@ -9,7 +9,8 @@ Where the settings come from, first match wins:
 1. the constructor's arguments;
 2. environment variables ``DYNATRAIN_LAYOUT``, ``DYNATRAIN_SCHEDULE``, ``DYNATRAIN_STAGING_BUDGET``,
    ``DYNATRAIN_SWITCH_MEMORY_LIMIT``, ``DYNATRAIN_VERIFY``, ``DYNATRAIN_PROMOTE_BROADCASTS``,
-   ``DYNATRAIN_SEED`` (as Accelerate's plugins read ``MEGATRON_LM_TP_DEGREE``, ``FSDP_*``, ...), so
+   ``DYNATRAIN_SEED``, ``DYNATRAIN_SWITCH_TIMEOUT``, ``DYNATRAIN_SWITCH_SAFETY`` (as Accelerate's
+   plugins read ``MEGATRON_LM_TP_DEGREE``, ``FSDP_*``, ...), so
    ``DYNATRAIN_LAYOUT=dp2-tp2-pp1 accelerate launch ...`` works with an unchanged script;
 3. the defaults below.
 
@@ -38,7 +39,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_dynatrain.callbacks.scheduled import ScheduleLike, parse_schedule, validate_schedule
+from lightning_dynatrain.engine.deadline import SwitchDeadline, parse_switch_timeout
 from lightning_dynatrain.engine.staging import parse_bytes
+from lightning_dynatrain.strategy.switching import parse_switch_safety
 from lightning_dynatrain.strategy.validation import validate_target
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -47,7 +50,8 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 ENV_PREFIX = "DYNATRAIN_"
 #: the YAML block ``from_yaml`` reads, and the prefix of its keys
 YAML_BLOCK = "dynatrain_config"
-_FIELDS = ("layout", "schedule", "staging_budget", "switch_memory_limit", "verify", "promote_broadcasts", "seed")
+_FIELDS = ("layout", "schedule", "staging_budget", "switch_memory_limit", "verify", "promote_broadcasts", "seed",
+           "switch_timeout", "switch_safety")
 
 
 class AccelerateConfigError(DynaTrainError):
@@ -71,9 +75,16 @@ class DynaTrainPlugin:
         verify: fingerprint the whole logical state around every switch (collective, slow; tests).
         promote_broadcasts: measure the links once and let switches broadcast where that pays.
         seed: seed of megatron's RNG trackers (the weights are seeded by ``MegatronRecipe.seed``).
+        switch_timeout: how long any wait of a switch may take, in seconds; ``None`` or ``"auto"``:
+            derived from each switch's bytes and the measured links. A rank that dies or stalls in a
+            switch makes every other rank raise ``SwitchFailedError`` within it.
+        switch_safety: ``"fast"`` (default): a switch frees the old state as it moves it;
+            ``"keep_old"``: the old state is held until every rank has its new state, so a failed
+            switch rolls back to the old layout (and the memory check counts both).
 
     After construction the fields hold the parsed values: ``layout`` a ``ParallelConfig`` or ``"auto"``,
-    ``schedule`` a tuple of ``(step, ParallelConfig)`` sorted by step, the budgets whole bytes; the
+    ``schedule`` a tuple of ``(step, ParallelConfig)`` sorted by step, the budgets whole bytes,
+    ``switch_timeout`` a ``SwitchDeadline`` or ``None``; the
     plugin is frozen and hashable (``dataclasses.replace`` derives another).
 
     Raises:
@@ -95,6 +106,8 @@ class DynaTrainPlugin:
     verify: bool | None = None
     promote_broadcasts: bool | None = None
     seed: int | None = None
+    switch_timeout: float | str | SwitchDeadline | None = None
+    switch_safety: Literal["fast", "keep_old"] | str | None = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -117,7 +130,9 @@ class DynaTrainPlugin:
         values = dict(layout=layout, schedule=entries, staging_budget=budget, switch_memory_limit=limit,
                       verify=_flag("verify", given["verify"], default=False),
                       promote_broadcasts=_flag("promote_broadcasts", given["promote_broadcasts"], default=True),
-                      seed=_whole("seed", given["seed"], default=1234))
+                      seed=_whole("seed", given["seed"], default=1234),
+                      switch_timeout=parse_switch_timeout(given["switch_timeout"]),
+                      switch_safety=parse_switch_safety(given["switch_safety"]))
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -181,7 +196,9 @@ class DynaTrainPlugin:
         from lightning_dynatrain.engine.staging import format_bytes
 
         schedule = ",".join(f"{step}:{layout}" for step, layout in self.schedule) or "no switches"
-        return f"DynaTrainPlugin({self.layout}, {schedule}, staging {format_bytes(self.staging_budget)})"
+        faults = "" if self.switch_timeout is None else f", switch_timeout {self.switch_timeout.seconds:g} s"
+        faults += "" if self.switch_safety == "fast" else f", switch_safety {self.switch_safety}"
+        return f"DynaTrainPlugin({self.layout}, {schedule}, staging {format_bytes(self.staging_budget)}{faults})"
 
 
 def _flag(name: str, value: Any, *, default: bool) -> bool:

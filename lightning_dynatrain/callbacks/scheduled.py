@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_dynatrain.engine.errors import was_refused
+from lightning_dynatrain.engine.errors import SwitchFailedError, was_refused
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -133,7 +133,8 @@ class ScheduledReconfig(Callback):
             target that does not fit the current world; ``engine.errors.was_refused``):
             ``"continue"`` (default) warns with the reason, records it (``refusals``) and training
             goes on at the old layout; ``"raise"`` ends ``fit`` with the error. A switch that fails
-            once bytes moved always raises.
+            once bytes moved raises, unless ``switch_safety="keep_old"`` rolled it back with the
+            old state whole on every rank: that counts as refused.
 
     Raises:
         ScheduleError: at construction, when the schedule cannot be read; at ``setup``, when an entry
@@ -204,8 +205,11 @@ class ScheduledReconfig(Callback):
             if self.on_refused == "raise" or not was_refused(err):
                 raise
             self.refusals.append((step, str(self.schedule[step]), type(err).__name__, str(err)))
-            rank_zero_warn(f"ScheduledReconfig: the switch to {self.schedule[step]} at step {step} was refused before "
-                           f"anything moved ({type(err).__name__}: {err}); training goes on at {strategy.layout}")
+            how = ("failed and was rolled back" if isinstance(err, SwitchFailedError)
+                   else "was refused before anything moved")
+            rank_zero_warn(f"ScheduledReconfig: the switch to {self.schedule[step]} at step {step} {how} "
+                           f"({type(err).__name__}: {err}); the old state is whole and training goes on at "
+                           f"{strategy.layout}")
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -77,14 +77,27 @@ def moved_bytes(program: SwitchProgram) -> tuple[int, int]:
     return p2p, bcast
 
 
-def parse_switch_timeout(value: float | int | timedelta | None) -> SwitchDeadline | None:
-    """``DynaTrainStrategy(switch_timeout=...)``: seconds, a ``timedelta``, or ``None`` (derived per switch).
+def parse_switch_timeout(value: float | int | str | timedelta | SwitchDeadline | None) -> SwitchDeadline | None:
+    """``DynaTrainStrategy(switch_timeout=...)``: seconds (a number, or its text from a config file or
+    an environment variable), a ``timedelta``, or ``None`` / ``"auto"`` (derived per switch).
+
+    >>> parse_switch_timeout("90").seconds, parse_switch_timeout("auto")
+    (90.0, None)
 
     Raises:
         DynaTrainError: not a positive duration.
     """
-    if value is None:
-        return None
+    if value is None or isinstance(value, SwitchDeadline):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "auto", "none"):
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise DynaTrainError(f"switch_timeout={value!r} is not a number of seconds",
+                                 hint="e.g. switch_timeout=120, or auto to derive it from each switch's bytes") from None
     if isinstance(value, timedelta):
         return SwitchDeadline.fixed(value.total_seconds())
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -10,9 +10,10 @@ addresses, not ranks. ``SwitchWatch`` bounds and explains that:
 - **every other group** (WORLD, megatron's) gets the deadline as its timeout while a switch runs,
   and megatron's groups made for a new layout are created under it; the groups' own timeout (the
   strategy's ``timeout``) comes back when the switch ends;
-- **a heartbeat**: a daemon thread stamps ``beat/{rank}`` in the job's store (the default group's)
-  every ``interval`` with the switch number and the phase the rank is in. A rank whose stamp stops
-  moving is the one that went missing (SIGKILL and SIGSTOP both stop it);
+- **a heartbeat**: while a switch runs, a daemon thread stamps ``beat/{rank}`` in the job's store
+  (the default group's) every ``interval`` with the switch number and the phase the rank is in. A
+  rank whose stamp stops moving is the one that went missing (SIGKILL and SIGSTOP both stop it).
+  Between switches the thread sleeps: training steps put no traffic on the store;
 - **an abort flag**: the first rank that fails writes ``{switch}/abort`` (rank, phase, cause). A
   survivor waiting on the store (``confirm``: every rank holds its new state) reads it and fails at
   once; the heartbeat thread aborts the switch's groups when it appears (NCCL's waits return then;
@@ -126,6 +127,7 @@ class SwitchWatch:
         self.broken = False
         self._abort_seen = threading.Event()
         self._stop = threading.Event()
+        self._active = threading.Event()  # set from ``begin`` to ``end``: the heartbeat runs
         self._beats = 0
         self._lock = threading.Lock()
         self._beat()
@@ -154,7 +156,12 @@ class SwitchWatch:
             self.store.set(f"beat/{self.rank}", f"{self._beats} {self.switch} {self.phase}")
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            self._active.wait()  # between switches: no beats
+            if self._stop.wait(self.interval):
+                return
+            if not self._active.is_set():
+                continue
             try:
                 self._beat()
                 if self.phase not in ("idle", "failed") and not self._abort_seen.is_set() \
@@ -195,17 +202,22 @@ class SwitchWatch:
         self.switch += 1
         self._abort_seen.clear()
         set_timeouts(deadline.timedelta)
-        return SwitchAttempt(self, deadline, what)
+        attempt = SwitchAttempt(self, deadline, what)  # its first phase is stamped at once
+        self._active.set()
+        return attempt
 
     def end(self) -> None:
         """The switch ended: the groups get their own timeout back (the switch's group keeps the deadline)."""
         set_timeouts(self.training_timeout, but=self.group)  # (a failed switch dropped its group)
+        self._active.clear()
         if self.phase != "failed":
             self.phase = "idle"
+            self._beat()
 
     def close(self) -> None:
         """Stop the heartbeat and destroy the switch's group (local)."""
         self._stop.set()
+        self._active.set()  # wake the thread to end it
         self._thread.join(timeout=5)
         if self.group is not None and dist.is_initialized() and self.group in c10d._world.pg_map:
             dist.destroy_process_group(self.group)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Literal
 
 from lightning_dynatrain.data.stdlib_text import VOCAB_SIZE
+from lightning_dynatrain.megatron.execution import Recompute
 from lightning_dynatrain.megatron.shapes import model_shape
 from lightning_dynatrain.strategy.module import GPTLightningModule
 from lightning_dynatrain.strategy.validation import vocab_divisor_for
@@ -54,6 +55,8 @@ class GPTFamilyModule(GPTLightningModule):
         max_steps: end of the cosine; ``None`` keeps the peak after warmup (the demo's command line
             sets it to the Trainer's ``max_steps``).
         seed: weight initialisation seed (the same logical model at every layout).
+        sequence_parallel: megatron's sequence parallelism wherever the layout has ``tp > 1``.
+        recompute: activation recompute: ``none``, ``selective`` (core attention) or ``full``.
     """
 
     def __init__(
@@ -74,12 +77,15 @@ class GPTFamilyModule(GPTLightningModule):
         warmup_steps: int = 30,
         max_steps: int | None = None,
         seed: int = 1234,
+        sequence_parallel: bool = False,
+        recompute: Recompute = "none",
     ) -> None:
         divisor = make_vocab_size_divisible_by or vocab_divisor_for(vocab_size, list(TP_SIZES_PADDED_ALIKE))
         shape = model_shape(family, hidden=hidden, layers=layers, heads=heads, ffn_hidden=ffn_hidden,
                             vocab_size=vocab_size, seq_length=seq_length, make_vocab_size_divisible_by=divisor)
         super().__init__(shape, lr=lr, weight_decay=weight_decay, global_batch_size=global_batch_size,
-                         micro_batch_size=micro_batch_size, warmup_steps=warmup_steps, max_steps=max_steps, seed=seed)
+                         micro_batch_size=micro_batch_size, warmup_steps=warmup_steps, max_steps=max_steps, seed=seed,
+                         sequence_parallel=sequence_parallel, recompute=recompute)
         self.family = family
 
 

@@ -30,6 +30,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
 from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.init import init_layout_independent
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.vps.errors import LayoutError, ModelSpecError
@@ -172,8 +173,10 @@ def logical_spec(shape: GPTShape, name: str = "gpt") -> ModelSpec:
     return build_gpt_spec(name, dims)
 
 
-def validate_layout_for_shape(shape: GPTShape, layout: ParallelConfig) -> None:
-    """Check that ``layout`` splits ``shape`` (the VPS rules) and that megatron's local spec can run it.
+def validate_layout_for_shape(shape: GPTShape, layout: ParallelConfig,
+                              execution: ExecutionOptions = ExecutionOptions()) -> None:
+    """Check that ``layout`` splits ``shape`` (the VPS rules) and that megatron's local spec can run
+    it with ``execution``'s options.
 
     Raises:
         LayoutError: a size does not divide, or the layout needs a feature the local spec lacks.
@@ -185,6 +188,7 @@ def validate_layout_for_shape(shape: GPTShape, layout: ParallelConfig) -> None:
     if shape.is_moe and layout.etp > 1 and shape.add_bias_linear:
         raise LayoutError(f"layout {layout}: expert tensor parallelism (etp>1) needs add_bias_linear=False "
                           "in megatron 0.16", hint="set add_bias_linear=False or etp1")
+    execution.check(str(layout), tp=layout.tp, seq_length=shape.seq_length, is_moe=shape.is_moe)
 
 
 def transformer_config(
@@ -194,15 +198,19 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall",
     initialize: bool = True,
+    execution: ExecutionOptions = ExecutionOptions(),
+    on_device: bool = False,
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for ``shape`` split by ``layout``.
 
     Fixed choices: CPU initialisation (every rank builds the full master weight and keeps its shard,
-    needed on CPU and what makes shards layout-consistent), no dropout, no fused kernels, sequence
-    parallelism exactly when MoE runs with tp>1 (megatron requires it there), ``SequentialMLP``
-    experts (no grouped GEMM without the ``grouped_gemm`` package).
+    needed on CPU and what makes shards layout-consistent) unless ``on_device`` (a model a switch
+    fills, allocated on the current CUDA device with no init), no dropout, no fused kernels,
+    ``SequentialMLP`` experts (no grouped GEMM without the ``grouped_gemm`` package). Sequence
+    parallelism and activation recompute follow ``execution`` (sequence parallelism is always on
+    when MoE runs with tp>1: megatron requires it there).
     """
-    validate_layout_for_shape(shape, layout)
+    validate_layout_for_shape(shape, layout, execution)
     moe = {}
     if shape.is_moe:
         moe = dict(
@@ -235,8 +243,8 @@ def transformer_config(
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        sequence_parallel=shape.is_moe and layout.tp > 1,
-        use_cpu_initialization=True,
+        **execution.config_kwargs(layout.tp, is_moe=shape.is_moe),
+        use_cpu_initialization=not on_device,
         perform_initialization=initialize,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -264,6 +272,8 @@ def build_gpt_model(
     pg_collection: ProcessGroupCollection | None = None,
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall",
     initialize: bool = True,
+    execution: ExecutionOptions = ExecutionOptions(),
+    device: torch.device | None = None,
 ) -> GPTModel:
     """Build this rank's part of the GPT: its pipeline stage, its TP/EP shards.
 
@@ -276,6 +286,11 @@ def build_gpt_model(
         pg_collection: groups to build on; default: the current megatron groups.
         initialize: ``False`` allocates the parameters without initialising them (a hot switch fills
             them right after), skipping megatron's master-weight init and ``init_layout_independent``.
+        execution: sequence parallelism and activation recompute (``ExecutionOptions``).
+        device: where the model trains (default: the host). An initialised model is built on the host
+            and moved there; the weights of one a switch fills (``initialize=False``) are allocated on
+            a CUDA device directly, so no host copy of the shard is made and nothing uninitialised is
+            copied (the few tensors megatron's torch-norm fallback makes on the host are moved).
     """
     pgs = pg_collection if pg_collection is not None else current_process_groups()
     if pgs.tp.size() != layout.tp or pgs.pp.size() != layout.pp:
@@ -283,9 +298,9 @@ def build_gpt_model(
             f"process groups (tp={pgs.tp.size()}, pp={pgs.pp.size()}) do not match layout {layout}",
             hint="call initialize_for_layout(layout, seed=...) before build_gpt_model",
         )
-    config = transformer_config(
-        shape, layout, params_dtype=params_dtype, moe_token_dispatcher=moe_token_dispatcher, initialize=initialize
-    )
+    on_device = device is not None and device.type == "cuda" and not initialize
+    config = transformer_config(shape, layout, params_dtype=params_dtype, moe_token_dispatcher=moe_token_dispatcher,
+                                initialize=initialize, execution=execution, on_device=on_device)
     pp_rank = pgs.pp.rank()
     torch.manual_seed(seed)
     with megatron_on_cpu():
@@ -305,6 +320,8 @@ def build_gpt_model(
         init_layout_independent(model, shape, layout, seed=seed, pg_collection=pgs)
     else:
         _set_tensor_parallel_attributes(model, shape)
+    if device is not None and device.type != "cpu":  # what megatron keeps on the host (its torch norms)
+        model = model.to(device)
     return model
 
 

@@ -51,6 +51,7 @@ from lightning_dynatrain.engine.walker import execute_switch
 from lightning_dynatrain.engine.watch import SwitchWatch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
+from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec, release_rope_caches
 from lightning_dynatrain.megatron.memory_check import SwitchMemoryError, check_switch_memory, switch_need_bytes
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, copy_group_settings
@@ -100,6 +101,8 @@ class SwitchSetup:
     """Hold the old state until every rank confirmed its new state (``switch_safety="keep_old"``):
     a switch that fails after moving bytes then rolls back to the old layout (the memory check
     counts the old state held)."""
+    execution: ExecutionOptions = ExecutionOptions()
+    """Sequence parallelism and activation recompute: the new layout runs as the old one did."""
     spec: ModelSpec = field(init=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +180,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     memory = switch_memory(device, recycle=setup.recycle, idle_cap=setup.staging_budget, buffer_mode=switch_buffers,
                            keep_old=setup.keep_old)
     old_grads = sum(t.nbytes for t in current.gradient_buffers())
+    cached_groups = groups.keys() if groups is not None else frozenset()
     attempt = None
     if watch is not None:
         assert group is None and members.is_identity, "a watched switch runs within one world, on the watch's group"
@@ -205,10 +209,10 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         except BaseException as err:
             if isinstance(memory, KeepOldMemory) and memory.started:  # the old state is whole: back to it
                 memory.rollback()
-                initialize_for_layout(src, seed=setup.seed, groups=groups)  # cached: creates nothing
+                _back_to(src, setup, groups, cached_groups)
             elif not memory.started:  # refused before anything moved: training can go on at ``src``
                 memory.restore_old_buffers()
-                initialize_for_layout(src, seed=setup.seed, groups=groups)  # cached: creates nothing
+                _back_to(src, setup, groups, cached_groups)
                 if isinstance(err, DynaTrainError):  # every rank agreed on it (the engine's preflight)
                     mark_refused(err)
             raise
@@ -294,6 +298,14 @@ def _check_memory(program: SwitchProgram, setup: SwitchSetup, device: torch.devi
     return need
 
 
+def _back_to(src: ParallelConfig, setup: SwitchSetup, groups: ProcessGroupCache | None, cached: frozenset) -> None:
+    """Megatron's groups of ``src`` again (cached: creates nothing), after dropping the groups the
+    failed switch made for its target (ranks may hold different shares of them)."""
+    if groups is not None:
+        groups.drop_since(cached)
+    initialize_for_layout(src, seed=setup.seed, groups=groups)
+
+
 def _rebuild(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, step: int, memory: PlainMemory,
              phase: _Phases, groups: ProcessGroupCache | None, *, timeout: timedelta | None = None) -> MegatronState:
     """The target's megatron objects, built on the groups made for it (created with ``timeout``), with no weight init."""
@@ -301,10 +313,8 @@ def _rebuild(current: MegatronState, target: ParallelConfig, setup: SwitchSetup,
         pgs = initialize_for_layout(target, seed=setup.seed, groups=groups, timeout=timeout)
     with phase("model"):
         model = build_gpt_model(setup.shape, target, seed=setup.seed, params_dtype=current.model.config.params_dtype,
-                                initialize=False, pg_collection=pgs)
-        device = next(current.model.parameters()).device
-        if device.type != "cpu":  # megatron builds on the CPU here; train where the old model did
-            model = model.to(device)
+                                initialize=False, pg_collection=pgs, execution=setup.execution,
+                                device=next(current.model.parameters()).device)  # where the old model trains
     with phase("ddp_optimizer"):
         ddp, optimizer = build_ddp_and_optimizer(model, target, pg_collection=pgs, torch_function_mode=memory.buffer_mode(),
                                                  **setup.optimizer)

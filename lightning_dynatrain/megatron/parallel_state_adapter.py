@@ -71,12 +71,32 @@ class ProcessGroupCache:
         finally:
             dist.new_group = create
 
+    def keys(self) -> frozenset:
+        """The groups cached now (``drop_since`` takes it back)."""
+        return frozenset(self._groups)
+
+    def drop_since(self, kept: frozenset) -> int:
+        """Destroy and forget every group cached after ``keys()`` returned ``kept``; how many.
+
+        After a switch that failed while making the target's groups, ranks may have got different
+        shares of them; each rank dropping what it added brings every cache back to the same
+        groups, so the next ``initialize_for_layout`` makes the same calls on every rank again.
+        """
+        new = [key for key in self._groups if key not in kept]
+        for key in new:
+            _destroy_if_registered(self._groups.pop(key))
+        return len(new)
+
     def close(self) -> None:
-        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
         for group in self._groups.values():
-            if group in registered and group is not dist.GroupMember.WORLD:
-                dist.destroy_process_group(group)
+            _destroy_if_registered(group)
         self._groups.clear()
+
+
+def _destroy_if_registered(group: object) -> None:
+    registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+    if group in registered and group is not dist.GroupMember.WORLD:
+        dist.destroy_process_group(group)
 
 
 def initialize_for_layout(layout: ParallelConfig, *, seed: int, groups: ProcessGroupCache | None = None,

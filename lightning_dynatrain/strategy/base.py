@@ -123,7 +123,11 @@ class MegatronProcessStrategy(ParallelStrategy):
                     f"torch.distributed is already initialised with {dist.get_world_size()} ranks but Lightning "
                     f"sees {self.world_size}", hint="pass Trainer(devices=..., num_nodes=...) matching the job")
             return  # someone else owns the group (a test harness, an outer script): leave it to them
-        _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout)
+        # on an accelerator the default group is bound to this process's device at creation (NCCL
+        # connects eagerly, and no collective has to guess the device), as Lightning's DDP does
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
         self._owns_process_group = True
 
     def set_world_ranks(self) -> None:

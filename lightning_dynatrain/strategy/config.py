@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_dynatrain.megatron.execution import ExecutionOptions, Recompute
+
 if TYPE_CHECKING:
     from lightning_dynatrain.megatron.gpt import GPTShape
 
@@ -30,6 +32,18 @@ class MegatronRecipe:
     params_dtype: torch.dtype | None = None
     """Parameter dtype (bf16 gets fp32 main params in the optimizer); ``None`` follows
     ``Trainer(precision=...)`` (``strategy.precision``)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism wherever the layout has ``tp > 1`` (kept across switches)."""
+    recompute: Recompute = "none"
+    """Activation recompute: ``"none"``, ``"selective"`` (core attention) or ``"full"`` (every layer)."""
+
+    def __post_init__(self) -> None:
+        self.execution  # noqa: B018 - a bad recompute value fails here, where the recipe is written
+
+    @property
+    def execution(self) -> ExecutionOptions:
+        """How megatron runs the model at every layout (``ExecutionOptions``)."""
+        return ExecutionOptions(sequence_parallel=self.sequence_parallel, recompute=self.recompute)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,7 +8,7 @@ DDP and optimizer, pipeline schedule; one ``MegatronState``) and gives Lightning
 
 Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are
 layout-free directories: a run saved at one layout resumes at any other layout and world size
-(``strategy/checkpoint.py`` says which hook restores what, and why there).
+(the hooks: ``checkpoint_hooks.py``; ``strategy/checkpoint.py`` says which restores what, and why there).
 
 Example::
 
@@ -64,13 +64,13 @@ from lightning_dynatrain.checkpoint.writer import CheckpointWriter
 from lightning_dynatrain.data.sampler import GlobalBatchSampler
 from lightning_dynatrain.engine.deadline import parse_switch_timeout
 from lightning_dynatrain.engine.errors import mark_refused
-from lightning_dynatrain.strategy import checkpoint as checkpointing
 from lightning_dynatrain.strategy.base import MegatronProcessStrategy
+from lightning_dynatrain.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.optimizer_handle import MegatronOptimizerHandle
 from lightning_dynatrain.strategy.precision import resolve_params_dtype
 from lightning_dynatrain.strategy.report import ReconfigReport, log_switch
-from lightning_dynatrain.strategy.switching import LayoutSwitcher
+from lightning_dynatrain.strategy.switching import LayoutSwitcher, parse_switch_safety
 from lightning_dynatrain.strategy.threads import fit_intra_op_threads
 from lightning_dynatrain.strategy.validation import validate_target
 from lightning_dynatrain.vps.errors import DynaTrainError
@@ -93,7 +93,7 @@ def _parse_budget(value: int | str) -> int:
     return parse_bytes(value)
 
 
-class DynaTrainStrategy(MegatronProcessStrategy):
+class DynaTrainStrategy(CheckpointHooks, MegatronProcessStrategy):
     """Megatron-core GPT training under Lightning, with in-memory layout switches.
 
     Args:
@@ -173,9 +173,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         self.staging_budget = _parse_budget(staging_budget)
         self.switch_memory_limit = None if switch_memory_limit is None else _parse_budget(switch_memory_limit)
         self.switch_timeout = parse_switch_timeout(switch_timeout)
-        if switch_safety not in ("fast", "keep_old"):
-            raise DynaTrainError(f"switch_safety={switch_safety!r}", hint='use "fast" (default) or "keep_old"')
-        self.switch_safety = switch_safety
+        self.switch_safety = parse_switch_safety(switch_safety)
         self.verify = verify
         self.promote_broadcasts = promote_broadcasts
         self.seed = seed
@@ -302,7 +300,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             LayoutError / BatchSizeError: the layout does not fit the model or the batch sizes.
         """
         validate_target(self.layout, world_size=self.world_size, shape=recipe.shape,
-                        global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size)
+                        global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size,
+                        execution=recipe.execution)
         from lightning_dynatrain.strategy.megatron_step import build_model
 
         recipe = replace(recipe, params_dtype=resolve_params_dtype(recipe.params_dtype, self.precision_plugin))
@@ -441,7 +440,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         return validate_target(target, world_size=self.world_size, current=self._layout,
                                shape=recipe.shape if recipe else None,
                                global_batch_size=recipe.global_batch_size if recipe else None,
-                               micro_batch_size=recipe.micro_batch_size if recipe else None)
+                               micro_batch_size=recipe.micro_batch_size if recipe else None,
+                               execution=recipe.execution if recipe else None)
 
     def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport | None:
         """Switch training to layout ``target`` at the optimizer-step boundary (see the module docstring).
@@ -521,84 +521,6 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         if group is None and self._megatron is not None:
             group = self._megatron.groups.dp_cp
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-
-    # --------------------------------------------------------------------------- checkpoints
-    # What each hook restores, and why there: ``strategy/checkpoint.py``'s module docstring.
-    def _spec(self):
-        return checkpointing.spec_of(self.recipe.shape)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Empty: the weights are saved under their logical keys with the rest of the state (``save_checkpoint``)."""
-        return {}
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's layout-free scalars: Adam's step and each kind of param group's settings
-        (moments and main params are saved under their logical keys)."""
-        return checkpointing.optimizer_scalars(self.megatron)
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        """A joiner's optimizer state came through the engine; otherwise Lightning restores it."""
-        return not (self._elastic is not None and self._elastic.joining)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
-                        storage_options: Any | None = None) -> None:
-        """Write a layout-free checkpoint directory at ``filepath`` (collective; in the background
-        with ``async_save``)."""
-        if storage_options is not None:
-            raise TypeError("DynaTrainStrategy.save_checkpoint does not take storage_options")
-        checkpointing.save(checkpoint, filepath, writer=self._writer, model=self._gpt_model, state=self._megatron,
-                           spec=self._spec(), layout=self.layout, rank=self.global_rank, world_size=self.world_size)
-
-    @override
-    def remove_checkpoint(self, filepath: str | Path) -> None:
-        self._writer.wait_for(filepath)
-        if self.is_global_zero:
-            from lightning_dynatrain.checkpoint.writer import remove_path
-
-            remove_path(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's part of checkpoint ``checkpoint_path``, once it is checked to hold this run's model."""
-        from lightning_dynatrain.megatron.state_bridge import precision_of
-
-        self._writer.wait_for(checkpoint_path)
-        return checkpointing.read(checkpoint_path, spec=self._spec(), precision=precision_of(self._gpt_model),
-                                  layout=self.layout, rank=self.global_rank, world_size=self.world_size,
-                                  weights_only=weights_only)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """The parameters, into the model before megatron DDP and the optimizer are built from them."""
-        source = checkpointing.source_of(checkpoint)
-        if source is None or source.kind == "per_rank":
-            super().load_model_state_dict(checkpoint, strict=strict)
-            return
-        checkpointing.load_params(checkpoint, self._gpt_model, self._spec(), self.layout, self.global_rank)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Adam's step, the group settings, main params and moments, into the optimizer ``setup`` built."""
-        source = checkpointing.source_of(checkpoint)
-        if source is None or source.kind == "per_rank":
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        checkpointing.load_optimizer(checkpoint, self.megatron, self._spec(), self.global_rank)
-
-    def _start_from_megatron(self, trainer: "pl.Trainer") -> None:
-        """``init_from_megatron``: after ``setup_optimizers`` (the optimizer's tensors exist then)."""
-        if self.init_from_megatron is None or trainer.ckpt_path is not None:
-            return
-        from lightning_dynatrain.checkpoint.megatron_import import load_megatron_checkpoint
-
-        step = load_megatron_checkpoint(self.init_from_megatron, model=self._gpt_model, state=self._megatron)
-        rank_zero_info(f"[dynatrain] started from megatron checkpoint {self.init_from_megatron} at {self.layout}"
-                       + (f" (Adam step {step})" if step is not None else " (weights only)"))
 
     def __repr__(self) -> str:
         layout = self._layout or self._requested_layout

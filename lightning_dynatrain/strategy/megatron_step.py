@@ -43,11 +43,8 @@ def init_groups(layout: ParallelConfig, *, seed: int, groups: ProcessGroupCache 
 def build_model(recipe: MegatronRecipe, layout: ParallelConfig, groups: ProcessGroupCollection, *,
                 device: torch.device | None = None) -> torch.nn.Module:
     """This rank's shard of the recipe's GPT at ``layout``, on ``layout``'s ``groups``."""
-    model = build_gpt_model(recipe.shape, layout, seed=recipe.seed, params_dtype=recipe.params_dtype,
-                            pg_collection=groups)
-    if device is not None and device.type != "cpu":
-        model = model.to(device)
-    return model
+    return build_gpt_model(recipe.shape, layout, seed=recipe.seed, params_dtype=recipe.params_dtype,
+                           pg_collection=groups, execution=recipe.execution, device=device)
 
 
 def optimizer_kwargs(adam: AdamSettings) -> dict:

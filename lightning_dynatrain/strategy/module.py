@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_dynatrain.megatron.execution import Recompute
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ class GPTLightningModule(pl.LightningModule):
         seed: weight initialisation seed (the same logical model at every layout).
         params_dtype: ``None`` (default) follows ``Trainer(precision=...)``: ``"bf16-mixed"`` builds bf16
             params with fp32 main params; ``torch.bfloat16`` or ``torch.float32`` says it here instead.
+        sequence_parallel: megatron's sequence parallelism wherever the layout has ``tp > 1``.
+        recompute: activation recompute, ``"none"``, ``"selective"`` (core attention) or ``"full"``.
+            Both hold at every layout the run switches to (``MegatronRecipe``).
 
     Logs ``train/loss`` (the global mean loss, the same float on every rank) and ``train/lr`` each step.
     """
@@ -88,6 +92,8 @@ class GPTLightningModule(pl.LightningModule):
         clip_grad: float = 1.0,
         seed: int = 1234,
         params_dtype: torch.dtype | None = None,
+        sequence_parallel: bool = False,
+        recompute: Recompute = "none",
     ) -> None:
         super().__init__()
         self.shape = shape
@@ -103,6 +109,9 @@ class GPTLightningModule(pl.LightningModule):
         self.clip_grad = clip_grad
         self.seed = seed
         self.params_dtype = params_dtype
+        self.sequence_parallel = sequence_parallel
+        self.recompute = recompute
+        self.recipe  # noqa: B018 - a bad option fails here, not at the first step
         self.automatic_optimization = False
         self.model: torch.nn.Module | None = None
         #: (global_step, loss) of every step this process ran, for scripts and tests.
@@ -111,7 +120,8 @@ class GPTLightningModule(pl.LightningModule):
     @property
     def recipe(self) -> MegatronRecipe:
         return MegatronRecipe(shape=self.shape, seed=self.seed, global_batch_size=self.global_batch_size,
-                              micro_batch_size=self.micro_batch_size, params_dtype=self.params_dtype)
+                              micro_batch_size=self.micro_batch_size, params_dtype=self.params_dtype,
+                              sequence_parallel=self.sequence_parallel, recompute=self.recompute)
 
     def _strategy(self) -> "DynaTrainStrategy":
         from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy

@@ -33,6 +33,27 @@ if TYPE_CHECKING:
     from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 
 
+#: ``switch_safety``'s values: ``"fast"`` frees the old state as it moves it; ``"keep_old"`` holds it
+#: until every rank confirmed its new state, so a failed switch rolls back to the old layout
+SWITCH_SAFETY = ("fast", "keep_old")
+
+
+def parse_switch_safety(value: str | None) -> str:
+    """``switch_safety``: ``"fast"`` (also for ``None``) or ``"keep_old"``.
+
+    Raises:
+        DynaTrainError: another value.
+    """
+    from lightning_dynatrain.vps.errors import DynaTrainError
+
+    text = "fast" if value is None else str(value).strip().lower()
+    if text not in SWITCH_SAFETY:
+        raise DynaTrainError(f"switch_safety={value!r} is not one of {', '.join(SWITCH_SAFETY)}",
+                             hint='use "fast" (default: the old state is freed as it moves) or "keep_old" '
+                             "(a failed switch rolls back; the old state is held until the switch ends)")
+    return text
+
+
 class SwitchVerificationError(RuntimeError):
     """``verify=True`` found the logical state different after a switch (a bug, never a user error)."""
 
@@ -122,7 +143,8 @@ class LayoutSwitcher:
         from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
 
         return SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
-                           staging_budget=self.staging_budget, memory_limit=self.memory_limit, topology=self.topology)
+                           staging_budget=self.staging_budget, memory_limit=self.memory_limit, topology=self.topology,
+                           execution=recipe.execution)
 
     def close(self) -> None:
         """Destroy the groups this run made (collective use ends: call at teardown)."""
@@ -143,7 +165,8 @@ class LayoutSwitcher:
                 self.link_costs = measure_link_costs(group)  # collective; the same on every rank
             self._setup = SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
                                       staging_budget=self.staging_budget, memory_limit=self.memory_limit,
-                                      topology=self.topology, link_costs=self.link_costs, keep_old=self.keep_old)
+                                      topology=self.topology, link_costs=self.link_costs, keep_old=self.keep_old,
+                                      execution=recipe.execution)
         return self._setup
 
     def switch(self, state: "MegatronState", target: ParallelConfig, *, recipe: "MegatronRecipe",
@@ -195,4 +218,5 @@ def fingerprint(state: "MegatronState", setup: "SwitchSetup") -> dict:
     return logical_fingerprint(store, setup.spec, state.layout, rank, precision_of(state.model))
 
 
-__all__ = ["LayoutSwitcher", "SwitchVerificationError", "fingerprint", "verify_unchanged"]
+__all__ = ["SWITCH_SAFETY", "LayoutSwitcher", "SwitchVerificationError", "fingerprint", "parse_switch_safety",
+           "verify_unchanged"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.vps.errors import DynaTrainError, LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -57,6 +58,7 @@ def validate_target(
     global_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     current: ParallelConfig | None = None,
+    execution: ExecutionOptions | None = None,
 ) -> ParallelConfig:
     """Parse ``target`` and check it against the world, the model and the batch; return the layout.
 
@@ -66,6 +68,7 @@ def validate_target(
         shape: the model; ``None`` skips the model rules.
         global_batch_size, micro_batch_size: ``None`` skips the batch rule.
         current: the layout now running; only used to word the world-size error.
+        execution: sequence parallelism and recompute (``MegatronRecipe.execution``); ``None``: defaults.
 
     Raises:
         LayoutError: malformed, or breaks a model rule (the message names each rule broken).
@@ -83,7 +86,7 @@ def validate_target(
     if shape is not None:
         from lightning_dynatrain.megatron.gpt import validate_layout_for_shape
 
-        validate_layout_for_shape(shape, layout)
+        validate_layout_for_shape(shape, layout, execution or ExecutionOptions())
     if global_batch_size is not None and micro_batch_size is not None:
         num_microbatches(global_batch_size, layout.dp * layout.cp, micro_batch_size)
     return layout

@@ -40,18 +40,18 @@ def _env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], tmp: Path) -> str:
-    proc = subprocess.run(cmd, env=_env(tmp), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+def _run(cmd: list[str], tmp: Path, **env: str) -> str:
+    proc = subprocess.run(cmd, env={**_env(tmp), **env}, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc.stdout
 
 
-def _accelerate(out: Path, *extra: str) -> str:
+def _accelerate(out: Path, *extra: str, **env: str) -> str:
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "4",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(free_port())]
     return _run([*launch, "examples/accelerate_gpt.py", "--max-steps", str(STEPS), "--layout", START, "--schedule",
-                 SCHEDULE, *MODEL, "--out", str(out), *extra], out.parent)
+                 SCHEDULE, *MODEL, "--out", str(out), *extra], out.parent, **env)
 
 
 def _metrics(out: Path) -> list[tuple[int, float, str]]:
@@ -65,7 +65,10 @@ def runs(tmp_path_factory) -> dict:
     accel = _accelerate(tmp / "accelerate", "--save-state-at", str(SAVE_AT))
     lightning = _run([sys.executable, "examples/train_gpt.py", "--devices", "4", "--max-steps", str(STEPS), "--layout",
                       START, "--schedule", SCHEDULE, *MODEL, "--out", str(tmp / "lightning")], tmp)
-    resumed = _accelerate(tmp / "resumed", "--resume", str(tmp / "accelerate" / "state"))
+    # the resumed run's switches hold the old state until every rank has its new one (the plugin
+    # reads its fault settings from the environment, as the strategy takes them as arguments)
+    resumed = _accelerate(tmp / "resumed", "--resume", str(tmp / "accelerate" / "state"),
+                          DYNATRAIN_SWITCH_SAFETY="keep_old", DYNATRAIN_SWITCH_TIMEOUT="120")
     return dict(tmp=tmp, accel=accel, lightning=lightning, resumed=resumed)
 
 
@@ -97,3 +100,4 @@ def test_save_state_writes_every_ranks_shard_and_load_state_resumes_at_another_s
     assert [(step, layout) for step, _, layout in resumed] == [(s, LAYOUT_OF_STEP[s]) for s in (4, 5, 6)]
     assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in straight[SAVE_AT:]], rel=1e-6)
     assert "[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-zero1" in out
+    assert "switch_timeout 120 s, switch_safety keep_old)" in out

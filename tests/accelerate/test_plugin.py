@@ -3,6 +3,8 @@ that names the rule and a HINT; nothing here starts a process."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_dynatrain.accelerate import AccelerateConfigError, AcceleratorSetupError, DynaTrainPlugin
@@ -11,13 +13,14 @@ from lightning_dynatrain.callbacks.scheduled import ScheduleError
 from lightning_dynatrain.engine.errors import StagingBudgetError
 from lightning_dynatrain.megatron.gpt import GPTShape
 from lightning_dynatrain.strategy.validation import BatchSizeError, WorldSizeError
-from lightning_dynatrain.vps.errors import LayoutError
+from lightning_dynatrain.vps.errors import DynaTrainError, LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 SHAPE = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=32,
                  make_vocab_size_divisible_by=64)
 ENV = ("DYNATRAIN_LAYOUT", "DYNATRAIN_SCHEDULE", "DYNATRAIN_STAGING_BUDGET", "DYNATRAIN_SWITCH_MEMORY_LIMIT",
-       "DYNATRAIN_VERIFY", "DYNATRAIN_PROMOTE_BROADCASTS", "DYNATRAIN_SEED")
+       "DYNATRAIN_VERIFY", "DYNATRAIN_PROMOTE_BROADCASTS", "DYNATRAIN_SEED", "DYNATRAIN_SWITCH_TIMEOUT",
+       "DYNATRAIN_SWITCH_SAFETY")
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +50,16 @@ def test_a_plugin_parses_its_settings_once() -> None:
     assert hash(plugin) == hash(DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={2: "dp1-tp2-pp2", 4: "dp4"},
                                                 staging_budget=65536, switch_memory_limit=2**30))
     assert DynaTrainPlugin().layout == "auto" and DynaTrainPlugin().start_layout(4) == ParallelConfig(dp=4)
+    assert (plugin.switch_timeout, plugin.switch_safety) == (None, "fast")
+
+
+def test_switch_faults_settings_as_the_strategys() -> None:
+    plugin = DynaTrainPlugin(layout="dp4", switch_timeout=45, switch_safety="keep_old")
+    assert (plugin.switch_timeout.seconds, plugin.switch_safety) == (45.0, "keep_old")
+    assert str(plugin) == "DynaTrainPlugin(dp4-tp1-pp1, no switches, staging 256.0 MiB, switch_timeout 45 s, " \
+        "switch_safety keep_old)"
+    assert replace(plugin, seed=7).switch_timeout == plugin.switch_timeout  # the parsed form passes back
+    assert DynaTrainPlugin(switch_timeout="auto").switch_timeout is None
 
 
 @pytest.mark.parametrize("layout, words", [
@@ -93,6 +106,9 @@ def test_layouts_that_do_not_fit_the_world_the_model_or_the_batch_are_refused_be
     ("switch_memory_limit", "4 parsecs", StagingBudgetError, ["'4 parsecs'"]),
     ("verify", "maybe", AccelerateConfigError, ["verify='maybe'", "DYNATRAIN_VERIFY"]),
     ("seed", "1.5", AccelerateConfigError, ["seed='1.5'", "DYNATRAIN_SEED"]),
+    ("switch_timeout", "soon", DynaTrainError, ["switch_timeout='soon'", "seconds"]),
+    ("switch_timeout", -5, DynaTrainError, ["switch_timeout"]),
+    ("switch_safety", "careful", DynaTrainError, ["switch_safety='careful'", "keep_old"]),
 ])
 def test_bad_budgets_and_flags_are_refused(field: str, value, kind: type[Exception], words: list[str]) -> None:
     _refused(kind, *words, call=lambda: DynaTrainPlugin(**{field: value}))
@@ -103,9 +119,12 @@ def test_environment_variables_are_the_defaults_and_arguments_win(monkeypatch) -
     monkeypatch.setenv("DYNATRAIN_SCHEDULE", "3:dp4")
     monkeypatch.setenv("DYNATRAIN_STAGING_BUDGET", "1MiB")
     monkeypatch.setenv("DYNATRAIN_VERIFY", "true")
+    monkeypatch.setenv("DYNATRAIN_SWITCH_TIMEOUT", "120")
+    monkeypatch.setenv("DYNATRAIN_SWITCH_SAFETY", "keep_old")
     from_env = DynaTrainPlugin()
     assert (str(from_env.layout), str(from_env.schedule_map[3]), from_env.staging_budget, from_env.verify) == (
         "dp1-tp2-pp2", "dp4-tp1-pp1", 2**20, True)
+    assert (from_env.switch_timeout.seconds, from_env.switch_safety) == (120.0, "keep_old")
     assert str(DynaTrainPlugin(layout="dp4", schedule={}).layout) == "dp4-tp1-pp1"
     monkeypatch.setenv("DYNATRAIN_LAYOUT", "dp2-xx2")
     _refused(LayoutError, "unknown part 'xx2'", call=DynaTrainPlugin)

@@ -47,7 +47,11 @@ def test_switch_timeout_is_parsed_once_with_a_clear_error():
     assert parse_switch_timeout(None) is None
     assert parse_switch_timeout(90) == SwitchDeadline(90.0, "switch_timeout")
     assert parse_switch_timeout(timedelta(minutes=2)).seconds == 120.0
-    for bad in (0, -1, "90", True):
+    # the text of a config file or an environment variable (DYNATRAIN_SWITCH_TIMEOUT)
+    assert parse_switch_timeout(" 90 ") == SwitchDeadline(90.0, "switch_timeout")
+    assert parse_switch_timeout("auto") is None and parse_switch_timeout("") is None
+    assert parse_switch_timeout(parse_switch_timeout(30)) == SwitchDeadline(30.0, "switch_timeout")
+    for bad in (0, -1, "ninety", "0", True):
         with pytest.raises(DynaTrainError, match="switch_timeout|deadline"):
             parse_switch_timeout(bad)
 

@@ -13,7 +13,11 @@ Every fit reads megatron's ``GPTDataset`` over one indexed corpus the parent wro
    ``verify=True`` (the local state taken around each, as for the MoE) and a checkpoint at the
    second; the same steps without switches; and a run resumed from that checkpoint. Every fit
    records, per step, the samples of the global batch and those of this rank's data-parallel share.
-3. Megatron's router: the buffers a ``TopKRouter`` keeps outside the optimizer with the MoE
+3. Sequence parallelism and activation recompute (recipe options) on the llama-style model: full
+   recompute with sequence parallelism through switches that turn tp (and with it sequence
+   parallelism) off and on again, the local state taken around each; selective recompute without
+   switches. Each records the megatron config it ran with at every step.
+4. Megatron's router: the buffers a ``TopKRouter`` keeps outside the optimizer with the MoE
    family's options, and with the options that add some.
 
 Lightning sees ``LOCAL_RANK`` (so it launches nothing) and finds ``torch.distributed`` initialised.
@@ -47,13 +51,17 @@ LLAMA_STEPS = 12
 #: the llama run checkpoints here (after that step's switch); a second run resumes from it
 RESUME_AT = 6
 
+#: sequence parallel at tp2, off at tp1, on again (the llama start and steps, to compare with its static run)
+EXEC_SCHEDULE = {3: "dp1-tp2-pp2-zero1", 6: "dp4-tp1-pp1", 9: "dp2-tp2-pp1-zero1"}
 
-def _module(family: str, steps: int):
+
+def _module(family: str, steps: int, **options):
     from lightning_dynatrain.megatron.shapes import model_shape
     from lightning_dynatrain.strategy import GPTLightningModule
 
     return GPTLightningModule(model_shape(family, **SIZE), lr=3e-3, weight_decay=0.01, global_batch_size=GLOBAL_BATCH,
-                              micro_batch_size=MICRO_BATCH, warmup_steps=2, max_steps=steps, seed=SEED, eps=EPS)
+                              micro_batch_size=MICRO_BATCH, warmup_steps=2, max_steps=steps, seed=SEED, eps=EPS,
+                              **options)
 
 
 def _data(corpus: str):
@@ -122,13 +130,23 @@ def _callbacks(schedule: dict) -> tuple[list, dict]:
             record["seen"].append((trainer.global_step, str(s.layout), s.megatron.dp_rank,
                                    share["sample"].tolist(), batch["sample"].tolist()))
 
+    class ConfigSeen(Callback):
+        """The megatron config each step runs with: sequence parallel, recompute granularity."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            config = trainer.strategy.megatron.model.config
+            record["config"].append((trainer.global_step, str(trainer.strategy.layout), config.sequence_parallel,
+                                     config.recompute_granularity))
+
+    record["config"] = []
     callbacks = [LocalState("before"), ScheduledReconfig(schedule), LocalState("after"), RowsSeen()] if schedule \
         else [RowsSeen()]
-    return callbacks, record
+    return callbacks + [ConfigSeen()], record
 
 
-def _fit(family: str, layout: str, schedule: dict, steps: int, corpus: str, ckpt_path=None, extra=(), **kwargs) -> dict:
-    module = _module(family, steps)
+def _fit(family: str, layout: str, schedule: dict, steps: int, corpus: str, ckpt_path=None, extra=(), options=None,
+         **kwargs) -> dict:
+    module = _module(family, steps, **(options or {}))
     callbacks, record = _callbacks(schedule)
     trainer = _trainer(layout, steps, callbacks + list(extra), **kwargs)
     trainer.fit(module, datamodule=_data(corpus), ckpt_path=ckpt_path)
@@ -152,6 +170,13 @@ def _llama(results: dict, corpus: str, tmp: Path) -> None:
     resumed = _fit("llama", LLAMA_SCHEDULE[RESUME_AT], LLAMA_SCHEDULE, LLAMA_STEPS, corpus, ckpt_path=path)
     static = _fit("llama", LLAMA_START, {}, LLAMA_STEPS, corpus)
     results["llama"] = dict(switched=switched, resumed=resumed, static=static)
+
+
+def _execution(results: dict, corpus: str) -> None:
+    results["execution"] = dict(
+        full=_fit("llama", LLAMA_START, EXEC_SCHEDULE, LLAMA_STEPS, corpus,
+                  options=dict(sequence_parallel=True, recompute="full")),
+        selective=_fit("llama", LLAMA_START, {}, LLAMA_STEPS, corpus, options=dict(recompute="selective")))
 
 
 def _router_buffers(results: dict) -> None:
@@ -200,6 +225,7 @@ def _families_job(rank: int, world_size: int, tmp: str, corpus: str) -> dict:
     results: dict = {}
     _moe(results, corpus)
     _llama(results, corpus, Path(tmp) / "ckpt")
+    _execution(results, corpus)
     _router_buffers(results)
     return results
 
