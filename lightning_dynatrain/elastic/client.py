@@ -142,19 +142,30 @@ class JobStore:
         self.store.set("installed", str(generation))
 
     # ---------------------------------------------------------------------------- liveness
+    def for_thread(self) -> "JobStore":
+        """This client over a connection of its own (``Store.clone``), for a thread of its own.
+
+        A TCPStore client runs one operation at a time: while another thread blocks in ``wait`` on
+        it (gloo's rendezvous for the next world waits there for every member's address), a
+        heartbeat or a watchdog on the same client would wait too, and a live member would look dead.
+        """
+        return JobStore(self.raw.clone(), self.signer, self.member_id)
+
     def start_alive(self, interval: float = 1.0) -> None:
-        """Say every ``interval`` seconds that this member is alive (a daemon thread)."""
+        """Say every ``interval`` seconds that this member is alive (a daemon thread, on a connection
+        of its own: ``for_thread``)."""
         if self._alive is not None:
             return
+        store = self.for_thread().store
 
         def beat() -> None:
             while not self._stop.wait(interval):
                 try:
-                    self.store.set(f"alive/{self.member_id}", repr(time.time()))
+                    store.set(f"alive/{self.member_id}", repr(time.time()))
                 except Exception:  # the store went away: the job is over
                     return
 
-        self.store.set(f"alive/{self.member_id}", repr(time.time()))
+        store.set(f"alive/{self.member_id}", repr(time.time()))
         self._alive = threading.Thread(target=beat, name="dynatrain-alive", daemon=True)
         self._alive.start()
 

@@ -24,6 +24,7 @@ seconds with that message, so a job never hangs silently.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -41,6 +42,9 @@ from lightning_dynatrain.vps.members import Members
 
 #: exit status of a process the watchdog ends (a member failed and a collective would hang)
 EXIT_MEMBER_FAILED = 75
+#: test hook: ``DYNATRAIN_JOIN_FAULT=STOP`` stops a joiner (SIGSTOP) right after it is admitted, before
+#: the world that admits it is built, so that the change must be cancelled
+JOIN_FAULT_ENV = "DYNATRAIN_JOIN_FAULT"
 
 
 class MemberFailedError(DynaTrainError):
@@ -143,7 +147,9 @@ class ElasticSession:
             verdict = self.store.ask(request, timeout=self.timeout.total_seconds())
             self.store.start_alive(self.heartbeat)
             world = self.store.membership(int(verdict["generation"]))
-            nxt = NextWorld(self.store.raw, generation=world.generation, rank=world.rank_of(self.me),
+            if os.environ.get(JOIN_FAULT_ENV) == "STOP" and world.generation > 0:
+                os.kill(os.getpid(), signal.SIGSTOP)  # test hook: admitted, its world not yet built
+            nxt = NextWorld(self.store.for_thread().raw, generation=world.generation, rank=world.rank_of(self.me),
                             size=len(world.members), backend=self.backend, timeout=self.timeout, device=self.device)
             if self._wait_built(nxt, world):
                 break
@@ -217,9 +223,9 @@ class ElasticSession:
             return
         self._pending, self._cancel = record, None
         rank = record.rank_of(self.me)
-        self._next = None if rank is None else NextWorld(
-            self.store.raw, generation=record.generation, rank=rank, size=len(record.members), backend=self.backend,
-            timeout=self.timeout, device=self.device)
+        self._next = None if rank is None else NextWorld(  # on a connection of its own: its build waits
+            self.store.for_thread().raw, generation=record.generation, rank=rank, size=len(record.members),
+            backend=self.backend, timeout=self.timeout, device=self.device)
 
     def _apply_cancel(self, step: int) -> None:
         """From a cancel record's effective step on (every rank has read it; until then every rank
@@ -303,23 +309,28 @@ class ElasticSession:
         return self.failure
 
     def _start_watchdog(self) -> None:
+        store = self.store.for_thread()  # never queued behind the main thread's store waits
+
         def watch() -> None:
             while not self._closed.wait(1.0):
-                try:
-                    record = self.store.membership(self.store.generation())
-                except Exception:  # noqa: BLE001 - the store went away: the job is over
-                    return
-                if record.failed and self.failure is None:
+                if self.failure is None:  # (a step that failed may have learnt it first: wait_for_failure)
+                    try:
+                        record = store.membership(store.generation())
+                    except Exception:  # noqa: BLE001 - the store went away: the job is over
+                        return
+                    if not record.failed:
+                        continue
                     try:
                         self._failed(record)
                     except MemberFailedError:
                         pass
-                    print(f"[dynatrain] {self.failure}", file=sys.stderr, flush=True)
-                    if not self._closed.wait(self.exit_after):  # still running: stuck in a collective
-                        print(f"[dynatrain] ending this process ({EXIT_MEMBER_FAILED}): {self.failure}",
-                              file=sys.stderr, flush=True)
-                        os._exit(EXIT_MEMBER_FAILED)
-                    return
+                print(f"[dynatrain] {self.failure}", file=sys.stderr, flush=True)
+                # still running after exit_after (stuck in a collective, or in teardown's): end it
+                if not self._closed.wait(self.exit_after):
+                    print(f"[dynatrain] ending this process ({EXIT_MEMBER_FAILED}): {self.failure}",
+                          file=sys.stderr, flush=True)
+                    os._exit(EXIT_MEMBER_FAILED)
+                return
 
         self._watchdog = threading.Thread(target=watch, name="dynatrain-watchdog", daemon=True)
         self._watchdog.start()

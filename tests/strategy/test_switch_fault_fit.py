@@ -133,7 +133,7 @@ def test_keep_old_fit_goes_on_at_the_old_layout_as_if_it_never_tried(tmp_path: P
         tried = json.loads((tmp_path / "keep_old" / f"rank{rank}.json").read_text())
         never = json.loads((tmp_path / "never" / f"rank{rank}.json").read_text())
         assert tried["switches"] == [] and tried["layout"] == never["layout"] == "dp4-tp1-pp1-zero1", tried
-        assert [s for s, _ in tried["losses"]] == list(range(steps))
+        assert [s for s, _ in tried["losses"]] == list(range(1, steps + 1))  # (global step after each step)
         assert tried["losses"] == never["losses"], rank  # bit for bit: the rolled-back state is the old one
     assert "state is whole on every rank" in (tmp_path / "keep_old" / "rank0.log").read_text()
 
