@@ -15,6 +15,8 @@ GOALS = {  # metric -> (goal, "higher" or "lower" is better)
 }
 BASELINES = {"dcp": "speedup_vs_dcp", "megatron": "speedup_vs_megatron_ckpt", "restart": "speedup_vs_restart",
              "allgather": "speedup_vs_allgather"}
+#: the ahead-of-time switch's goals (issue "ahead-of-time switches"): under ``geomean_ahead``
+AHEAD_GOALS = {"time_over_floor": (1.25, "lower"), "speedup_vs_dcp": (8.0, "higher")}
 GB = 1e9
 
 
@@ -56,18 +58,26 @@ def summarize(src: str, dst: str, ranks: list[dict], restart: list[dict] | None)
         for method, key in BASELINES.items():
             if method in seconds:
                 out["at_floor_" + key] = seconds[method] / floor["seconds"]
+    ahead = methods.get("hot_switch_ahead")
+    if ahead is not None:
+        seconds["hot_switch_ahead_engine"] = ahead["engine_seconds"]
+        seconds["hot_switch_ahead_bind"] = ahead["rebuild_seconds"]
+        out.update(_against(ahead["seconds"], seconds, floor["seconds"], prefix="ahead_"))
     if hot is not None:
         engine = hot["engine_seconds"]
         seconds["hot_switch_engine"] = engine
         seconds["hot_switch_rebuild"] = hot["rebuild_seconds"]
         out["peak_staging_bytes"] = hot["peak_staging_bytes"]
-        for method, key in BASELINES.items():
-            if method in seconds:
-                out[key] = seconds[method] / hot["seconds"]
-                out["engine_" + key] = seconds[method] / engine
-        if floor["seconds"] > 0:
-            out["time_over_floor"] = hot["seconds"] / floor["seconds"]
-            out["engine_time_over_floor"] = engine / floor["seconds"]
+        out.update(_against(hot["seconds"], seconds, floor["seconds"], prefix=""))
+        out.update(_against(engine, seconds, floor["seconds"], prefix="engine_"))
+    return out
+
+
+def _against(hot_seconds: float, seconds: dict, floor_seconds: float, *, prefix: str) -> dict:
+    """A switch's speedup over each baseline that ran, and its time over the floor."""
+    out = {prefix + key: seconds[method] / hot_seconds for method, key in BASELINES.items() if method in seconds}
+    if floor_seconds > 0:
+        out[prefix + "time_over_floor"] = hot_seconds / floor_seconds
     return out
 
 
@@ -77,7 +87,7 @@ def compact(row: dict) -> dict:
             "load_average_before")
     out = {k: row[k] for k in keep if k in row}
     out.update({k: v for k, v in row.items()
-                if k.startswith(("speedup_", "engine_speedup_", "time_over", "engine_time", "at_floor_"))})
+                if k.startswith(("speedup_", "engine_speedup_", "time_over", "engine_time", "at_floor_", "ahead_"))})
     out["errors"] = {m: e.strip().splitlines()[-1] for m, e in row.get("errors", {}).items()}
     floor = row["floor"]
     out["bytes"] = dict(moved=floor["recv_bytes_total"], kept=floor["retained_bytes_total"])
@@ -89,6 +99,10 @@ def compact(row: dict) -> dict:
                                                  "need_bytes", "recycled_bytes") if k in hot}
         out["hot_switch"]["rebuild_steps"] = {k.strip("_"): round(v, 4) for k, v in hot["steps"].items()
                                               if k != "engine"}
+    ahead = row["methods"].get("hot_switch_ahead")
+    if ahead:
+        out["hot_switch_ahead"] = {k: ahead[k] for k in ("ahead_seconds", "ahead_build_seconds", "rebuild_seconds",
+                                                         "engine_seconds", "release_seconds") if k in ahead}
     out["peak_rss_sum"] = {m: r["peak_rss_sum"] for m, r in row["methods"].items() if "peak_rss_sum" in r}
     out["machine_pages"] = {m: r["machine_pages"] for m, r in row["methods"].items() if "machine_pages" in r}
     out["warm_seconds"] = {m: r["warm_seconds"] for m, r in row["methods"].items() if "warm_seconds" in r}
@@ -122,13 +136,23 @@ def geomeans(rows: list[dict]) -> dict:
     return out
 
 
-def goals(means: dict) -> dict:
+def geomeans_ahead(rows: list[dict]) -> dict:
+    """``geomeans``' keys for the ahead-of-time switch (``hot_switch_ahead``), where it ran."""
+    out: dict = {}
+    for key in GOALS:
+        values = [r["ahead_" + key] for r in rows if r.get("ahead_" + key)]
+        out[key] = geomean(values)
+        out[key + "_pairs"] = len(values)
+    return out
+
+
+def goals(means: dict, table: dict = GOALS) -> dict:
     """Each goal, its value and whether it is met; for a speedup, also what a switch running exactly
     at the floor would reach (``at_floor``): a goal above that asks for more than this machine's
     links and memory copies give, unless the switch keeps state in place (which the floor counts
     as copied)."""
     out = {}
-    for key, (goal, better) in GOALS.items():
+    for key, (goal, better) in table.items():
         value = means.get(key)
         met = value is not None and (value >= goal if better == "higher" else value <= goal)
         out[key] = dict(goal=goal, better=better, value=value, met=met)
@@ -163,6 +187,11 @@ def table(rows: list[dict], means: dict) -> str:
             f"{_x(r.get('speedup_vs_dcp')):>6} {_x(r.get('speedup_vs_megatron_ckpt')):>6} "
             f"{_x(r.get('speedup_vs_restart')):>6} {_x(r.get('speedup_vs_allgather')):>6} "
             f"{_s(r.get('time_over_floor')):>6}  {checks}")
+        if "hot_switch_ahead" in s:
+            lines.append(f"{'':<4}built ahead: {_s(s['hot_switch_ahead'])} s (bind {_s(s['hot_switch_ahead_bind'])}, "
+                         f"engine {_s(s['hot_switch_ahead_engine'])}), {_x(r.get('ahead_speedup_vs_dcp'))} dcp, "
+                         f"{_s(r.get('ahead_time_over_floor'))} of the floor; built in the background in "
+                         f"{_s(r['methods']['hot_switch_ahead']['ahead_seconds'])} s")
         for method, reason in r["skipped"].items():
             lines.append(f"{'':<4}skipped {method}: {reason}")
         for method, error in r["errors"].items():

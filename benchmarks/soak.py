@@ -156,7 +156,7 @@ def _probe_callback(clock):
                 report = history[-1]
                 self.rows.append(dict(step=report.step, dst=report.dst, seconds=report.seconds,
                                       phase_seconds=dict(report.phase_seconds), step_seconds=clock.last,
-                                      **asdict(sample())))
+                                      built_ahead=report.ahead_build_seconds is not None, **asdict(sample())))
 
     return SwitchProbe()
 
@@ -235,7 +235,8 @@ def summarize(results: list[dict], cycle: int) -> dict:
         keys = {"fd": ("fds",), "thread": ("python_threads", "os_threads"), "process_groups": ("process_groups",)}[name]
         goals[f"{name}_growth"] = _goal(max(r[f"{k}_growth"] for r in ranks for k in keys), 0)
     goals["last_over_second_cycle_seconds"] = _goal(round(ratio, 4), SECONDS_GOAL_RATIO)
-    return {"switches": len(seconds), "layouts_per_cycle": cycle, "cycles": len(cycles), "ranks": ranks,
+    return {"switches": len(seconds), "built_ahead": sum(bool(s.get("built_ahead")) for s in samples),
+            "layouts_per_cycle": cycle, "cycles": len(cycles), "ranks": ranks,
             "cycle_seconds": [[round(s, 4) for s in c] for c in cycles],
             "cycle_median_seconds": [round(m, 4) for m in medians], "last_over_second_cycle": round(ratio, 4),
             "cycle_median_phase_seconds": phases, "cycle_median_step_seconds": steps,
@@ -258,7 +259,7 @@ def _mib(n: int) -> str:
 
 def print_table(summary: dict, layouts: tuple[str, ...], wall_s: float) -> None:
     print(f"\nsoak: {summary['switches']} switches in one fit, {summary['cycles']} cycles of "
-          f"{' -> '.join(layouts)}; {wall_s:.0f} s")
+          f"{' -> '.join(layouts)}; {wall_s:.0f} s; {summary['built_ahead']} built ahead")
     print(f"{'rank':>4} {'RSS at cycle 1 end':>19} {'growth':>12} {'peak growth':>12} "
           f"{'fds':>4} {'thr':>4} {'os thr':>6} {'groups':>6}  (growth after the first cycle)")
     for r in summary["ranks"]:

@@ -3,7 +3,9 @@
 Four gloo processes on 127.0.0.1 hold a megatron-core GPT (fp32, untied embeddings, Adam state
 from one real training step). For each layout pair A -> B one spawned job measures, in order:
 
-1. the hot switch (``megatron.hot_switch.hot_switch``): total, rebuild, engine;
+1. the hot switch (``megatron.hot_switch.hot_switch``): total, rebuild, engine; and the hot switch
+   with its program and megatron objects built ahead (``megatron.ahead.prepare_switch``): total,
+   binding, engine, and apart from them the background build's seconds;
 2. checkpoint and reshard in process: (a) DCP of the logical boxes (``baselines/dcp.py``),
    (b) megatron ``dist_checkpointing`` (``baselines/megatron_ckpt.py``);
 4. the naive in-memory switch: all-gather every full tensor, slice (``baselines/allgather.py``);
@@ -21,7 +23,8 @@ Usage::
     python benchmarks/switch_vs_checkpoint.py --pairs 1,6 --json
     python benchmarks/switch_vs_checkpoint.py --pairs dp4-tp1-pp1-zero1:dp2-tp2-pp1-zero1 --layers 8
 
-``--json`` prints one JSON object on the last line (per pair, and geometric means under ``geomean``).
+``--json`` prints one JSON object on the last line (per pair, and geometric means under ``geomean``
+for the on-demand switch and ``geomean_ahead`` for the switch built ahead, with the same keys).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pairs", default=None,
                    help="comma-separated: indices into the default list (1-based) or SRC:DST layouts")
     p.add_argument("--quick", action="store_true", help=f"small model {QUICK_SHAPE}, pairs {QUICK_PAIRS}")
-    p.add_argument("--methods", default="hot_switch,allgather,dcp,megatron,restart")
+    p.add_argument("--methods", default="hot_switch,hot_switch_ahead,allgather,dcp,megatron,restart")
     p.add_argument("--staging-budget", default="256MiB", help="the hot switch's staging budget")
     p.add_argument("--no-recycle", action="store_true",
                    help="the hot switch writes new state into fresh memory, not into old storages")
@@ -215,13 +218,20 @@ def main(argv: list[str] | None = None) -> int:
     print("\ngoals (geomean, hot switch incl. rebuild): " + ", ".join(
         f"{k} {'-' if g['value'] is None else round(g['value'], 2)} ({'<=' if g['better'] == 'lower' else '>='}"
         f" {g['goal']}: {'met' if g['met'] else 'MISSED'}{_at_floor(g)})" for k, g in goals.items()))
+    means_ahead, goals_ahead = None, None
+    if "hot_switch_ahead" in methods:
+        means_ahead = report.geomeans_ahead(rows)
+        goals_ahead = report.goals(means_ahead, report.AHEAD_GOALS)
+        print("goals (geomean, hot switch built ahead): " + ", ".join(
+            f"{k} {'-' if g['value'] is None else round(g['value'], 2)} ({'<=' if g['better'] == 'lower' else '>='}"
+            f" {g['goal']}: {'met' if g['met'] else 'MISSED'})" for k, g in goals_ahead.items()))
     wall = time.perf_counter() - started
     print(f"wall time of the whole run: {wall:.0f} s")
     if args.json:
         view = (lambda r: r) if args.json_full else report.compact
         print(json.dumps(report.rounded(dict(
             config=config, pairs={r["pair"]: view(r) for r in rows}, failed={r["pair"]: r["failed"] for r in failed},
-            geomean=means, goals=goals, all_checks_passed=all(r["all_checks_passed"] for r in rows) and not failed,
+            geomean=means, goals=goals, geomean_ahead=means_ahead, goals_ahead=goals_ahead, all_checks_passed=all(r["all_checks_passed"] for r in rows) and not failed,
             wall_seconds=wall)), default=str))
     return 0
 

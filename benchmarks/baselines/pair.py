@@ -6,6 +6,9 @@ both layouts' groups made; a restart's fresh processes make their own), measures
 speeds, then runs each method A -> B:
 
 - ``hot_switch``: ``megatron.hot_switch.hot_switch`` (+ dropping the old state);
+- ``hot_switch_ahead``: the same with the target's program and megatron objects built ahead
+  (``megatron.ahead.prepare_switch``, untimed: its background build is reported apart), so the
+  timed switch only binds memory and transfers;
 - ``allgather``: build B empty, ``allgather_switch``, drop A;
 - ``dcp``: DCP save of A's logical boxes, drop A, build B empty, resharding load;
 - ``megatron``: megatron ``dist_checkpointing`` save, drop A, build B empty, load;
@@ -51,6 +54,7 @@ from benchmarks.baselines.memory import (
     world_state_bytes,
 )
 from benchmarks.baselines.state import BenchSetup, build_empty_state, build_trained_state, step_of, store_of
+from lightning_dynatrain.megatron.ahead import PreparedSwitch, prepare_switch
 from lightning_dynatrain.megatron.hot_switch import hot_switch
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
@@ -59,10 +63,10 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.planner import union_world
 from lightning_dynatrain.vps.topology import Topology
 
-METHODS = ("hot_switch", "allgather", "dcp", "megatron", "restart")
+METHODS = ("hot_switch", "hot_switch_ahead", "allgather", "dcp", "megatron", "restart")
 #: the phases of a rebuild, as the hot switch names them (``HotSwitchResult.phases``); the checkpoint
 #: baselines' rebuilds (``state.build_empty_state``) time the same ones
-STEPS = ("plan", "memory_check", "groups", "model", "ddp_optimizer", "optimizer_state", "engine")
+STEPS = ("plan", "memory_check", "groups", "model", "ddp_optimizer", "bind", "optimizer_state", "engine")
 WARM_EXTRA_BYTES = 256 * 2**20
 """Memory each rank writes and frees before each method on top of its share of the state's growth
 (``PairBench.warm_memory``): staging buffers, checkpoint reads, temporaries."""
@@ -175,8 +179,8 @@ class PairBench:
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
 
-    def switch(self, target: ParallelConfig):
-        return hot_switch(self.state, target, self.switch_setup, groups=self.groups)
+    def switch(self, target: ParallelConfig, prepared: PreparedSwitch | None = None):
+        return hot_switch(self.state, target, self.switch_setup, groups=self.groups, prepared=prepared)
 
     # ---------------------------------------------------------------- set up
     def start(self) -> None:
@@ -231,9 +235,18 @@ class PairBench:
             raise AssertionError(f"the state at {self.src} after {after} and {how} is not the original one")
 
     # ---------------------------------------------------------------- methods
-    def hot_switch(self) -> dict:
+    def hot_switch_ahead(self) -> dict:
+        """The hot switch with its objects built ahead; the build (untimed in ``seconds``) as
+        ``ahead_seconds`` (prepare call to built, slowest rank) and ``ahead_build_seconds`` (the
+        background thread's share)."""
         t0 = self.timed_barrier()
-        result = self.switch(self.dst)
+        prepared = prepare_switch(self.state, self.dst, self.switch_setup, groups=self.groups).result()
+        ahead, build = _max(time.perf_counter() - t0, prepared.build_seconds)
+        return dict(self.hot_switch(prepared), ahead_seconds=ahead, ahead_build_seconds=build)
+
+    def hot_switch(self, prepared: PreparedSwitch | None = None) -> dict:
+        t0 = self.timed_barrier()
+        result = self.switch(self.dst, prepared)
         t1 = time.perf_counter()
         self.state = result.state  # the old state had no other reference: it goes now
         report, rebuild, inner, freed = result.report, result.rebuild_seconds, result.seconds, result.memory.freed_bytes
@@ -333,7 +346,7 @@ class PairBench:
     def extra_need(self, method: str) -> tuple[int, str]:
         a, b = world_state_bytes(self.spec, self.src), world_state_bytes(self.spec, self.dst)
         world = self.src.world_size
-        if method == "hot_switch":
+        if method in ("hot_switch", "hot_switch_ahead"):
             return (hot_switch_extra_bytes(self.spec, self.src, self.dst, self.setup.staging_budget, self.topology,
                                            recycle=self.setup.recycle),
                     "the new buffers and the switch's peak (the old state is freed as it is read)")

@@ -135,6 +135,10 @@ class ScheduledReconfig(Callback):
             goes on at the old layout; ``"raise"`` ends ``fit`` with the error. A switch that fails
             once bytes moved raises, unless ``switch_safety="keep_old"`` rolled it back with the
             old state whole on every rank: that counts as refused.
+        ahead: build each entry's switch ahead (``DynaTrainStrategy.prepare_reconfigure``): from
+            the first step after the switch before it, its program and megatron objects are built
+            in a background thread while training steps on, and the switch itself only binds their
+            memory and moves the state. ``False``: every switch builds on demand, inside the pause.
 
     Raises:
         ScheduleError: at construction, when the schedule cannot be read; at ``setup``, when an entry
@@ -150,11 +154,13 @@ class ScheduledReconfig(Callback):
     not repeat them, and the refusals (``(step, layout, error type, message)``).
     """
 
-    def __init__(self, schedule: ScheduleLike, *, on_refused: Literal["continue", "raise"] = "continue") -> None:
+    def __init__(self, schedule: ScheduleLike, *, on_refused: Literal["continue", "raise"] = "continue",
+                 ahead: bool = True) -> None:
         if on_refused not in ("continue", "raise"):
             raise ScheduleError(f"on_refused={on_refused!r}", hint='use "continue" or "raise"')
         self.schedule: dict[int, ParallelConfig] = parse_schedule(schedule)
         self.on_refused = on_refused
+        self.ahead = ahead
         self.done: set[int] = set()
         self.refusals: list[tuple[int, str, str, str]] = []
 
@@ -190,12 +196,34 @@ class ScheduledReconfig(Callback):
             self._switch(trainer, max(due))
 
     @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        self._prepare_next(trainer)  # between two steps, before this one: the build runs beside it
+
+    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if step in self.schedule and step not in self.done:
             self.done.add(step)
             self._switch(trainer, step)
+
+    def _prepare_next(self, trainer: "pl.Trainer") -> None:
+        """Build the next entry that changes the layout ahead, in the background (``ahead``), unless
+        that build runs already (it is dropped by a switch elsewhere, e.g. ``reconfigure``)."""
+        if not self.ahead:
+            return
+        strategy = self._strategy(trainer)
+        later = [s for s in self.schedule if s > trainer.global_step and s not in self.done
+                 and self.schedule[s] != strategy.layout]
+        if not later or strategy.switcher.prepared_pair == (strategy.layout, self.schedule[min(later)]):
+            return
+        step = min(later)
+        try:
+            strategy.prepare_reconfigure(self.schedule[step])
+        except DynaTrainError as err:  # the same on every rank: the switch runs on demand (and may be refused)
+            rank_zero_warn(f"ScheduledReconfig: the switch to {self.schedule[step]} at step {step} cannot be "
+                           f"built ahead ({type(err).__name__}: {err}); it will be built when it runs")
 
     def _switch(self, trainer: "pl.Trainer", step: int) -> None:
         strategy = self._strategy(trainer)

@@ -177,7 +177,8 @@ class ElasticSession:
                     return False
             if time.monotonic() > deadline:
                 raise AdmissionError(f"the world of generation {world.generation} was not built in "
-                                     f"{self.timeout.total_seconds():.0f} s", hint="a member of it is missing; see its log")
+                                     f"{self.timeout.total_seconds():.0f} s",
+                                     hint="a member of it is missing; see its log")
         return True
 
     # -------------------------------------------------------------------------- every step

@@ -75,6 +75,9 @@ class DynaTrainCLI(LightningCLI):
         parser.add_argument("--schedule", type=dict[int, str] | str | None, default=None,
                             help="layout switches: {step: layout}, 'STEP:LAYOUT,...' or a YAML file "
                             "(ScheduledReconfig)")
+        parser.add_argument("--schedule_ahead", type=bool, default=True,
+                            help="build each scheduled switch in the background while training steps on, so its "
+                            "pause is the transfer (ScheduledReconfig(ahead=...))")
         parser.add_argument("--elastic", type=dict[int, str] | str | None, default=None,
                             help="make the fit elastic (OnNodeChange) with this layout policy: {world size: layout}, "
                             "'auto' or a YAML file; launch with torchrun or srun and DYNATRAIN_STORE / DYNATRAIN_TOKEN "
@@ -114,7 +117,7 @@ class DynaTrainCLI(LightningCLI):
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         self.recorder = RunRecorder(cfg.out)
-        callbacks = [self.recorder, ScheduledReconfig(cfg.schedule or None)]
+        callbacks = [self.recorder, ScheduledReconfig(cfg.schedule or None, ahead=cfg.get("schedule_ahead", True))]
         if cfg.get("elastic"):
             callbacks.append(OnNodeChange(cfg.elastic))
         trainer_callbacks = self._get(self.config_init, "trainer").get("callbacks") or []

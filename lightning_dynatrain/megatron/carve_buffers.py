@@ -73,6 +73,15 @@ class CarveBuffers(TorchFunctionMode):
                 return buffer.zero_().requires_grad_(requires_grad)
         return func(*args, **kwargs)
 
+    def adopt(self, buffer: torch.Tensor, *, written_later: bool) -> None:
+        """A buffer built elsewhere (ahead of the switch) with fresh memory, handled as one served
+        here untouched: ``fault_in_untouched`` gives it its pages unless its writer does
+        (``written_later``)."""
+        address = buffer.untyped_storage().data_ptr()
+        self._served[address] = (buffer, True)
+        if written_later:
+            self._written_later.add(address)
+
     def _serve(self, buffer: torch.Tensor, *, fresh: bool) -> torch.Tensor:
         if self.skip_copies:
             self._served[buffer.untyped_storage().data_ptr()] = (buffer, fresh)

@@ -274,6 +274,7 @@ def build_gpt_model(
     initialize: bool = True,
     execution: ExecutionOptions = ExecutionOptions(),
     device: torch.device | None = None,
+    reseed: bool = True,
 ) -> GPTModel:
     """Build this rank's part of the GPT: its pipeline stage, its TP/EP shards.
 
@@ -291,6 +292,8 @@ def build_gpt_model(
             and moved there; the weights of one a switch fills (``initialize=False``) are allocated on
             a CUDA device directly, so no host copy of the shard is made and nothing uninitialised is
             copied (the few tensors megatron's torch-norm fallback makes on the host are moved).
+        reseed: seed torch's global generator with ``seed`` first (an uninitialised model draws
+            nothing: ``False`` leaves the generator alone, for a build off the training thread).
     """
     pgs = pg_collection if pg_collection is not None else current_process_groups()
     if pgs.tp.size() != layout.tp or pgs.pp.size() != layout.pp:
@@ -302,7 +305,8 @@ def build_gpt_model(
     config = transformer_config(shape, layout, params_dtype=params_dtype, moe_token_dispatcher=moe_token_dispatcher,
                                 initialize=initialize, execution=execution, on_device=on_device)
     pp_rank = pgs.pp.rank()
-    torch.manual_seed(seed)
+    if reseed or initialize:
+        torch.manual_seed(seed)
     with megatron_on_cpu():
         model = GPTModel(
             config=config,

@@ -50,6 +50,7 @@ from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.walker import execute_switch
 from lightning_dynatrain.engine.watch import SwitchWatch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
+from lightning_dynatrain.megatron.ahead import PreparedSwitch
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
 from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec, release_rope_caches
@@ -119,16 +120,20 @@ class HotSwitchResult:
     """The engine's figures (bytes, primitives, its phases)."""
     phases: Mapping[str, float]
     """Seconds of the switch's own phases: ``plan``, ``memory_check``, ``groups``, ``model``,
-    ``ddp_optimizer``, ``optimizer_state``, ``engine`` (the engine's share, detailed in ``report``)."""
+    ``ddp_optimizer``, ``optimizer_state``, ``engine``; a prepared switch has ``bind`` in place of
+    ``model`` and ``ddp_optimizer`` (the engine's share, detailed in ``report``)."""
     seconds: float
     memory: MemoryFigures
     need_bytes: int | None = None
     """The bound on this rank's extra memory the switch was checked against; ``None``: not checked."""
+    ahead_build_seconds: float | None = None
+    """A prepared switch: its background build's seconds (not in ``seconds``); ``None``: built on demand."""
 
     @property
     def rebuild_seconds(self) -> float:
-        """Building the target's groups, model, DDP buffers, optimizer and Adam state."""
-        return sum(self.phases.get(p, 0.0) for p in ("groups", "model", "ddp_optimizer", "optimizer_state"))
+        """Building the target's groups, model, DDP buffers, optimizer and Adam state (or, for a
+        prepared switch, installing its groups and binding its memory)."""
+        return sum(self.phases.get(p, 0.0) for p in ("groups", "model", "ddp_optimizer", "bind", "optimizer_state"))
 
 
 class _Phases:
@@ -148,7 +153,7 @@ class _Phases:
 def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, *,
                groups: ProcessGroupCache | None = None, subgroups: SubgroupCache | None = None,
                group: dist.ProcessGroup | None = None, members: Members | None = None,
-               watch: SwitchWatch | None = None) -> HotSwitchResult:
+               watch: SwitchWatch | None = None, prepared: PreparedSwitch | None = None) -> HotSwitchResult:
     """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over ``group``
     (default the world). Python's automatic garbage collection is paused meanwhile.
 
@@ -161,7 +166,12 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     under its deadline, on the watch's group (instead of ``group``), and a rank that dies or stalls
     makes every survivor raise ``SwitchFailedError``.
 
+    ``prepared`` (``megatron.ahead.prepare_switch``): the program and the target's objects, built
+    ahead for this pair of layouts; the switch then only binds their memory (no plan, no build).
+    Needs ``groups``, the cache the target's groups were made into.
+
     Raises:
+        PreparedSwitchError: ``prepared`` was made for another switch, or used already.
         SwitchMemoryError: the switch would not fit in memory (or exceed ``setup.memory_limit``).
         StagingBudgetError, StateStoreError, SwitchAbortedError: refused before anything moved.
         In each case on every rank, with the old state whole (``engine.errors.was_refused``).
@@ -171,7 +181,12 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     src, spec = current.layout, setup.spec
     process, members = group_rank(group), members or Members.same(src.world_size, target.world_size)
     with phase("plan"):
-        program = _program(setup, src, target, process, precision_of(current.model), members)
+        if prepared is not None:
+            assert groups is not None and members.is_identity, "a prepared switch runs within one world, on its groups"
+            prepared.check(src, target, precision_of(current.model))
+            program = prepared.program
+        else:
+            program = _program(setup, src, target, process, precision_of(current.model), members)
         step = adam_step(current.optimizer) or 0
         if step == 0:
             materialize_adam_state(current.optimizer, 0)
@@ -195,8 +210,11 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         try:
             if attempt is not None:
                 attempt.phase("rebuild")
-            new = _rebuild(current, target, setup, step, memory, phase, groups,
-                           timeout=attempt.deadline.timedelta if attempt is not None else None)
+            timeout = attempt.deadline.timedelta if attempt is not None else None
+            if prepared is not None:
+                new = _bind(current, prepared, setup, step, memory, phase, groups, timeout=timeout)
+            else:
+                new = _rebuild(current, target, setup, step, memory, phase, groups, timeout=timeout)
             memory.bind(MegatronTarget(new, spec, members.dst_rank(process)))
             with phase("engine"):
                 _, report = execute_switch(program, source, memory, group=group, subgroups=subgroups,
@@ -227,7 +245,8 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
             watch.end()
     release_rope_caches()  # megatron's class-wide cache would keep the old model's rotary tables alive
     return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
-                           memory=memory.figures(), need_bytes=need)
+                           memory=memory.figures(), need_bytes=need,
+                           ahead_build_seconds=prepared.build_seconds if prepared is not None else None)
 
 
 def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, src: ParallelConfig,
@@ -304,6 +323,24 @@ def _back_to(src: ParallelConfig, setup: SwitchSetup, groups: ProcessGroupCache 
     if groups is not None:
         groups.drop_since(cached)
     initialize_for_layout(src, seed=setup.seed, groups=groups)
+
+
+def _bind(current: MegatronState, prepared: PreparedSwitch, setup: SwitchSetup, step: int, memory: PlainMemory,
+          phase: _Phases, groups: ProcessGroupCache, *, timeout: timedelta | None = None) -> MegatronState:
+    """The prepared target's objects, on memory now: its groups installed (cached: made ahead), the
+    memory of its params, main params and buffers given back, its Adam state as ``_rebuild``'s."""
+    with phase("groups"):
+        initialize_for_layout(prepared.target, seed=setup.seed, groups=groups, timeout=timeout)
+        torch.manual_seed(setup.seed)  # as an on-demand switch's model build leaves the generator
+    new = prepared.state
+    with phase("bind"):
+        prepared.bind()
+        memory.adopt_buffers(prepared.buffers)
+        memory.buffers_built()
+    with phase("optimizer_state"):
+        copy_group_settings(current.optimizer, new.optimizer)
+        materialize_adam_state(new.optimizer, step, zero=False)
+    return new
 
 
 def _rebuild(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, step: int, memory: PlainMemory,

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -147,6 +148,38 @@ def initialize_for_layout(layout: ParallelConfig, *, seed: int, groups: ProcessG
     return current_process_groups()
 
 
+def prepare_groups(layout: ParallelConfig, *, installed: ParallelConfig, seed: int, groups: ProcessGroupCache,
+                   timeout: timedelta | None = None) -> ProcessGroupCollection:
+    """Make ``layout``'s groups ahead of a switch to it, with ``installed`` left installed: the groups
+    go into ``groups`` (the switch then finds them there) and megatron's globals and RNG tracker are
+    as before. Collective like ``initialize_for_layout``; the installed layout's groups must come
+    from ``groups`` (else they would be destroyed here).
+
+    Megatron makes groups only through its globals, so this runs on the training thread, between
+    steps; a layout seen before makes nothing.
+
+    Raises:
+        ValueError: a group of the installed layout is not in ``groups``.
+    """
+    world = dist.GroupMember.WORLD
+    stray = [g for g in (parallel_state._global_process_group_list or []) if g is not None and g is not world
+             and g not in groups]
+    if stray:
+        raise ValueError(f"{len(stray)} group(s) of the installed layout {installed} are not in the cache; "
+                         "HINT: initialise every layout with the same ProcessGroupCache (groups=...)")
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    # initialize_for_layout seeds the tracker (and on CUDA the device's generator) anew
+    states = get_cuda_rng_tracker().get_states()
+    device_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    made = initialize_for_layout(layout, seed=seed, groups=groups, timeout=timeout)
+    initialize_for_layout(installed, seed=seed, groups=groups)  # every group cached: makes nothing
+    get_cuda_rng_tracker().set_states(states)
+    if device_state is not None:
+        torch.cuda.set_rng_state(device_state)
+    return made
+
+
 def current_process_groups() -> ProcessGroupCollection:
     """This rank's megatron groups of the current layout (after ``initialize_for_layout``).
 
@@ -194,4 +227,5 @@ __all__ = [
     "destroy",
     "initialize_for_layout",
     "is_initialized",
+    "prepare_groups",
 ]

@@ -74,6 +74,8 @@ class BufferMode(Protocol):
 
     def fault_in_untouched(self) -> int: ...
 
+    def adopt(self, buffer: torch.Tensor, *, written_later: bool) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryFigures:
@@ -142,6 +144,10 @@ class PlainMemory:
 
     def buffers_built(self) -> None:
         """The new buffers exist; the engine comes next."""
+
+    def adopt_buffers(self, buffers: Iterable[tuple[torch.Tensor, bool]]) -> None:
+        """New buffers built ahead and given fresh memory inside the switch (``megatron.ahead``),
+        as ``(buffer, the engine writes every element)``; call ``buffers_built`` next."""
 
     def bind(self, destination: Destination) -> None:
         """The new state, once built."""
@@ -238,6 +244,13 @@ class RecyclingMemory(PlainMemory):
 
     def buffer_mode(self) -> BufferMode | None:
         return self._mode
+
+    def adopt_buffers(self, buffers: Iterable[tuple[torch.Tensor, bool]]) -> None:
+        # the old buffers' pages go into them, as into a buffer built here that no held storage fits
+        for buffer, written in buffers:
+            self.recycler.fill(buffer, BUFFER_GROUP)
+            if self._mode is not None:
+                self._mode.adopt(buffer, written_later=written)
 
     def buffers_built(self) -> None:
         # what is left of the old buffers goes; what old state the engine frees beyond the idle

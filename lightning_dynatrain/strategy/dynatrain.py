@@ -41,6 +41,7 @@ switch itself is ``switching.LayoutSwitcher``'s.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -63,17 +64,16 @@ from typing_extensions import override
 from lightning_dynatrain.checkpoint.writer import CheckpointWriter
 from lightning_dynatrain.data.sampler import GlobalBatchSampler
 from lightning_dynatrain.engine.deadline import parse_switch_timeout
-from lightning_dynatrain.engine.errors import mark_refused
 from lightning_dynatrain.strategy.base import MegatronProcessStrategy
 from lightning_dynatrain.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_dynatrain.strategy.switch_hooks import SwitchHooks
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.optimizer_handle import MegatronOptimizerHandle
 from lightning_dynatrain.strategy.precision import resolve_params_dtype
-from lightning_dynatrain.strategy.report import ReconfigReport, log_switch
+from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.switching import LayoutSwitcher, parse_switch_safety
 from lightning_dynatrain.strategy.threads import fit_intra_op_threads
 from lightning_dynatrain.strategy.validation import validate_target
-from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 
@@ -93,7 +93,7 @@ def _parse_budget(value: int | str) -> int:
     return parse_bytes(value)
 
 
-class DynaTrainStrategy(CheckpointHooks, MegatronProcessStrategy):
+class DynaTrainStrategy(SwitchHooks, CheckpointHooks, MegatronProcessStrategy):
     """Megatron-core GPT training under Lightning, with in-memory layout switches.
 
     Args:
@@ -419,10 +419,13 @@ class DynaTrainStrategy(CheckpointHooks, MegatronProcessStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._step_in_progress = True
+        beside_build, start = self._switcher is not None and self._switcher.building, time.perf_counter()
         try:
             output = super().training_step(*args, **kwargs)
         finally:
             self._step_in_progress = False
+        if self._switcher is not None:  # what a switch built ahead cost the steps beside its build
+            self._switcher.step_ran(time.perf_counter() - start, beside_build=beside_build)
         self._run_pending()  # a switch requested during the step runs now, at the boundary
         return output
 
@@ -432,81 +435,6 @@ class DynaTrainStrategy(CheckpointHooks, MegatronProcessStrategy):
         from lightning_dynatrain.strategy.megatron_step import microbatches
 
         return microbatches(self.recipe, self.layout)
-
-    # ----------------------------------------------------------------------------- switching
-    def check_layout(self, target: str | ParallelConfig) -> ParallelConfig:
-        """Parse and check ``target`` against the world, the model and the batch; the layout or a typed error."""
-        recipe = self._recipe
-        return validate_target(target, world_size=self.world_size, current=self._layout,
-                               shape=recipe.shape if recipe else None,
-                               global_batch_size=recipe.global_batch_size if recipe else None,
-                               micro_batch_size=recipe.micro_batch_size if recipe else None,
-                               execution=recipe.execution if recipe else None)
-
-    def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport | None:
-        """Switch training to layout ``target`` at the optimizer-step boundary (see the module docstring).
-        Collective: every rank calls it at the same step with the same target.
-
-        Returns:
-            The switch's report, or ``None`` when the request came in during a training step: it is then
-            pending and runs as that step returns (a later request replaces a pending one).
-
-        Raises:
-            LayoutError: the target is malformed or does not fit the model (the message names the rule).
-            WorldSizeError: the target needs a different number of processes.
-            BatchSizeError: the global batch does not split into micro-batches at the target.
-            SwitchMemoryError, StagingBudgetError: the switch does not fit (memory, staging budget).
-            Each of these on every rank, before anything moved (``engine.errors.was_refused``):
-            training can go on at the old layout.
-        """
-        try:
-            layout = self.check_layout(target)
-        except DynaTrainError as err:
-            raise mark_refused(err)
-        if self._step_in_progress:
-            if self._pending is not None and self._pending != layout:
-                rank_zero_info(f"[dynatrain] pending switch to {self._pending} replaced by {layout}")
-            self._pending = layout
-            rank_zero_info(f"[dynatrain] switch to {layout} requested during step {self._global_step() + 1}: "
-                           "deferred to the end of the step (after its optimizer step)")
-            return None
-        return self._reconfigure_now(layout, deferred=False)
-
-    def _last_checkpoint(self) -> str | None:
-        """The run's latest checkpoint: a ``ModelCheckpoint``'s last (else best) save, else the one
-        this fit resumed from; ``None`` when there is none."""
-        trainer = self._trainer()
-        if trainer is None:
-            return None
-        for callback in trainer.checkpoint_callbacks:
-            path = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
-            if path:
-                return str(path)
-        return str(trainer.ckpt_path) if trainer.ckpt_path else None
-
-    @property
-    def pending_layout(self) -> ParallelConfig | None:
-        """A switch requested during the running step, not yet done."""
-        return self._pending
-
-    def _run_pending(self) -> None:
-        """Run a switch requested during the step that just ended (called as the training step returns)."""
-        if self._pending is not None:
-            target, self._pending = self._pending, None
-            self._reconfigure_now(target, deferred=True)
-
-    def _reconfigure_now(self, layout: ParallelConfig, *, deferred: bool) -> ReconfigReport:
-        src, step = self.layout, self._global_step()
-        if layout == src:
-            report = ReconfigReport(step=step, src=str(src), dst=str(src), deferred=deferred)
-        else:
-            assert self._switcher is not None and self._adam is not None
-            state, report = self._switcher.switch(self.megatron, layout, recipe=self.recipe, adam=self._adam,
-                                                  step=step, deferred=deferred)
-            self._install(state)
-            self.switch_history.append(report)
-        log_switch(self._trainer(), report, is_global_zero=self.is_global_zero)
-        return report
 
     # --------------------------------------------------------------------------- collectives
     def _collectives_are_local(self) -> bool:

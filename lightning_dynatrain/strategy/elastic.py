@@ -32,9 +32,7 @@ Example (what ``OnNodeChange`` does at each boundary)::
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +45,7 @@ from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_l
 from lightning_dynatrain.elastic.records import job_fingerprint
 from lightning_dynatrain.elastic.session import ElasticSession, WorldChange
 from lightning_dynatrain.strategy.loggers import continue_loggers, flush_loggers, logger_versions, pin_logger_versions
+from lightning_dynatrain.strategy.step_clock import OverlapClock
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -151,8 +150,7 @@ class ElasticDriver:
         self.history: list[ChangeReport] = []
         self._detected_at: float | None = None
         self._last_boundary: float | None = None
-        self._steady_steps: deque[float] = deque(maxlen=10)  # step seconds with no change pending
-        self._overlapped_steps: list[float] = []  # step seconds while a change was pending
+        self._clock = OverlapClock()  # step seconds, with and without a change pending
 
     @property
     def local_collectives(self) -> bool:
@@ -264,24 +262,19 @@ class ElasticDriver:
             return None
         report = self.change_world(change, trainer)
         self._detected_at, self._last_boundary = None, time.perf_counter()  # the pause is not a step
+        slowdown = self._clock.slowdown()
         if report is not None:
-            report.overlap_slowdown = self._overlap_slowdown()
+            report.overlap_slowdown = slowdown
             self.history.append(report)
             rank_zero_info(str(report))
-        self._overlapped_steps = []
         return report
 
     def _time_step(self, *, pending: bool) -> None:
         """Record the step that just ended, as overlapping a background build or not."""
         now = time.perf_counter()
         if self._last_boundary is not None:
-            (self._overlapped_steps if pending else self._steady_steps).append(now - self._last_boundary)
+            self._clock.add(now - self._last_boundary, overlapped=pending)
         self._last_boundary = now
-
-    def _overlap_slowdown(self) -> float | None:
-        if not self._overlapped_steps or not self._steady_steps:
-            return None
-        return statistics.fmean(self._overlapped_steps) / statistics.median(self._steady_steps) - 1
 
     def choose(self, change: WorldChange) -> LayoutChoice:
         """The target layout for the new world (the same on every old member: a pure function)."""

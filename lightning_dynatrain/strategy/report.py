@@ -8,7 +8,8 @@ bytes), which ``log_switch`` sends to every logger of the Trainer and rank 0 pri
     retained 30.1 MiB (in place 20.0 MiB), peak staging 4.0 MiB
 
 Logged metrics (at ``step``): ``dynatrain/switch_seconds``, ``dynatrain/switch_<phase>_seconds``
-per phase (``PHASES``), and ``dynatrain/<figure>`` for each byte count (``BYTES``).
+per phase (``PHASES``), and ``dynatrain/<figure>`` for each byte count (``BYTES``); for a switch
+built ahead also ``dynatrain/switch_ahead_build_seconds`` and ``dynatrain/switch_overlap_slowdown``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.engine.comm import default_device
 from lightning_dynatrain.engine.staging import format_bytes
 
 if TYPE_CHECKING:
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
 #: the target's groups, model, DDP buffers and optimizer) and the engine's (``agree``: the checks
 #: agreed on every rank before anything moves; ``allocate`` ... ``free``)
 PHASES = ("plan", "memory_check", "rebuild", "agree", "allocate", "copy", "pack", "transfer", "unpack", "free")
+#: ``gather``'s stand-in for a figure a rank does not have (``None``), below any real one in a MAX
+_NONE = -1.0e30
 #: the byte counts, summed over ranks: what crossed a process boundary (``moved``), of it across
 #: nodes and by broadcast, what stayed (``retained``), of it kept in place (no copy)
 BYTES = ("moved_bytes", "inter_node_bytes", "broadcast_bytes", "retained_bytes", "in_place_bytes")
@@ -61,6 +65,11 @@ class ReconfigReport:
         moved_bytes ... in_place_bytes: ``BYTES``, summed over ranks.
         peak_staging_bytes: the largest per-rank staging peak.
         deferred: the request came in during a training step and ran at its end.
+        ahead_build_seconds: built ahead (``prepare_reconfigure``): the slowest rank's background
+            build (not in ``seconds``); ``None``: built on demand, inside the pause.
+        overlap_slowdown: built ahead: how much slower the training steps beside the build ran
+            than the steps before it (``step_clock.OverlapClock``, the slowest rank); ``None``
+            when not known.
     """
 
     step: int
@@ -75,6 +84,8 @@ class ReconfigReport:
     in_place_bytes: int = 0
     peak_staging_bytes: int = 0
     deferred: bool = False
+    ahead_build_seconds: float | None = None
+    overlap_slowdown: float | None = None
 
     @property
     def noop(self) -> bool:
@@ -82,29 +93,34 @@ class ReconfigReport:
 
     @classmethod
     def gather(cls, result: "HotSwitchResult", *, step: int, deferred: bool = False,
-               group: dist.ProcessGroup | None = None) -> "ReconfigReport":
+               group: dist.ProcessGroup | None = None, overlap_slowdown: float | None = None) -> "ReconfigReport":
         """The job's report from every rank's ``result`` (a collective over ``group``, WORLD by
-        default; without ``torch.distributed`` the local figures are the job's)."""
+        default; without ``torch.distributed`` the local figures are the job's). ``overlap_slowdown``:
+        this rank's (``OverlapClock.slowdown``)."""
         seconds, counts = _rank_figures(result)
-        maxed = torch.tensor([result.seconds, float(result.report.peak_staging_bytes), *(seconds[p] for p in PHASES)],
-                             dtype=torch.float64)
+        ahead = _NONE if result.ahead_build_seconds is None else result.ahead_build_seconds
+        slowdown = _NONE if overlap_slowdown is None else overlap_slowdown
+        maxed = torch.tensor([result.seconds, float(result.report.peak_staging_bytes), ahead, slowdown,
+                              *(seconds[p] for p in PHASES)], dtype=torch.float64)
         summed = torch.tensor([counts[b] for b in BYTES], dtype=torch.int64)
         if dist.is_available() and dist.is_initialized():
-            device = _collective_device(group)
+            device = default_device(group)
             maxed, summed = maxed.to(device), summed.to(device)
             dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
             maxed, summed = maxed.cpu(), summed.cpu()
+        ahead, slowdown = (None if float(v) == _NONE else float(v) for v in maxed[2:4])
         return cls(step=step, src=result.report.src, dst=result.report.dst, deferred=deferred,
-                   seconds=float(maxed[0]), peak_staging_bytes=int(maxed[1]),
-                   phase_seconds=dict(zip(PHASES, maxed[2:].tolist())),
+                   seconds=float(maxed[0]), peak_staging_bytes=int(maxed[1]), ahead_build_seconds=ahead,
+                   overlap_slowdown=slowdown, phase_seconds=dict(zip(PHASES, maxed[4:].tolist())),
                    **dict(zip(BYTES, (int(x) for x in summed.tolist()))))
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``switches.jsonl`` rows)."""
         return {"step": self.step, "src": self.src, "dst": self.dst, "seconds": self.seconds,
                 "phase_seconds": dict(self.phase_seconds), "peak_staging_bytes": self.peak_staging_bytes,
-                "deferred": self.deferred, **{b: getattr(self, b) for b in BYTES}}
+                "deferred": self.deferred, "ahead_build_seconds": self.ahead_build_seconds,
+                "overlap_slowdown": self.overlap_slowdown, **{b: getattr(self, b) for b in BYTES}}
 
     def metrics(self) -> dict[str, float]:
         """The figures as logger metrics (see module docstring for the names)."""
@@ -112,23 +128,23 @@ class ReconfigReport:
         out.update({f"dynatrain/switch_{p}_seconds": s for p, s in self.phase_seconds.items()})
         out.update({f"dynatrain/{b}": float(getattr(self, b)) for b in BYTES})
         out["dynatrain/peak_staging_bytes"] = float(self.peak_staging_bytes)
+        if self.ahead_build_seconds is not None:
+            out["dynatrain/switch_ahead_build_seconds"] = self.ahead_build_seconds
+        if self.overlap_slowdown is not None:
+            out["dynatrain/switch_overlap_slowdown"] = self.overlap_slowdown
         return out
 
     def __str__(self) -> str:
         if self.noop:
             return f"[dynatrain] step {self.step}: already at {self.dst}, nothing to do"
         note = " (deferred to the step boundary)" if self.deferred else ""
+        if self.ahead_build_seconds is not None:
+            beside = "" if self.overlap_slowdown is None else f", steps beside it {100 * self.overlap_slowdown:+.0f}%"
+            note += f"; built ahead in {self.ahead_build_seconds:.2f} s in the background{beside}"
         return (f"[dynatrain] step {self.step}: {self.src} -> {self.dst} in {self.seconds:.3f} s, moved "
                 f"{format_bytes(self.moved_bytes)} (inter-node {format_bytes(self.inter_node_bytes)}, broadcast "
                 f"{format_bytes(self.broadcast_bytes)}), retained {format_bytes(self.retained_bytes)} (in place "
                 f"{format_bytes(self.in_place_bytes)}), peak staging {format_bytes(self.peak_staging_bytes)}{note}")
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def log_switch(trainer: "pl.Trainer | None", report: ReconfigReport, *, is_global_zero: bool) -> None:

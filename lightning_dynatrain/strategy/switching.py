@@ -5,7 +5,8 @@ memory limit, verify), the world's topology and measured link costs (once per wo
 process groups of every layout and broadcast used so far (switching back costs no group work).
 ``switch`` runs one hot switch (``megatron.hot_switch``) and returns the new state and the job's
 report; with ``verify`` the logical state is fingerprinted on both sides (collective) and a
-difference raises ``SwitchVerificationError``.
+difference raises ``SwitchVerificationError``. ``prepare`` builds a known next switch's program and
+megatron objects in the background (``megatron.ahead``); the switch to that target then binds them.
 
 When a switch runs is the strategy's business (``DynaTrainStrategy.reconfigure``): at the
 optimizer-step boundary, a request made during a training step deferred to its end.
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from lightning_dynatrain.strategy.report import ReconfigReport
+from lightning_dynatrain.strategy.step_clock import OverlapClock
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.topology import Topology
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from lightning_dynatrain.engine.deadline import SwitchDeadline
     from lightning_dynatrain.engine.watch import SwitchWatch
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
+    from lightning_dynatrain.megatron.ahead import PendingSwitch, PreparedSwitch
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
@@ -100,10 +103,18 @@ class LayoutSwitcher:
         self.topology: Topology | None = None
         self.link_costs: LinkCosts | None = None
         self._setup: SwitchSetup | None = None
+        self._prepared: tuple[ParallelConfig, ParallelConfig, PendingSwitch] | None = None
+        self.ahead_failures = 0
+        """Prepared switches that could not be used (a rank's background build failed); after one,
+        this world's switches run on demand."""
+        self.clock = OverlapClock()
+        """Training steps' seconds, beside a background build or not (``step_ran``)."""
 
     def new_world(self, topology: Topology) -> None:
         """A world starts (setup): its topology; its link costs are measured at its first switch."""
         self.topology, self.link_costs, self._setup = topology, None, None
+        self._drop_prepared()
+        self.ahead_failures = 0
         self._close_watch()
 
     def new_world_groups(self) -> "ProcessGroupCache":
@@ -112,6 +123,7 @@ class LayoutSwitcher:
         from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
 
         self.groups, self.subgroups = ProcessGroupCache(), SubgroupCache()
+        self._drop_prepared()  # built on the old world's groups
         self._close_watch()
         return self.groups
 
@@ -148,6 +160,7 @@ class LayoutSwitcher:
 
     def close(self) -> None:
         """Destroy the groups this run made (collective use ends: call at teardown)."""
+        self._drop_prepared()  # a background build must not use groups being destroyed
         self._close_watch()
         self.subgroups.close()
         self.groups.close()
@@ -180,11 +193,81 @@ class LayoutSwitcher:
 
         watch = self._watch()
         setup = self.setup(recipe, adam, group=watch.group)
+        prepared = self._take_prepared(state.layout, target, watch.group)
+        slowdown = self.clock.slowdown()  # of the steps beside this switch's build (if it had one)
         before = fingerprint(state, setup) if self.verify else None
-        result = hot_switch(state, target, setup, groups=self.groups, subgroups=self.subgroups, watch=watch)
+        result = hot_switch(state, target, setup, groups=self.groups, subgroups=self.subgroups, watch=watch,
+                            prepared=prepared)
         if before is not None:
             verify_unchanged(before, result.state, setup)
-        return result.state, ReconfigReport.gather(result, step=step, deferred=deferred)
+        return result.state, ReconfigReport.gather(result, step=step, deferred=deferred,
+                                                   overlap_slowdown=slowdown if prepared is not None else None)
+
+    def prepare(self, state: "MegatronState", target: ParallelConfig, *, recipe: "MegatronRecipe",
+                adam: "AdamSettings") -> bool:
+        """Start building the switch of ``state`` to ``target`` in the background (``megatron.ahead``);
+        the next ``switch`` to ``target`` from this layout uses it, any other drops it. Collective
+        (every rank, between the same two steps). Whether a build started (not after a failed one in
+        this world: switches then run on demand)."""
+        from lightning_dynatrain.megatron.ahead import prepare_switch
+
+        if self.ahead_failures or target == state.layout:
+            return False
+        self._drop_prepared()
+        watch = self._watch()
+        setup = self.setup(recipe, adam, group=watch.group)
+        self._prepared = (state.layout, target, prepare_switch(state, target, setup, groups=self.groups))
+        return True
+
+    def _drop_prepared(self) -> None:
+        """Forget the build started for another switch, once it ended: two builds at once would
+        meet in their all-gather, and a build must not outlive the groups it builds on."""
+        if self._prepared is not None:
+            self._prepared[2].wait()
+            self._prepared = None
+
+    @property
+    def building(self) -> bool:
+        """A background build runs now."""
+        return self._prepared is not None and not self._prepared[2].done
+
+    def step_ran(self, seconds: float, *, beside_build: bool) -> None:
+        """A training step took ``seconds`` (``beside_build``: a background build ran as it started)."""
+        self.clock.add(seconds, overlapped=beside_build)
+
+    @property
+    def prepared_pair(self) -> tuple[ParallelConfig, ParallelConfig] | None:
+        """The switch (source, target) a background build was started for (built or not), else ``None``."""
+        return self._prepared[:2] if self._prepared is not None else None
+
+    def _take_prepared(self, src: ParallelConfig, target: ParallelConfig,
+                       group: dist.ProcessGroup) -> "PreparedSwitch | None":
+        """The prepared switch ``src -> target`` when every rank has it built (one small all-reduce
+        on ``group``), else ``None`` (the switch builds on demand); a build for another switch is dropped."""
+        import torch
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from lightning_dynatrain.engine.comm import default_device
+        from lightning_dynatrain.megatron.ahead import PreparedSwitchError
+
+        if self._prepared is None or self._prepared[:2] != (src, target):
+            self._drop_prepared()
+            return None
+        pending, self._prepared = self._prepared, None
+        prepared, error = None, None
+        try:
+            prepared = pending[2].result(timeout=self.training_timeout.total_seconds())
+        except PreparedSwitchError as err:
+            error = err
+        built = torch.tensor([1.0 if prepared is not None else 0.0], device=default_device(group))
+        dist.all_reduce(built, op=dist.ReduceOp.MIN, group=group)
+        if built.item() == 1.0:
+            return prepared
+        self.ahead_failures += 1
+        rank_zero_warn(f"the switch {src} -> {target} was not built ahead on every rank"
+                       f"{f' ({error})' if error is not None else ''}: it runs on demand, as will this world's "
+                       "next switches")
+        return None
 
 
 def verify_unchanged(before: dict, state: "MegatronState", setup: "SwitchSetup") -> None:

@@ -100,8 +100,12 @@ def test_the_figures_add_up(pair_run):
     assert 0 < hot["peak_staging_bytes"]
     assert m["allgather"]["recv_bytes"] > hot["recv_bytes"]  # the naive switch moves more
     assert all(record["warm_seconds"] > 0 for record in m.values())  # each method started from written memory
-    made = ranks[0]["groups_made"]  # both layouts' groups came before the methods: none made one
-    assert made["start"] > 0 and made["end"] == made["start"], made
+    ahead = m["hot_switch_ahead"]  # the same switch, its objects built ahead: the pause builds nothing
+    assert ahead["recv_bytes"] == hot["recv_bytes"] and ahead["retained_bytes"] == hot["retained_bytes"]
+    assert ahead["steps"]["model"] == ahead["steps"]["ddp_optimizer"] == 0 < ahead["steps"]["bind"], ahead["steps"]
+    assert 0 < ahead["ahead_build_seconds"] <= ahead["ahead_seconds"]
+    made = ranks[0]["groups_made"]  # both layouts' groups came before the methods: none made one but the
+    assert made["start"] > 0 and made["end"] == made["start"] + 1, made  # ahead build's own, once per world
     for name in ("dcp", "megatron"):
         assert m[name]["checkpoint_bytes"] > 0
         assert m[name]["seconds"] >= m[name]["save_seconds"] + m[name]["load_seconds"]

@@ -78,6 +78,8 @@ def test_the_demo_yaml_holds_strategy_schedule_model_precision_data_and_trainer(
     assert cfg.model.max_steps == 240 and cfg.model.seed == cfg.data.seed == 1234
     assert (cfg.data.seq_length, cfg.data.global_batch_size) == (cfg.model.seq_length, cfg.model.global_batch_size)
     assert cfg.trainer.default_root_dir == "runs/demo"
+    assert cfg.schedule_ahead is True  # ScheduledReconfig(ahead=True): switches built in the background
+    assert parsed(["fit", "--config", str(DEMO_YAML), "--schedule_ahead", "false"]).schedule_ahead is False
 
 
 def test_every_old_flag_sets_its_config_key(parsed) -> None:

@@ -63,6 +63,7 @@ def _soak_job(rank: int, world_size: int) -> dict:
     _, results = soak_fit(LAYOUTS, CYCLES * len(LAYOUTS), 1, callbacks=[census])
     mine = next(r for r in results if r["rank"] == rank)
     return dict(growth=rank_growth(mine, len(LAYOUTS)), switched_to=[s["dst"] for s in mine["samples"]],
+                built_ahead=[s["built_ahead"] for s in mine["samples"]],
                 losses=mine["losses"], rope_alive=census.rope_alive, rope_in_model=census.rope_in_model,
                 models=census.models, ddps=census.ddps)
 
@@ -79,6 +80,7 @@ def test_every_switch_ran_and_training_went_on(soak4: list[dict]) -> None:
     expected = [LAYOUTS[i % len(LAYOUTS)] for i in range(1, CYCLES * len(LAYOUTS) + 1)]
     for result in soak4:
         assert result["switched_to"] == expected
+        assert all(result["built_ahead"]), result["built_ahead"]  # ScheduledReconfig built each one ahead
         assert len(result["losses"]) == len(expected) + 1
         assert all(loss == loss and loss < 10 for loss in result["losses"])  # finite, not diverged
 

@@ -127,12 +127,17 @@ def test_mid_step_request_is_deferred_and_switches_are_logged(world4: list[dict]
             assert (h["peak_staging_bytes"] > 0) == (h["moved_bytes"] > 0), h
             assert h["peak_staging_bytes"] <= 64 * 1024, h  # the strategy's staging_budget
             assert {"rebuild", "transfer"} <= set(h["phase_seconds"])
+        # ScheduledReconfig builds its entries ahead, in the background (the mid-step request is
+        # built on demand, and drops the build made for the first entry from the old layout)
+        assert [h["ahead_build_seconds"] is not None for h in history] == [False, True, True]
+        assert all(h["ahead_build_seconds"] > 0 for h in history[1:])
         assert run["noop"]["src"] == run["noop"]["dst"] == SWITCH_LAYOUTS[-1] and run["noop"]["seconds"] == 0
     rows = list(csv.DictReader(io.StringIO(world4[0]["switching"]["metrics"])))
     switch_rows = [r for r in rows if r.get("dynatrain/switch_seconds")]
     assert [int(r["step"]) for r in switch_rows] == SWITCH_AT[1:]
     for r in switch_rows:
         assert float(r["dynatrain/switch_seconds"]) > 0 and float(r["dynatrain/retained_bytes"]) > 0
+    assert [bool(r.get("dynatrain/switch_ahead_build_seconds")) for r in switch_rows] == [False, True, True]
 
 
 def test_losses_with_switches_track_the_static_run(world4: list[dict]) -> None:
