@@ -13,8 +13,9 @@ earlier, while training steps on:
    parameter, fp32 main param and DDP buffer keeps its tensor objects (and megatron's views into
    them) over a storage resized to nothing (``UntypedStorage.resize_(0)``, as FSDP frees
    unsharded parameters). On CPU DDP's buffers are built untouched (``CarveBuffers`` over an
-   empty recycler: no page is touched, DDP's copies of the uninitialised params skipped). Two
-   full copies of the training state never coexist;
+   empty recycler: no page is touched, DDP's copies of the uninitialised params skipped), so two
+   full copies of the training state never coexist there; on a GPU the build holds the target
+   shard's memory until it gives it back;
 3. ``hot_switch(..., prepared=...)`` installs the target's groups (cached), gives each released
    storage its size back, hands DDP's buffers to the memory policy (on CPU the old gradient
    buffers' pages go into the new ones) and runs the engine: the pause is the transfer and the
