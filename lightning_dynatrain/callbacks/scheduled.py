@@ -161,6 +161,7 @@ class ScheduledReconfig(Callback):
         self.schedule: dict[int, ParallelConfig] = parse_schedule(schedule)
         self.on_refused = on_refused
         self.ahead = ahead
+        self._not_ahead: set[int] = set()  # entries whose build could not start (warned once)
         self.done: set[int] = set()
         self.refusals: list[tuple[int, str, str, str]] = []
 
@@ -211,17 +212,19 @@ class ScheduledReconfig(Callback):
     def _prepare_next(self, trainer: "pl.Trainer") -> None:
         """Build the next entry that changes the layout ahead, in the background (``ahead``), unless
         that build runs already (it is dropped by a switch elsewhere, e.g. ``reconfigure``)."""
-        if not self.ahead:
-            return
         strategy = self._strategy(trainer)
+        if not self.ahead or strategy.elastic is not None:  # an elastic run's worlds change under a build
+            return
         later = [s for s in self.schedule if s > trainer.global_step and s not in self.done
-                 and self.schedule[s] != strategy.layout]
+                 and s not in self._not_ahead and self.schedule[s] != strategy.layout]
         if not later or strategy.switcher.prepared_pair == (strategy.layout, self.schedule[min(later)]):
             return
         step = min(later)
         try:
-            strategy.prepare_reconfigure(self.schedule[step])
+            if not strategy.prepare_reconfigure(self.schedule[step]):  # a build failed in this world
+                self._not_ahead.add(step)
         except DynaTrainError as err:  # the same on every rank: the switch runs on demand (and may be refused)
+            self._not_ahead.add(step)
             rank_zero_warn(f"ScheduledReconfig: the switch to {self.schedule[step]} at step {step} cannot be "
                            f"built ahead ({type(err).__name__}: {err}); it will be built when it runs")
 

@@ -99,9 +99,9 @@ class SwitchHooks:
         Raises:
             LayoutError, WorldSizeError, BatchSizeError: as ``reconfigure``.
         """
-        layout = self.check_layout(target)
         if self._elastic is not None or self._step_in_progress:
             return False
+        layout = self.check_layout(target)
         assert self._switcher is not None and self._adam is not None
         started = self._switcher.prepare(self.megatron, layout, recipe=self.recipe, adam=self._adam)
         if started:

@@ -131,6 +131,32 @@ def test_a_rank_result_becomes_the_jobs_report_and_logs_its_figures(capsys) -> N
     assert capsys.readouterr().out == "" and len(logged) == 1  # no-op: no metrics; rank != 0: no line
 
 
+def test_a_switch_built_ahead_reports_its_build_and_the_steps_beside_it(capsys) -> None:
+    from lightning_dynatrain.megatron.hot_switch import HotSwitchResult
+    from lightning_dynatrain.memory import MemoryFigures
+    from lightning_dynatrain.strategy.step_clock import OverlapClock
+
+    clock = OverlapClock(steady_window=3)
+    for seconds in (1.0, 1.0, 2.0, 1.0):  # the window keeps the last 3 steady steps: median 1.0
+        clock.add(seconds, overlapped=False)
+    clock.add(1.5, overlapped=True)
+    clock.add(1.1, overlapped=True)
+    slowdown = clock.slowdown()
+    assert slowdown == pytest.approx(0.3) and clock.slowdown() is None  # forgotten once read
+    result = HotSwitchResult(state=None, report=_engine_report(), seconds=0.25, memory=MemoryFigures(),
+                             phases={"plan": 0.002, "groups": 0.001, "bind": 0.01, "engine": 0.2},
+                             ahead_build_seconds=1.25)
+    report = ReconfigReport.gather(result, step=7, overlap_slowdown=slowdown)
+    assert report.phase_seconds["rebuild"] == pytest.approx(0.011)
+    assert (report.ahead_build_seconds, report.overlap_slowdown) == (1.25, pytest.approx(0.3))
+    assert report.metrics()["dynatrain/switch_ahead_build_seconds"] == 1.25
+    assert str(report).endswith("; built ahead in 1.25 s in the background, steps beside it +30%")
+    on_demand = ReconfigReport.gather(HotSwitchResult(state=None, report=_engine_report(), seconds=0.25,
+                                                      memory=MemoryFigures(), phases={}), step=8)
+    assert on_demand.ahead_build_seconds is None and on_demand.overlap_slowdown is None
+    assert "dynatrain/switch_ahead_build_seconds" not in on_demand.metrics() and "ahead" not in str(on_demand)
+
+
 @pytest.mark.parametrize("precision, dtype", [("32-true", "float32"), ("bf16-mixed", "bfloat16"),
                                               ("bf16", "bfloat16"), (32, "float32")])
 def test_trainer_precision_becomes_megatrons_mixed_precision(precision, dtype) -> None:
