@@ -31,6 +31,7 @@ survives switches and resumes untouched, as under the Lightning strategy. Weight
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -124,6 +125,7 @@ class DynaTrainEngine:
         self.step = 0
         self.history: list[ReconfigReport] = []
         self._done: set[int] = set()
+        self._not_ahead: set[int] = set()  # schedule entries whose build could not start
         self._samplers: list[GlobalBatchSampler] = []
         self._data_checked = False
         self.model = DynaTrainModel(self)
@@ -189,17 +191,37 @@ class DynaTrainEngine:
         if not self._data_checked:
             _check_same_batch(batch, step=self.step)
             self._data_checked = True
+        beside_build, start = self.switcher.building, time.perf_counter()
         loss = train_step(self.state, batch, self.recipe, lr=self.lr_at(self.step), weight_decay=self.adam.weight_decay)
+        self.switcher.step_ran(time.perf_counter() - start, beside_build=beside_build)
         self.step += 1
         return loss
 
     def step_boundary(self) -> ReconfigReport | None:
-        """Run the schedule's switch due now (entries at or before ``step`` not run yet: the latest wins)."""
+        """Run the schedule's switch due now (entries at or before ``step`` not run yet: the latest
+        wins), then start building the next one ahead (``plugin.schedule_ahead``)."""
         due = [s for s, _ in self.plugin.schedule if s <= self.step and s not in self._done]
-        if not due:
-            return None
-        self._done.update(due)
-        return self.reconfigure(self.plugin.schedule_map[max(due)])
+        report = None
+        if due:
+            self._done.update(due)
+            report = self.reconfigure(self.plugin.schedule_map[max(due)])
+        self._prepare_next()
+        return report
+
+    def _prepare_next(self) -> None:
+        """The next entry that changes the layout, built in the background (once per entry)."""
+        later = [(s, layout) for s, layout in self.plugin.schedule if s > self.step and s not in self._done
+                 and s not in self._not_ahead and layout != self.layout]
+        if not self.plugin.schedule_ahead or not later or self.switcher.prepared_pair == (self.layout, later[0][1]):
+            return
+        step, layout = later[0]
+        try:
+            if not self.switcher.prepare(self.state, layout, recipe=self.recipe, adam=self.adam):
+                self._not_ahead.add(step)  # a build failed in this run: switches build on demand
+        except DynaTrainError as err:  # the same on every rank: the switch builds when it runs
+            self._not_ahead.add(step)
+            self.accelerator.print(f"[dynatrain] the switch to {layout} at step {step} cannot be built ahead "
+                                   f"({type(err).__name__}: {err}); it will be built when it runs")
 
     def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport:
         """Switch to layout ``target`` now, in memory (collective: every rank, the same target, between steps).

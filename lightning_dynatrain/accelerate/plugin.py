@@ -9,7 +9,8 @@ Where the settings come from, first match wins:
 1. the constructor's arguments;
 2. environment variables ``DYNATRAIN_LAYOUT``, ``DYNATRAIN_SCHEDULE``, ``DYNATRAIN_STAGING_BUDGET``,
    ``DYNATRAIN_SWITCH_MEMORY_LIMIT``, ``DYNATRAIN_VERIFY``, ``DYNATRAIN_PROMOTE_BROADCASTS``,
-   ``DYNATRAIN_SEED``, ``DYNATRAIN_SWITCH_TIMEOUT``, ``DYNATRAIN_SWITCH_SAFETY`` (as Accelerate's
+   ``DYNATRAIN_SEED``, ``DYNATRAIN_SWITCH_TIMEOUT``, ``DYNATRAIN_SWITCH_SAFETY``,
+   ``DYNATRAIN_SCHEDULE_AHEAD`` (as Accelerate's
    plugins read ``MEGATRON_LM_TP_DEGREE``, ``FSDP_*``, ...), so
    ``DYNATRAIN_LAYOUT=dp2-tp2-pp1 accelerate launch ...`` works with an unchanged script;
 3. the defaults below.
@@ -51,7 +52,7 @@ ENV_PREFIX = "DYNATRAIN_"
 #: the YAML block ``from_yaml`` reads, and the prefix of its keys
 YAML_BLOCK = "dynatrain_config"
 _FIELDS = ("layout", "schedule", "staging_budget", "switch_memory_limit", "verify", "promote_broadcasts", "seed",
-           "switch_timeout", "switch_safety")
+           "switch_timeout", "switch_safety", "schedule_ahead")
 
 
 class AccelerateConfigError(DynaTrainError):
@@ -81,6 +82,8 @@ class DynaTrainPlugin:
         switch_safety: ``"fast"`` (default): a switch frees the old state as it moves it;
             ``"keep_old"``: the old state is held until every rank has its new state, so a failed
             switch rolls back to the old layout (and the memory check counts both).
+        schedule_ahead: build each schedule entry's switch in a background thread during the steps
+            before it (``megatron.ahead``), so its pause is the transfer (default ``True``).
 
     After construction the fields hold the parsed values: ``layout`` a ``ParallelConfig`` or ``"auto"``,
     ``schedule`` a tuple of ``(step, ParallelConfig)`` sorted by step, the budgets whole bytes,
@@ -108,6 +111,7 @@ class DynaTrainPlugin:
     seed: int | None = None
     switch_timeout: float | str | SwitchDeadline | None = None
     switch_safety: Literal["fast", "keep_old"] | str | None = None
+    schedule_ahead: bool | None = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -132,7 +136,8 @@ class DynaTrainPlugin:
                       promote_broadcasts=_flag("promote_broadcasts", given["promote_broadcasts"], default=True),
                       seed=_whole("seed", given["seed"], default=1234),
                       switch_timeout=parse_switch_timeout(given["switch_timeout"]),
-                      switch_safety=parse_switch_safety(given["switch_safety"]))
+                      switch_safety=parse_switch_safety(given["switch_safety"]),
+                      schedule_ahead=_flag("schedule_ahead", given["schedule_ahead"], default=True))
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -198,6 +203,7 @@ class DynaTrainPlugin:
         schedule = ",".join(f"{step}:{layout}" for step, layout in self.schedule) or "no switches"
         faults = "" if self.switch_timeout is None else f", switch_timeout {self.switch_timeout.seconds:g} s"
         faults += "" if self.switch_safety == "fast" else f", switch_safety {self.switch_safety}"
+        faults += "" if self.schedule_ahead or not self.schedule else ", switches built on demand"
         return f"DynaTrainPlugin({self.layout}, {schedule}, staging {format_bytes(self.staging_budget)}{faults})"
 
 

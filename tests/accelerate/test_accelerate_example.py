@@ -67,8 +67,10 @@ def runs(tmp_path_factory) -> dict:
                       START, "--schedule", SCHEDULE, *MODEL, "--out", str(tmp / "lightning")], tmp)
     # the resumed run's switches hold the old state until every rank has its new one (the plugin
     # reads its fault settings from the environment, as the strategy takes them as arguments)
+    # (and builds its switches on demand, where the straight run builds each ahead)
     resumed = _accelerate(tmp / "resumed", "--resume", str(tmp / "accelerate" / "state"),
-                          DYNATRAIN_SWITCH_SAFETY="keep_old", DYNATRAIN_SWITCH_TIMEOUT="120")
+                          DYNATRAIN_SWITCH_SAFETY="keep_old", DYNATRAIN_SWITCH_TIMEOUT="120",
+                          DYNATRAIN_SCHEDULE_AHEAD="false")
     return dict(tmp=tmp, accel=accel, lightning=lightning, resumed=resumed)
 
 
@@ -83,6 +85,7 @@ def test_accelerate_launch_trains_and_switches_like_the_lightning_run(runs: dict
     switches = [line for line in out.splitlines() if line.startswith("[dynatrain] step ")]
     assert [line.split(" in ")[0] for line in switches] == [
         "[dynatrain] step 2: dp2-tp2-pp1 -> dp1-tp2-pp2", "[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-zero1"]
+    assert all("built ahead in" in line for line in switches), switches  # the plugin's schedule_ahead default
     assert "2 switches, losses identical on every process" in out
     assert len((runs["tmp"] / "accelerate" / "switches.jsonl").read_text().splitlines()) == 2
 
@@ -99,5 +102,6 @@ def test_save_state_writes_every_ranks_shard_and_load_state_resumes_at_another_s
     resumed, straight = _metrics(runs["tmp"] / "resumed"), _metrics(runs["tmp"] / "accelerate")
     assert [(step, layout) for step, _, layout in resumed] == [(s, LAYOUT_OF_STEP[s]) for s in (4, 5, 6)]
     assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in straight[SAVE_AT:]], rel=1e-6)
-    assert "[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-zero1" in out
-    assert "switch_timeout 120 s, switch_safety keep_old)" in out
+    step4 = next(line for line in out.splitlines() if line.startswith("[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-zero1"))
+    assert "built ahead" not in step4, step4  # DYNATRAIN_SCHEDULE_AHEAD=false
+    assert "switch_timeout 120 s, switch_safety keep_old, switches built on demand)" in out

@@ -125,6 +125,10 @@ def test_environment_variables_are_the_defaults_and_arguments_win(monkeypatch) -
     assert (str(from_env.layout), str(from_env.schedule_map[3]), from_env.staging_budget, from_env.verify) == (
         "dp1-tp2-pp2", "dp4-tp1-pp1", 2**20, True)
     assert (from_env.switch_timeout.seconds, from_env.switch_safety) == (120.0, "keep_old")
+    assert from_env.schedule_ahead is True and "built on demand" not in str(from_env)
+    monkeypatch.setenv("DYNATRAIN_SCHEDULE_AHEAD", "false")
+    assert DynaTrainPlugin().schedule_ahead is False and str(DynaTrainPlugin()).endswith(", switches built on demand)")
+    assert DynaTrainPlugin(schedule_ahead=True).schedule_ahead is True  # an argument wins
     assert str(DynaTrainPlugin(layout="dp4", schedule={}).layout) == "dp4-tp1-pp1"
     monkeypatch.setenv("DYNATRAIN_LAYOUT", "dp2-xx2")
     _refused(LayoutError, "unknown part 'xx2'", call=DynaTrainPlugin)
