@@ -45,6 +45,7 @@ from lightning_dynatrain.accelerate.environment import (
     check_accelerator,
     cluster_environment,
 )
+from lightning_dynatrain.callbacks.scheduled import next_to_prepare
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.switching import LayoutSwitcher
@@ -210,11 +211,11 @@ class DynaTrainEngine:
 
     def _prepare_next(self) -> None:
         """The next entry that changes the layout, built in the background (once per entry)."""
-        later = [(s, layout) for s, layout in self.plugin.schedule if s > self.step and s not in self._done
-                 and s not in self._not_ahead and layout != self.layout]
-        if not self.plugin.schedule_ahead or not later or self.switcher.prepared_pair == (self.layout, later[0][1]):
+        entry = next_to_prepare(self.plugin.schedule, after=self.step, skip=self._done | self._not_ahead,
+                                current=self.layout, prepared=self.switcher.prepared_pair)
+        if not self.plugin.schedule_ahead or entry is None:
             return
-        step, layout = later[0]
+        step, layout = entry
         try:
             if not self.switcher.prepare(self.state, layout, recipe=self.recipe, adam=self.adam):
                 self._not_ahead.add(step)  # a build failed in this run: switches build on demand

@@ -18,7 +18,7 @@ and the world size, so a bad layout at step 5000 fails before step 1, naming ste
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Set
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -215,17 +215,17 @@ class ScheduledReconfig(Callback):
         strategy = self._strategy(trainer)
         if not self.ahead or strategy.elastic is not None:  # an elastic run's worlds change under a build
             return
-        later = [s for s in self.schedule if s > trainer.global_step and s not in self.done
-                 and s not in self._not_ahead and self.schedule[s] != strategy.layout]
-        if not later or strategy.switcher.prepared_pair == (strategy.layout, self.schedule[min(later)]):
+        entry = next_to_prepare(self.schedule.items(), after=trainer.global_step, skip=self.done | self._not_ahead,
+                                current=strategy.layout, prepared=strategy.switcher.prepared_pair)
+        if entry is None:
             return
-        step = min(later)
+        step, layout = entry
         try:
-            if not strategy.prepare_reconfigure(self.schedule[step]):  # a build failed in this world
+            if not strategy.prepare_reconfigure(layout):  # a build failed in this world
                 self._not_ahead.add(step)
         except DynaTrainError as err:  # the same on every rank: the switch runs on demand (and may be refused)
             self._not_ahead.add(step)
-            rank_zero_warn(f"ScheduledReconfig: the switch to {self.schedule[step]} at step {step} cannot be "
+            rank_zero_warn(f"ScheduledReconfig: the switch to {layout} at step {step} cannot be "
                            f"built ahead ({type(err).__name__}: {err}); it will be built when it runs")
 
     def _switch(self, trainer: "pl.Trainer", step: int) -> None:
@@ -251,6 +251,17 @@ class ScheduledReconfig(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.done = {int(s) for s in state_dict.get("done", [])}
         self.refusals = [tuple(r) for r in state_dict.get("refusals", [])]
+
+
+def next_to_prepare(schedule: Iterable[tuple[int, ParallelConfig]], *, after: int, skip: Set[int],
+                    current: ParallelConfig, prepared: tuple[ParallelConfig, ParallelConfig] | None,
+                    ) -> tuple[int, ParallelConfig] | None:
+    """The first entry after step ``after`` (not in ``skip``) that changes the layout from ``current``,
+    unless its build from ``current`` is ``prepared`` already: what to build ahead next, or ``None``."""
+    later = sorted((s, layout) for s, layout in schedule if s > after and s not in skip and layout != current)
+    if not later or prepared == (current, later[0][1]):
+        return None
+    return later[0]
 
 
 def validate_schedule(schedule: Mapping[int, ParallelConfig], *, world_size: int, start: ParallelConfig | None = None,
@@ -282,4 +293,4 @@ def validate_schedule(schedule: Mapping[int, ParallelConfig], *, world_size: int
                 "lightning_dynatrain.strategy.vocab_divisor_for(vocab_size, tp_sizes)")
 
 
-__all__ = ["ScheduleError", "ScheduledReconfig", "parse_schedule", "validate_schedule"]
+__all__ = ["ScheduleError", "ScheduledReconfig", "next_to_prepare", "parse_schedule", "validate_schedule"]
