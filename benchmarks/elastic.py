@@ -3,12 +3,15 @@ shrink (4 -> 2) in the same elastic run.
 
 The elastic run (``elastic_job.ElasticJob``: ``dynatrain store``, ``torchrun`` for the first two
 processes and again for the two that join) trains the model of ``elastic_fit.py``; each change's
-figures come from ``OnNodeChange``'s report on the processes that stay:
+figures come from ``OnNodeChange``'s report on the processes that stay. It runs twice: with the
+target built ahead (the default, ``OnNodeChange(ahead=True)``) and on demand (``ahead=False``):
 
-- ``pause_seconds``: what training saw between two steps (the whole change at the boundary);
-- ``transfer_seconds``: the part of the pause that moved state (the engine);
-- ``rebuild_seconds``: the target's groups, model, DDP and optimizer built inside the pause (the
-  on-demand path: ahead-of-time building is not there yet);
+- ``pause_seconds``: what training saw between two steps (the whole change at the boundary),
+  built ahead; ``pause_on_demand_seconds`` the same built on demand;
+- ``transfer_seconds``: the part of the pause that moved state (the engine), built ahead;
+- ``rebuild_seconds``: the on-demand run's target groups, model, DDP and optimizer, built inside
+  its pause; ``bind_seconds``: what the run built ahead did in its pause instead (groups from the
+  cache, memory bound); ``ahead_build_seconds``: its background build;
 - ``build_seconds``: the next world's process group, built in the background meanwhile.
 
 The cold path, per case, at the new world size: ``cold_init_seconds`` is fresh processes started
@@ -56,11 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _elastic_run(model: str, out: Path, steps_between: int) -> tuple[dict, dict, Path]:
+def _elastic_run(model: str, out: Path, steps_between: int, *, ahead: bool) -> tuple[dict, dict]:
     """The grow and the shrink in one run; each change's report (from rank 0 of the new world)."""
-    ckpt = out / "source.ckpt"
-    with ElasticJob(out / "elastic", max_steps=100_000, step_seconds=0.0, dead_after=30.0,
-                    fit_args=("--model", model, "--stop-in-store")) as job:
+    fit_args = ("--model", model, "--stop-in-store") + (() if ahead else ("--on-demand",))
+    with ElasticJob(out / f"elastic_{'ahead' if ahead else 'on_demand'}", max_steps=100_000, step_seconds=0.0,
+                    dead_after=30.0, fit_args=fit_args) as job:
         job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= steps_between, what="the first world to train", timeout=1800)
         job.start_torchrun(2)
@@ -82,8 +85,7 @@ def _elastic_run(model: str, out: Path, steps_between: int) -> tuple[dict, dict,
     shrink = [c for c in changes if " -> " in c["change"] and int(c["change"].split(" -> ")[1].split()[0]) < 4]
     if len(shrink) != 1:
         raise RuntimeError(f"the shrink ran as {len(shrink)} changes ({[c['change'] for c in shrink]}); rerun")
-    src_ckpt = _save_source(model, out, ckpt)
-    return grow, shrink[0], src_ckpt
+    return grow, shrink[0]
 
 
 def _save_source(model: str, out: Path, ckpt: Path) -> Path:
@@ -104,12 +106,18 @@ def _torchrun(nproc: int, out: Path, model: str, *extra: str) -> float:
     return max(ready) - launched
 
 
-def _case(change: dict, world: int, model: str, ckpt: Path, out: Path) -> dict:
+def _case(change: dict, on_demand: dict, world: int, model: str, ckpt: Path, out: Path) -> dict:
+    """One change's figures: ``change`` built ahead, ``on_demand`` the same change built in its pause."""
+    if (change["src"], change["dst"]) != (on_demand["src"], on_demand["dst"]):
+        raise RuntimeError(f"the two runs changed between other layouts: {change['src']} -> {change['dst']} and "
+                           f"{on_demand['src']} -> {on_demand['dst']}")
     cold_init = _torchrun(world, out / f"cold_init_{world}", model, "--max-steps", "1")
     cold_total = _torchrun(world, out / f"cold_total_{world}", model, "--max-steps", "3", "--resume", str(ckpt))
-    pause, transfer, rebuild = change["pause_seconds"], change["transfer_seconds"], change["rebuild_seconds"]
+    pause, transfer, rebuild = change["pause_seconds"], change["transfer_seconds"], on_demand["rebuild_seconds"]
     return dict(change=change["change"], src=change["src"], dst=change["dst"], pause_seconds=pause,
-                transfer_seconds=transfer, rebuild_seconds=rebuild, build_seconds=change["build_seconds"],
+                transfer_seconds=transfer, rebuild_seconds=rebuild, bind_seconds=change["rebuild_seconds"],
+                ahead_build_seconds=change["ahead_build_seconds"], pause_on_demand_seconds=on_demand["pause_seconds"],
+                transfer_on_demand_seconds=on_demand["transfer_seconds"], build_seconds=change["build_seconds"],
                 moved_bytes=change["moved_bytes"], cold_init_seconds=cold_init, cold_total_seconds=cold_total,
                 init_masked=1 - (pause - transfer) / cold_init, pause_over_cold=pause / cold_total,
                 outside_transfer_over_rebuild=(pause - transfer) / rebuild if rebuild else None)
@@ -126,22 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     model = "tiny" if args.quick else "270m"
     out = Path(tempfile.mkdtemp(prefix="dynatrain-elastic-", dir=args.workdir))
     try:
-        grow, shrink, ckpt = _elastic_run(model, out, args.steps_between)
-        cases = {"grow_2_to_4": _case(grow, 4, model, ckpt, out), "shrink_4_to_2": _case(shrink, 2, model, ckpt, out)}
+        grow, shrink = _elastic_run(model, out, args.steps_between, ahead=True)
+        grow_on_demand, shrink_on_demand = _elastic_run(model, out, args.steps_between, ahead=False)
+        ckpt = _save_source(model, out, out / "source.ckpt")
+        cases = {"grow_2_to_4": _case(grow, grow_on_demand, 4, model, ckpt, out),
+                 "shrink_4_to_2": _case(shrink, shrink_on_demand, 2, model, ckpt, out)}
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    keys = ("pause_seconds", "transfer_seconds", "rebuild_seconds", "cold_init_seconds", "cold_total_seconds",
-            "init_masked", "pause_over_cold", "outside_transfer_over_rebuild")
+    keys = ("pause_seconds", "transfer_seconds", "pause_on_demand_seconds", "rebuild_seconds", "bind_seconds",
+            "ahead_build_seconds", "cold_init_seconds", "cold_total_seconds", "init_masked", "pause_over_cold",
+            "outside_transfer_over_rebuild")
     geomean = {k: _geomean([c[k] for c in cases.values()]) for k in keys}
     goals = {k: {"goal": g, "better": "higher" if op == ">=" else "lower", "value": geomean[k],
                  "met": geomean[k] is not None and (geomean[k] >= g if op == ">=" else geomean[k] <= g)}
              for k, (op, g) in GOALS.items()}
     print(f"model {model}, 2 cores, gloo; {time.perf_counter() - started:.0f} s")
-    print(f"{'case':<16}" + "".join(f"{k.replace('_seconds', ' s'):>16}" for k in keys))
-    for name, c in cases.items():
-        print(f"{name:<16}" + "".join(f"{'-' if c[k] is None else format(c[k], '.3f'):>16}" for k in keys))
-    print(f"{'geomean':<16}" + "".join(f"{'-' if geomean[k] is None else format(geomean[k], '.3f'):>16}"
-                                        for k in keys))
+    columns = {**cases, "geomean": geomean}
+    print(f"{'':<30}" + "".join(f"{name:>15}" for name in columns))
+    for k in keys:
+        print(f"{k.replace('_seconds', ' s'):<30}" + "".join(
+            f"{'-' if c[k] is None else format(c[k], '.3f'):>15}" for c in columns.values()))
     print("goals: " + ", ".join(f"{k} {GOALS[k][0]} {g['goal']}: {'met' if g['met'] else 'MISSED'}"
                                 for k, g in goals.items()))
     if args.json:

@@ -14,7 +14,8 @@ model) so that processes started later find the fit still running; ``--fingerpri
 the model's fingerprint without changing the model; ``--stop-in-store`` ends the fit at the step
 the job's store names under ``bench/stop_at`` (every rank reads it: they stop at the same step);
 ``--resume`` resumes a checkpoint; ``--save`` writes one at the end; ``--log-dir`` adds a
-``CSVLogger`` there (every step logged: its metrics file must continue whoever is rank 0).
+``CSVLogger`` there (every step logged: its metrics file must continue whoever is rank 0);
+``--on-demand`` builds each change's target in its pause (``OnNodeChange(ahead=False)``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--save", default=None)
     parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--on-demand", action="store_true", help="build each change's target in its pause")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = MODELS[args.model]
@@ -118,7 +120,7 @@ def main() -> None:
     if args.stop_in_store:
         callbacks.append(StopInStore())
     if not args.static:
-        callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0))
+        callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0, ahead=not args.on_demand))
     logger = CSVLogger(args.log_dir, name="metrics") if args.log_dir else False
     trainer = Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                       strategy=DynaTrainStrategy(model["policy"][world]), max_steps=args.max_steps,

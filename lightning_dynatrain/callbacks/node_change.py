@@ -56,6 +56,9 @@ class OnNodeChange(Callback):
         heartbeat: seconds between this process's liveness stamps in the store.
         exit_after: seconds a process waits, once the store reports a member failed, before it ends
             itself (it is then stuck in a collective that cannot complete).
+        ahead: build the next world's megatron groups and the target's model, DDP and optimizer in
+            the background while the old world trains (one step boundary later than on demand),
+            so that the change's pause is the transfer; ``False`` builds them in the pause.
 
     Raises:
         LayoutError: (at construction) the policy cannot be read; (at a change) it has no valid
@@ -65,11 +68,12 @@ class OnNodeChange(Callback):
     """
 
     def __init__(self, policy: Policy = "auto", *, memory_per_rank: int | None = None,
-                 step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0) -> None:
+                 step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
+                 ahead: bool = True) -> None:
         parse_policy(policy)  # fail at construction, not at the first change
         self.policy = policy if not isinstance(policy, (str, Path)) or str(policy).lower() == "auto" else Path(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
-        self.heartbeat, self.exit_after = heartbeat, exit_after
+        self.heartbeat, self.exit_after, self.ahead = heartbeat, exit_after, ahead
         #: every world change this process saw, in order (rank 0's copy reaches joiners)
         self.changes: list[dict[str, Any]] = []
         self._driver: ElasticDriver | None = None
@@ -81,7 +85,8 @@ class OnNodeChange(Callback):
         from lightning_dynatrain.strategy.elastic import ElasticDriver
 
         self._driver = ElasticDriver(strategy, policy=self.policy, memory_per_rank=self.memory_per_rank,
-                                     step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after)
+                                     step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after,
+                                     ahead=self.ahead)
         return self._driver
 
     @override

@@ -36,14 +36,15 @@ import torch.distributed as dist
 
 from lightning_dynatrain.elastic.client import JobStore
 from lightning_dynatrain.elastic.records import AdmissionError, JoinRequest, LeaveRequest, Membership
-from lightning_dynatrain.elastic.world import NextWorld, install, retire
+from lightning_dynatrain.elastic.world import BorrowedWorld, NextWorld, install, retire
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.members import Members
 
 #: exit status of a process the watchdog ends (a member failed and a collective would hang)
 EXIT_MEMBER_FAILED = 75
 #: test hook: ``DYNATRAIN_JOIN_FAULT=STOP`` stops a joiner (SIGSTOP) right after it is admitted, before
-#: the world that admits it is built, so that the change must be cancelled
+#: the world that admits it is built, so that the change must be cancelled; ``STOP_IN_BUILD`` once its
+#: peers build the target ahead, before its own build (``strategy.elastic``)
 JOIN_FAULT_ENV = "DYNATRAIN_JOIN_FAULT"
 
 
@@ -247,14 +248,26 @@ class ElasticSession:
         """How long the pending world's background build took (0 for a leaver: it builds none)."""
         return self._next.seconds if self._next is not None else 0.0
 
-    def swap(self, change: WorldChange) -> list[dist.ProcessGroup]:
+    def next_world(self) -> NextWorld:
+        """The pending world's build (a member of it only)."""
+        assert self._next is not None, "no pending world of this process's"
+        return self._next
+
+    def borrow(self) -> BorrowedWorld:
+        """The pending world's group (built: after a vote), to borrow before the swap (``world.BorrowedWorld``)."""
+        assert self._pending is not None
+        return BorrowedWorld(self.next_world().group(timeout=self.timeout.total_seconds()), self.store.raw,
+                             generation=self._pending.generation)
+
+    def swap(self, change: WorldChange, *, borrowed: BorrowedWorld | None = None) -> list[dist.ProcessGroup]:
         """Install ``change.new``'s world (its members; a leaver keeps the old one). Returns the old
-        world's groups, to ``retire`` after the new world's first collective."""
+        world's groups, to ``retire`` after the new world's first collective. ``borrowed``: that
+        world's group, borrowed before (``borrow``; the groups made on it stay)."""
         old: list[dist.ProcessGroup] = []
         if not change.leaving:
             assert self._next is not None
             old = install(self._next.group(timeout=self.timeout.total_seconds()), self.store.raw,
-                          generation=change.new.generation)
+                          generation=change.new.generation, borrowed=borrowed)
             self.world = change.new
             if self.rank == 0:
                 self.store.mark_installed(change.new.generation)

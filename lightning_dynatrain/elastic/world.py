@@ -14,6 +14,10 @@ with every member present. Changing the world in a running job instead:
 3. ``retire``: the old world's groups destroyed one by one once the first collective of the new
    world has run (destroying the old WORLD first would shut every backend down on the critical path).
 
+Between 1 and 2, ``BorrowedWorld`` makes the built group the default for a moment on the training
+thread, between two steps: the next world's megatron groups, its topology and its joiners' header
+are made there, ahead of the swap, and the old world is the default again before the next step.
+
 These are c10d internals of torch 2.13 (``torch>=2.13,<2.14`` is pinned); they live here only.
 
 Example::
@@ -129,21 +133,76 @@ class NextWorld:
         return self._result
 
 
-def install(pg: dist.ProcessGroup, store: dist.Store, *, generation: int) -> list[dist.ProcessGroup]:
+def _register(pg: dist.ProcessGroup, store: dist.Store, generation: int) -> None:
+    c10d._register_pg_in_world(pg, backend_name=pg._get_backend_name(), store=_prefix(store, generation),
+                               group_name=_group_name(generation),
+                               backend_config=str(c10d.BackendConfig(pg._get_backend_name())), add_to_default_tag=True)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
+
+
+def install(pg: dist.ProcessGroup, store: dist.Store, *, generation: int,
+            borrowed: "BorrowedWorld | None" = None) -> list[dist.ProcessGroup]:
     """Make ``pg`` (built by ``build_group`` over ``store``) the default group (WORLD). Returns the
     groups of the world it replaces, to ``retire`` once the new world's first collective has run.
 
     Groups made later (``new_group``, megatron's) live under the generation's prefix of ``store``:
-    every member, joiner or not, names them alike (``group_count``)."""
-    old = [g for g in c10d._world.pg_map if g is not None]
-    prefix = _prefix(store, generation)
-    c10d._register_pg_in_world(pg, backend_name=pg._get_backend_name(), store=prefix,
-                               group_name=_group_name(generation),
-                               backend_config=str(c10d.BackendConfig(pg._get_backend_name())), add_to_default_tag=True)
+    every member, joiner or not, names them alike (``group_count``). ``borrowed``: the
+    ``BorrowedWorld`` that made groups on ``pg`` already (they stay; the count goes on from them)."""
+    made = borrowed.made if borrowed is not None else []
+    old = [g for g in c10d._world.pg_map if g is not None and g is not pg and g not in made]
+    if borrowed is None:
+        _register(pg, store, generation)
     c10d._update_default_pg(pg)
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
-    c10d._world.group_count = GROUP_COUNT_STRIDE * (generation + 1)
-    return [g for g in old if g is not pg]
+    c10d._world.group_count = borrowed.group_count if borrowed is not None else GROUP_COUNT_STRIDE * (generation + 1)
+    return old
+
+
+class BorrowedWorld:
+    """The next world's group as the default for moments before its install (``with borrowed:``):
+    what runs inside makes groups and runs collectives on the next world, as its joiners do after
+    their install. Training thread only, between steps (the running step reads the default group).
+
+    Example::
+
+        borrowed = BorrowedWorld(nxt.group(), store, generation=1)
+        with borrowed:
+            pgs = initialize_for_layout(target, seed=seed, groups=next_cache)
+        ...training steps on the old world...
+        old = install(borrowed.group, store, generation=1, borrowed=borrowed)
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, store: dist.Store, *, generation: int) -> None:
+        self.group, self.generation = pg, generation
+        _register(pg, store, generation)
+        self.group_count = GROUP_COUNT_STRIDE * (generation + 1)
+        self.made: list[dist.ProcessGroup] = []
+        """The groups made on the next world while borrowed (``install`` keeps them)."""
+        self._saved: tuple[dist.ProcessGroup, int] | None = None
+
+    def __enter__(self) -> dist.ProcessGroup:
+        assert self._saved is None, "not reentrant"
+        before = set(c10d._world.pg_map)
+        self._saved = (c10d._get_default_group(), c10d._world.group_count)
+        c10d._update_default_pg(self.group)
+        c10d._world.group_count = self.group_count
+        self._before = before
+        return self.group
+
+    def __exit__(self, *exc) -> None:
+        assert self._saved is not None
+        self.made += [g for g in c10d._world.pg_map if g not in self._before and g is not self.group]
+        self.group_count = c10d._world.group_count
+        default, count = self._saved
+        c10d._update_default_pg(default)
+        c10d._world.group_count = count
+        self._saved = None
+
+    def forget(self) -> None:
+        """The swap will not come (the change was cancelled): destroy what was made on the next world."""
+        retire(self.made)
+        self.made = []
+        if self.group in c10d._world.pg_map:
+            dist.destroy_process_group(self.group)
 
 
 def retire(groups: list[dist.ProcessGroup]) -> None:
@@ -153,4 +212,4 @@ def retire(groups: list[dist.ProcessGroup]) -> None:
             dist.destroy_process_group(group)
 
 
-__all__ = ["GROUP_COUNT_STRIDE", "NextWorld", "build_group", "install", "retire"]
+__all__ = ["BorrowedWorld", "GROUP_COUNT_STRIDE", "NextWorld", "build_group", "install", "retire"]

@@ -37,7 +37,6 @@ Example (every rank)::
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -52,7 +51,7 @@ from lightning_dynatrain.engine.compiler import switch_program
 from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.megatron.build_collectives import build_collectives
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
-from lightning_dynatrain.megatron.gpt import build_gpt_model
+from lightning_dynatrain.megatron.gpt import build_unfilled_model
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, optimizer_state_views
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, prepare_groups
 from lightning_dynatrain.megatron.state import MegatronState
@@ -81,10 +80,10 @@ class PreparedSwitch:
     undefined: the switch writes the state, megatron zeroes gradient buffers before their use).
     """
 
-    def __init__(self, *, source: ParallelConfig, target: ParallelConfig, precision: Precision,
+    def __init__(self, *, source: ParallelConfig, target: ParallelConfig, precision: Precision, members: Members,
                  program: SwitchProgram, state: MegatronState, buffers: "_Buffers", released: "_Released",
                  build_seconds: float) -> None:
-        self.source, self.target, self.precision = source, target, precision
+        self.source, self.target, self.precision, self.members = source, target, precision, members
         self.program, self.state = program, state
         self.buffers = buffers
         """DDP's param and gradient buffers: ``(buffer, the switch writes every element of it)``."""
@@ -97,15 +96,16 @@ class PreparedSwitch:
     def released_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self.released)
 
-    def check(self, source: ParallelConfig, target: ParallelConfig, precision: Precision) -> None:
-        """Raise ``PreparedSwitchError`` unless this serves a switch ``source -> target`` at ``precision``."""
+    def check(self, source: ParallelConfig, target: ParallelConfig, precision: Precision, members: Members) -> None:
+        """Raise ``PreparedSwitchError`` unless this serves a switch ``source -> target`` at ``precision``
+        between ``members``."""
         if self._bound:
             raise PreparedSwitchError(f"the prepared switch {self.source} -> {self.target} was used already",
                                       hint="prepare_switch once per switch")
-        if (self.source, self.target, self.precision) != (source, target, precision):
+        if (self.source, self.target, self.precision, self.members) != (source, target, precision, members):
             raise PreparedSwitchError(
-                f"a switch {source} -> {target} ({precision.value}) was given the objects prepared for "
-                f"{self.source} -> {self.target} ({self.precision.value})",
+                f"a switch {source} -> {target} ({precision.value}, {members}) was given the objects prepared for "
+                f"{self.source} -> {self.target} ({self.precision.value}, {self.members})",
                 hint="prepare the switch the strategy will run, or switch without prepared=")
 
     def bind(self) -> None:
@@ -128,6 +128,7 @@ class PendingSwitch:
         self._result: PreparedSwitch | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._abandoned = False
         if background:
             threading.Thread(target=self._run, name="dynatrain-prepare-switch", daemon=True).start()
         else:
@@ -138,6 +139,9 @@ class PendingSwitch:
             self._result = self._build()
         except BaseException as err:  # reported to whoever asks for the result, and in this rank's log now
             self._error = err
+            if self._abandoned:
+                _log.info("a build ahead for a switch that will not come ended: %r", err)
+                return
             _log.warning("building a switch ahead failed on this rank: %s", "".join(
                 traceback.format_exception(type(err), err, err.__traceback__, limit=-4)).rstrip())
         finally:
@@ -146,6 +150,15 @@ class PendingSwitch:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def abandon(self) -> None:
+        """The switch will not come (its groups are being destroyed): an error of the build is expected."""
+        self._abandoned = True
+
+    @property
+    def failed(self) -> bool:
+        """The build ended with an error (``result`` raises it)."""
+        return self._done.is_set() and self._error is not None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether the build ended (built or failed) within ``timeout`` seconds."""
@@ -176,48 +189,72 @@ def prepare_switch(current: MegatronState, target: ParallelConfig, setup, *, gro
     rank calls it between the same two steps. The target's groups are made here, on the calling
     thread; the rest runs in a background thread (``background=False``: here). Within one world.
     """
-    precision, process = precision_of(current.model), group_rank(None)
-    params_dtype = current.model.config.params_dtype
-    device = next(current.model.parameters()).device
     pgs = prepare_groups(target, installed=current.layout, seed=setup.seed, groups=groups)
     with groups.serving():  # once per world: the background build's own group for its all-gather
         route = dist.new_group(ranks=list(range(dist.get_world_size())), group_desc="dynatrain_prepare_switch",
                                timeout=ROUTE_TIMEOUT)
+    members = Members.same(current.layout.world_size, target.world_size)
+    return _start(current, target, setup, pgs, route, members=members, process=group_rank(None),
+                  next_world=False, background=background)
+
+
+def prepare_world_switch(current: MegatronState, target: ParallelConfig, setup, *, pgs, next_world: dist.ProcessGroup,
+                         members: Members, process: int, background: bool = True) -> PendingSwitch:
+    """Start preparing a world change's switch of ``current`` to ``target``: ``pgs``, the target's
+    groups, were made on the next world (``next_world``, its default group, built and not yet
+    installed: ``elastic.world.BorrowedWorld``); ``members`` and ``process`` as the switch will see
+    them (``hot_switch(..., members=...)``). The background build's all-gather runs on
+    ``next_world`` with the joiners' own builds (``hot_switch.receive_state(ahead=True)``); the
+    running world's groups are never touched.
+    """
+    return _start(current, target, setup, pgs, next_world, members=members, process=process, next_world=True,
+                  background=background)
+
+
+def _start(current: MegatronState, target: ParallelConfig, setup, pgs, route: dist.ProcessGroup, *,
+           members: Members, process: int, next_world: bool, background: bool) -> PendingSwitch:
+    precision = precision_of(current.model)
+    params_dtype = current.model.config.params_dtype
+    device = next(current.model.parameters()).device
     src = current.layout
 
     def build() -> PreparedSwitch:
         start = time.perf_counter()
-        with build_collectives(route) as session:
+        with build_collectives(route, next_world=next_world) as session:
             try:
-                program, state = _build(setup, src, target, process, precision, pgs, params_dtype, device)
+                program = process_program(setup, src, target, process, precision, members)
+                state = build_unfilled_state(setup, target, pgs, params_dtype=params_dtype, device=device)
             except BaseException:
                 session.join_missed()  # the other ranks' builds wait in megatron's all-gather for this one
                 raise
         buffers, released = _release(state)
-        return PreparedSwitch(source=src, target=target, precision=precision, program=program, state=state,
-                              buffers=buffers, released=released, build_seconds=time.perf_counter() - start)
+        return PreparedSwitch(source=src, target=target, precision=precision, members=members, program=program,
+                              state=state, buffers=buffers, released=released,
+                              build_seconds=time.perf_counter() - start)
 
     return PendingSwitch(build, background=background)
 
 
-def _build(setup, src: ParallelConfig, target: ParallelConfig, process: int, precision: Precision,
-           pgs, params_dtype: torch.dtype, device: torch.device) -> tuple[SwitchProgram, MegatronState]:
-    """This rank's program and the target's model, DDP and optimizer (memory not yet given back)."""
+def process_program(setup, src: ParallelConfig, target: ParallelConfig, process: int, precision: Precision,
+                    members: Members) -> SwitchProgram:
+    """This process's compiled program for a switch ``src -> target`` under ``setup`` (a
+    ``SwitchSetup``; cached by its inputs); broadcasts only within one world."""
     topology = setup.topology or default_topology(src, target)
-    program = switch_program(setup.spec, src, target, process, precision, staging_budget=setup.staging_budget,
-                             topology=topology, link_costs=setup.link_costs,
-                             members=Members.same(src.world_size, target.world_size))
-    # megatron all-reduces a tied embedding's last-stage copy over the embedding group as it builds
-    # the model (``setup_embeddings_and_output_layer``): not beside training on that group
-    quiet = copy.copy(pgs)
-    quiet.embd = None
-    model = build_gpt_model(setup.shape, target, seed=setup.seed, params_dtype=params_dtype, initialize=False,
-                            pg_collection=quiet, execution=setup.execution, device=device, reseed=False)
-    quiet.embd = model.embd_group = pgs.embd  # as megatron's own build leaves them
+    return switch_program(setup.spec, src, target, process, precision, staging_budget=setup.staging_budget,
+                          topology=topology, link_costs=setup.link_costs if members.is_identity else None,
+                          members=members)
+
+
+def build_unfilled_state(setup, target: ParallelConfig, pgs, *, params_dtype: torch.dtype,
+                         device: torch.device) -> MegatronState:
+    """The target's model, DDP and optimizer on ``pgs``, for a switch to fill: no weight init, no
+    construction-time collective but megatron optimizer's all-gather (``build_unfilled_model``)."""
+    model = build_unfilled_model(setup.shape, target, seed=setup.seed, params_dtype=params_dtype, pg_collection=pgs,
+                                 execution=setup.execution, device=device)
     untouched = switch_buffers(StorageRecycler(idle_cap=0)) if device.type == "cpu" else None
     ddp, optimizer = build_ddp_and_optimizer(model, target, pg_collection=pgs, torch_function_mode=untouched,
                                              **setup.optimizer)
-    return program, MegatronState(layout=target, groups=pgs, ddp=ddp, optimizer=optimizer)
+    return MegatronState(layout=target, groups=pgs, ddp=ddp, optimizer=optimizer)
 
 
 _Buffers = tuple[tuple[torch.Tensor, bool], ...]
@@ -246,4 +283,6 @@ def _release(state: MegatronState) -> tuple[_Buffers, _Released]:
     return tuple(buffers), released
 
 
-__all__ = ["PendingSwitch", "PreparedSwitch", "PreparedSwitchError", "prepare_switch"]
+__all__ = ["PendingSwitch", "PreparedSwitch", "PreparedSwitchError", "build_unfilled_state", "prepare_switch",
+           "process_program",
+           "prepare_world_switch"]

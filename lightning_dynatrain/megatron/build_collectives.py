@@ -15,6 +15,11 @@ A build that fails on one rank before that all-gather (any error: the others' bu
 for this rank) joins it with nothing (``BuildSession.join_missed``): the others' megatron then
 fails on the missing keys, every rank's build has ended, and they agree to switch on demand.
 
+A world change's build (``build_collectives(group, next_world=True)``) runs for the next world
+while the default group is still the running one: there ``group`` is the next world's default
+group, and ``dist.get_rank()`` / ``dist.get_world_size()`` without a group answer for it (megatron
+sizes its gather and finds a rank's place in its groups with them).
+
 The wrappers are installed once, process-wide; a thread outside ``build_collectives`` calls torch's
 functions as they are.
 """
@@ -51,6 +56,7 @@ def _guard(name: str, original):
             return original(*args, **kwargs)
         if name == "all_gather_object" and kwargs.get("group", args[2] if len(args) > 2 else None) is None:
             _local.joined = True
+            args[0][:] = [None] * route.size()  # megatron sized it by the default group
             out = original(*args[:2], group=route)
             failed = [rank for rank, got in enumerate(args[0]) if got is None]
             if failed:
@@ -63,12 +69,24 @@ def _guard(name: str, original):
     return guarded
 
 
+def _next_world(original, answer):
+    @functools.wraps(original)
+    def answered(group=None):
+        route = getattr(_local, "group", None)
+        if group is None and route is not None and getattr(_local, "next_world", False):
+            return answer(route)
+        return original(group) if group is not None else original()
+    return answered
+
+
 def _install() -> None:
     global _installed
     with _lock:
         if not _installed:
             for name in _GUARDED:
                 setattr(dist, name, _guard(name, getattr(dist, name)))
+            dist.get_rank = _next_world(dist.get_rank, lambda g: g.rank())
+            dist.get_world_size = _next_world(dist.get_world_size, lambda g: g.size())
             _installed = True
 
 
@@ -87,15 +105,16 @@ class BuildSession:
 
 
 @contextmanager
-def build_collectives(group: dist.ProcessGroup) -> Iterator[BuildSession]:
+def build_collectives(group: dist.ProcessGroup, *, next_world: bool = False) -> Iterator[BuildSession]:
     """On this thread, inside: the default group's object all-gather runs on ``group``; any other
-    collective raises ``BuildCollectiveError`` (see the module docstring)."""
+    collective raises ``BuildCollectiveError``; with ``next_world``, ``group`` is the next world's
+    default group and the world's rank and size are its own (see the module docstring)."""
     _install()
-    _local.group, _local.joined = group, False
+    _local.group, _local.joined, _local.next_world = group, False, next_world
     try:
         yield BuildSession(group)
     finally:
-        _local.group = None
+        _local.group, _local.next_world = None, False
 
 
 __all__ = ["BuildCollectiveError", "BuildSession", "build_collectives"]

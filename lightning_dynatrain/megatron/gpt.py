@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import copy
+
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -329,6 +331,21 @@ def build_gpt_model(
     return model
 
 
+def build_unfilled_model(shape: GPTShape, layout: ParallelConfig, *, seed: int, params_dtype: torch.dtype,
+                         pg_collection: ProcessGroupCollection, execution: ExecutionOptions = ExecutionOptions(),
+                         device: torch.device | None = None) -> GPTModel:
+    """This rank's GPT shard for a switch to fill (``build_gpt_model(initialize=False)``), with no
+    collective at all: megatron's all-reduce of a tied embedding's last-stage copy over the embedding
+    group, as it builds the model, is left out (the switch writes that copy). For builds beside
+    training, and for joiners whose peers build so; torch's generator is left alone."""
+    quiet = copy.copy(pg_collection)
+    quiet.embd = None
+    model = build_gpt_model(shape, layout, seed=seed, params_dtype=params_dtype, initialize=False,
+                            pg_collection=quiet, execution=execution, device=device, reseed=False)
+    model.embd_group = pg_collection.embd  # as megatron's own build leaves it
+    return model
+
+
 def _set_tensor_parallel_attributes(model: torch.nn.Module, shape: GPTShape) -> None:
     """Tag weights as megatron's init would have (``tensor_model_parallel``, ``partition_dim``, ``stride``).
 
@@ -377,6 +394,7 @@ def release_rope_caches() -> None:
 __all__ = [
     "GPTShape",
     "build_gpt_model",
+    "build_unfilled_model",
     "release_rope_caches",
     "layer_spec",
     "logical_spec",

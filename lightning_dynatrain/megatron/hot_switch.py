@@ -43,14 +43,13 @@ import torch.distributed as dist
 
 from lightning_dynatrain.engine.collectives import LinkCosts, SubgroupCache
 from lightning_dynatrain.engine.comm import group_rank
-from lightning_dynatrain.engine.compiler import switch_program
 from lightning_dynatrain.engine.errors import mark_refused, was_refused
 from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.walker import execute_switch
 from lightning_dynatrain.engine.watch import SwitchWatch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
-from lightning_dynatrain.megatron.ahead import PreparedSwitch
+from lightning_dynatrain.megatron.ahead import PreparedSwitch, process_program
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
 from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec, release_rope_caches
@@ -69,9 +68,8 @@ from lightning_dynatrain.memory.policy import KeepOldMemory, MemoryFigures, Plai
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.members import Members
-from lightning_dynatrain.vps.planner import default_topology
 
-from lightning_dynatrain.vps.spec import ModelSpec, Precision
+from lightning_dynatrain.vps.spec import ModelSpec
 from lightning_dynatrain.vps.topology import Topology
 
 
@@ -166,9 +164,10 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     under its deadline, on the watch's group (instead of ``group``), and a rank that dies or stalls
     makes every survivor raise ``SwitchFailedError``.
 
-    ``prepared`` (``megatron.ahead.prepare_switch``): the program and the target's objects, built
-    ahead for this pair of layouts; the switch then only binds their memory (no plan, no build).
-    Needs ``groups``, the cache the target's groups were made into.
+    ``prepared`` (``megatron.ahead.prepare_switch``, or ``prepare_world_switch`` for a world
+    change): the program and the target's objects, built ahead for this pair of layouts and
+    ``members``; the switch then only binds their memory (no plan, no build). Needs ``groups``, the
+    cache the target's groups were made into.
 
     Raises:
         PreparedSwitchError: ``prepared`` was made for another switch, or used already.
@@ -182,11 +181,11 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     process, members = group_rank(group), members or Members.same(src.world_size, target.world_size)
     with phase("plan"):
         if prepared is not None:
-            assert groups is not None and members.is_identity, "a prepared switch runs within one world, on its groups"
-            prepared.check(src, target, precision_of(current.model))
+            assert groups is not None, "a prepared switch runs on the groups its target's were made into"
+            prepared.check(src, target, precision_of(current.model), members)
             program = prepared.program
         else:
-            program = _program(setup, src, target, process, precision_of(current.model), members)
+            program = process_program(setup, src, target, process, precision_of(current.model), members)
         step = adam_step(current.optimizer) or 0
         if step == 0:
             materialize_adam_state(current.optimizer, 0)
@@ -250,22 +249,30 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
 
 
 def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, src: ParallelConfig,
-                  target: ParallelConfig, setup: SwitchSetup, *, step: int, members: Members,
-                  group: dist.ProcessGroup | None = None) -> HotSwitchResult:
+                  target: ParallelConfig, setup: SwitchSetup, *, step: int | Callable[[], int], members: Members,
+                  group: dist.ProcessGroup | None = None, ahead: bool = False) -> HotSwitchResult:
     """A process that joins: its state at ``target`` filled with the others' state at Adam step
     ``step``; the other side of their ``hot_switch`` (or ``send_state``) over ``group``, whose
     process ``members`` says holds no source rank. ``model`` is its shard (weights not needed);
     ``build()`` makes its DDP and optimizer around it, after the memory check as ``hot_switch``
-    does (megatron's optimizer runs collectives as it is built: the order must match)."""
+    does (megatron's optimizer runs collectives as it is built: the order must match), or with
+    ``ahead`` first, as the others' builds ahead do (``megatron.ahead.prepare_world_switch``).
+    ``step`` may be a function, called after the build (the others may still be training)."""
     start, phase, process = time.perf_counter(), _Phases(), group_rank(group)
     assert members.src_rank(process) is None, f"process {process} holds a source rank: it switches, not joins"
     device = next(model.parameters()).device
     with phase("plan"):
-        program = _program(setup, src, target, process, precision_of(model), members)
+        program = process_program(setup, src, target, process, precision_of(model), members)
+    new = None
+    if ahead:
+        with phase("ddp_optimizer"):
+            new = build()
+    step = step() if callable(step) else step
     with phase("memory_check"):
         need = _check_memory(program, setup, device, f"joining at {target}", group, 0, 0)
-    with phase("ddp_optimizer"):
-        new = build()
+    if new is None:
+        with phase("ddp_optimizer"):
+            new = build()
     with phase("optimizer_state"):
         materialize_adam_state(new.optimizer, step, zero=False)
     memory = PlainMemory()
@@ -283,7 +290,7 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     process = group_rank(group)
     assert members.dst_rank(process) is None, f"process {process} holds a target rank: it switches, not leaves"
     src = current.layout
-    program = _program(setup, src, target, process, precision_of(current.model), members)
+    program = process_program(setup, src, target, process, precision_of(current.model), members)
     if adam_step(current.optimizer) is None:
         materialize_adam_state(current.optimizer, 0)
     source = megatron_store(current.ddp, current.optimizer, setup.spec, src, members.src_rank(process))
@@ -292,15 +299,6 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     _, report = execute_switch(program, source, PlainMemory(), group=group)
     release_rope_caches()
     return report
-
-
-def _program(setup: SwitchSetup, src: ParallelConfig, dst: ParallelConfig, process: int, precision: Precision,
-             members: Members) -> SwitchProgram:
-    """This process's compiled program (cached by its inputs); broadcasts only within one world."""
-    topology = setup.topology or default_topology(src, dst)
-    return switch_program(setup.spec, src, dst, process, precision, staging_budget=setup.staging_budget,
-                          topology=topology, link_costs=setup.link_costs if members.is_identity else None,
-                          members=members)
 
 
 def _check_memory(program: SwitchProgram, setup: SwitchSetup, device: torch.device, what: str,

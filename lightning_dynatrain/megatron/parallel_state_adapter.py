@@ -18,7 +18,7 @@ Example, 4 ranks::
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -149,21 +149,28 @@ def initialize_for_layout(layout: ParallelConfig, *, seed: int, groups: ProcessG
 
 
 def prepare_groups(layout: ParallelConfig, *, installed: ParallelConfig, seed: int, groups: ProcessGroupCache,
-                   timeout: timedelta | None = None) -> ProcessGroupCollection:
+                   timeout: timedelta | None = None, world: AbstractContextManager | None = None,
+                   installed_groups: ProcessGroupCache | None = None) -> ProcessGroupCollection:
     """Make ``layout``'s groups ahead of a switch to it, with ``installed`` left installed: the groups
     go into ``groups`` (the switch then finds them there) and megatron's globals and RNG tracker are
     as before. Collective like ``initialize_for_layout``; the installed layout's groups must come
     from ``groups`` (else they would be destroyed here).
 
+    ``world`` (``elastic.world.BorrowedWorld``): the groups are made on the next world, inside it
+    (every member of that world calls this, or its joiners ``initialize_for_layout``); the installed
+    layout's groups then come from ``installed_groups``, the running world's cache.
+
     Megatron makes groups only through its globals, so this runs on the training thread, between
     steps; a layout seen before makes nothing.
 
     Raises:
-        ValueError: a group of the installed layout is not in ``groups``.
+        ValueError: a group of the installed layout is not in its cache.
     """
-    world = dist.GroupMember.WORLD
-    stray = [g for g in (parallel_state._global_process_group_list or []) if g is not None and g is not world
-             and g not in groups]
+    installed_groups = groups if world is None else installed_groups
+    assert installed_groups is not None, "a world change's prepare names the running world's cache"
+    world_pg = dist.GroupMember.WORLD
+    stray = [g for g in (parallel_state._global_process_group_list or []) if g is not None and g is not world_pg
+             and g not in installed_groups]
     if stray:
         raise ValueError(f"{len(stray)} group(s) of the installed layout {installed} are not in the cache; "
                          "HINT: initialise every layout with the same ProcessGroupCache (groups=...)")
@@ -172,12 +179,24 @@ def prepare_groups(layout: ParallelConfig, *, installed: ParallelConfig, seed: i
     # initialize_for_layout seeds the tracker (and on CUDA the device's generator) anew
     states = get_cuda_rng_tracker().get_states()
     device_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    made = initialize_for_layout(layout, seed=seed, groups=groups, timeout=timeout)
-    initialize_for_layout(installed, seed=seed, groups=groups)  # every group cached: makes nothing
+    if world is None:
+        made = initialize_for_layout(layout, seed=seed, groups=groups, timeout=timeout)
+    else:
+        _forget()  # the running world's groups stay (cached); megatron's globals are made anew inside
+        with world:
+            made = initialize_for_layout(layout, seed=seed, groups=groups, timeout=timeout)
+        _forget()
+    initialize_for_layout(installed, seed=seed, groups=installed_groups)  # every group cached: makes nothing
     get_cuda_rng_tracker().set_states(states)
     if device_state is not None:
         torch.cuda.set_rng_state(device_state)
     return made
+
+
+def _forget() -> None:
+    """Megatron's globals dropped, its groups left as they are."""
+    parallel_state.destroy_model_parallel()
+    parallel_state._global_process_group_list = None
 
 
 def current_process_groups() -> ProcessGroupCollection:

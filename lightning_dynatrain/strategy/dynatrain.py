@@ -307,7 +307,8 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, MegatronProcessStrategy):
         recipe = replace(recipe, params_dtype=resolve_params_dtype(recipe.params_dtype, self.precision_plugin))
         self._recipe = recipe
         assert self._pgs is not None, "setup_environment makes the groups"
-        self._gpt_model = build_model(recipe, self.layout, self._pgs, device=self.root_device)
+        self._gpt_model = build_model(recipe, self.layout, self._pgs, device=self.root_device,
+                                      unfilled=self._elastic is not None and self._elastic.fills_model_later)
         return self._gpt_model
 
     @override

@@ -32,6 +32,8 @@ Example (what ``OnNodeChange`` does at each boundary)::
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,8 +45,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, moved_bytes, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
-from lightning_dynatrain.elastic.session import ElasticSession, WorldChange
+from lightning_dynatrain.elastic.session import JOIN_FAULT_ENV, ElasticSession, WorldChange
 from lightning_dynatrain.strategy.loggers import continue_loggers, flush_loggers, logger_versions, pin_logger_versions
+from lightning_dynatrain.strategy.elastic_ahead import AheadChange
 from lightning_dynatrain.strategy.step_clock import OverlapClock
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -118,17 +121,23 @@ class ChangeReport:
     transfer_seconds: float
     build_seconds: float
     rebuild_seconds: float
-    """Building the target's groups, model, DDP and optimizer inside the pause (on demand)."""
+    """Building the target's groups, model, DDP and optimizer inside the pause (on demand), or
+    binding the ones built ahead."""
     moved_bytes: int
     overlap_slowdown: float | None = None
     """Mean seconds of the steps run while the next world was built (from the change's detection to
     its boundary) over the median of the 10 steps before, minus 1; ``None`` without both."""
+    ahead_build_seconds: float | None = None
+    """The target's model, DDP and optimizer built ahead in the background (``None``: in the pause)."""
 
     def __str__(self) -> str:
         return (f"[dynatrain] step {self.step}: {self.change}, {self.src} -> {self.dst} in {self.pause_seconds:.3f} s "
                 f"(transfer {self.transfer_seconds:.3f} s, {self.moved_bytes / 2**20:.1f} MiB; world built "
-                f"{self.build_seconds:.3f} s in the background{self._slowdown()}; detected "
+                f"{self.build_seconds:.3f} s{self._target()} in the background{self._slowdown()}; detected "
                 f"{self.detect_to_swap_seconds:.2f} s before the swap). {self.reason}")
+
+    def _target(self) -> str:
+        return "" if self.ahead_build_seconds is None else f" and its target {self.ahead_build_seconds:.3f} s"
 
     def _slowdown(self) -> str:
         return "" if self.overlap_slowdown is None else f", steps meanwhile {100 * self.overlap_slowdown:+.0f}%"
@@ -138,8 +147,10 @@ class ElasticDriver:
     """The strategy's elastic side (see the module docstring)."""
 
     def __init__(self, strategy: "DynaTrainStrategy", *, policy: Any, memory_per_rank: int | None = None,
-                 step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0) -> None:
+                 step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
+                 ahead: bool = True) -> None:
         self.strategy = strategy
+        self.ahead = ahead
         self.policy = parse_policy(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
         self.heartbeat, self.exit_after = heartbeat, exit_after
@@ -151,6 +162,7 @@ class ElasticDriver:
         self._detected_at: float | None = None
         self._last_boundary: float | None = None
         self._clock = OverlapClock()  # step seconds, with and without a change pending
+        self._ahead: AheadChange | None = None  # the pending change, built ahead (strategy/elastic_ahead.py)
 
     @property
     def local_collectives(self) -> bool:
@@ -219,15 +231,33 @@ class ElasticDriver:
 
     def receive_state(self, build: "Callable[[], MegatronState]") -> "MegatronState":
         """(3) A joiner's state from the old members: ``build()`` makes its DDP and optimizer at
-        the target (after the memory check, in the old members' order), the engine fills them."""
+        the target (after the memory check, in the old members' order; or first, where they built
+        theirs ahead), the engine fills them."""
+        from lightning_dynatrain.megatron.build_collectives import build_collectives
         from lightning_dynatrain.megatron.hot_switch import receive_state
 
         assert self.session is not None and self.session.joined_change is not None and self.header is not None
-        strategy = self.strategy
+        strategy, ahead = self.strategy, bool(self.header["ahead"])
         setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
-        result = receive_state(build, strategy.model_shard, ParallelConfig.parse(self.header["src"]), strategy.layout,
-                               setup, step=int(self.header["adam_step"]), members=self.session.joined_change.members)
+
+        def build_beside_theirs() -> "MegatronState":
+            if os.environ.get(JOIN_FAULT_ENV) == "STOP_IN_BUILD":  # test hook (elastic.session)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            with build_collectives(dist.GroupMember.WORLD):  # a peer whose build failed is named, not a TypeError
+                return build()
+
+        result = receive_state(build_beside_theirs if ahead else build, strategy.model_shard,
+                               ParallelConfig.parse(self.header["src"]), strategy.layout, setup,
+                               step=(lambda: int(_broadcast_object(None)["adam_step"])) if ahead
+                               else int(self.header["adam_step"]),
+                               members=self.session.joined_change.members, ahead=ahead)
         return result.state
+
+    @property
+    def fills_model_later(self) -> bool:
+        """A joiner whose peers build the target ahead: its model is built unfilled, with no
+        collective (``megatron.gpt.build_unfilled_model``), as theirs."""
+        return self.joining and bool(self.header and self.header["ahead"])
 
     def receive_trainer_state(self, trainer: "pl.Trainer") -> None:
         """(4) Lightning's state from rank 0, restored as a resumed fit restores it (no tensors)."""
@@ -256,10 +286,20 @@ class ElasticDriver:
         self.session.publish_step(step)
         self._time_step(pending=self._detected_at is not None)
         change = self.session.poll(step)
+        pending = self.session.pending
+        if self._ahead is not None and (pending is None or pending.generation != self._ahead.generation):
+            self._ahead.drop()  # cancelled (a joiner died)
+            self._ahead = None
         if change is None:
-            if self.session.pending is not None and self._detected_at is None:
+            if pending is not None and self._detected_at is None:
                 self._detected_at = time.perf_counter()
             return None
+        if self.ahead:
+            if self._ahead is None:
+                self._prepare(change, trainer)
+                return None
+            if not self._ahead.built_everywhere():
+                return None
         report = self.change_world(change, trainer)
         self._detected_at, self._last_boundary = None, time.perf_counter()  # the pause is not a step
         slowdown = self._clock.slowdown()
@@ -287,6 +327,29 @@ class ElasticDriver:
                              current=strategy.layout, precision=precision_of(strategy.megatron.model),
                              members=change.members, memory_per_rank=self.memory_per_rank, model=self.step_model)
 
+    def _header(self, trainer: "pl.Trainer", target: ParallelConfig) -> dict[str, Any]:
+        """(1) what a joiner learns first: the layouts, the step, the loggers' versions, whether the
+        target is built ahead (and then its Adam step comes at the swap, ``_go``)."""
+        from lightning_dynatrain.megatron.state_bridge import adam_step
+
+        strategy = self.strategy
+        return {"layout": str(target), "src": str(strategy.layout), "step": trainer.global_step,
+                "adam_step": None if self.ahead else adam_step(strategy.megatron.optimizer) or 0,
+                "ahead": self.ahead, "loggers": logger_versions(trainer.loggers)}
+
+    def _prepare(self, change: WorldChange, trainer: "pl.Trainer") -> None:
+        """The first of a change built ahead's two boundaries (see ``strategy/elastic_ahead.py``)."""
+        assert self.session is not None
+        start = time.perf_counter()
+        choice = self.choose(change)
+        borrowed = None if change.leaving else self.session.borrow()
+        if change.grows:  # (1) for the joiners, waiting on the next world
+            with borrowed:
+                _broadcast_object(self._header(trainer, choice.layout) if change.new.rank_of(change.me) == 0 else None)
+        self._ahead = AheadChange.start(self.strategy, change, choice, borrowed)
+        rank_zero_info(f"[dynatrain] step {trainer.global_step}: {change}: building {choice.layout} ahead "
+                       f"({time.perf_counter() - start:.3f} s for its groups)")
+
     def change_world(self, change: WorldChange, trainer: "pl.Trainer") -> ChangeReport | None:
         """Swap to ``change.new`` at this boundary and move the state (see the module docstring)."""
         from lightning_dynatrain.megatron.hot_switch import hot_switch, send_state
@@ -297,7 +360,8 @@ class ElasticDriver:
         assert self.session is not None
         strategy, start = self.strategy, time.perf_counter()
         detected = self._detected_at or start
-        choice = self.choose(change)
+        ahead, self._ahead = self._ahead, None
+        choice = ahead.choice if ahead is not None else self.choose(change)
         src, target, step = strategy.layout, choice.layout, trainer.global_step
         old_world = dist.GroupMember.WORLD
         build_seconds = self.session.build_seconds()
@@ -313,30 +377,40 @@ class ElasticDriver:
             print(f"[dynatrain] process {self.session.me} handed its state off at step {step} and leaves",
                   flush=True)
             return None
+        prepared = ahead.prepared() if ahead is not None else None
         was_rank_zero = strategy.global_rank == 0
-        old_groups = self.session.swap(change)
+        old_groups = self.session.swap(change, borrowed=ahead.borrowed if ahead is not None else None)
         _set_rank_zero(self.session.rank)
-        groups = strategy.switcher.new_world_groups()
+        groups = strategy.switcher.new_world_groups(ahead.groups if ahead is not None else None)
         if change.grows:  # the joiners wait for (1)-(4) in this order (see the module docstring)
-            header = {"layout": str(target), "src": str(src), "step": step,
-                      "adam_step": adam_step(strategy.megatron.optimizer) or 0,
-                      "loggers": logger_versions(trainer.loggers)}
-            _broadcast_object(header if self.session.rank == 0 else None)  # (1)
-            self.session.retire(old_groups)
-            initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (2)
-            strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
-            setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
-            result = hot_switch(strategy.megatron, target, setup, groups=groups, members=change.members)  # (3)
+            if ahead is None:
+                _broadcast_object(self._header(trainer, target) if self.session.rank == 0 else None)  # (1)
+                self.session.retire(old_groups)
+                initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (2)
+                strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
+            else:  # (1) and (2) ran at the prepare boundary; the joiners wait for the Adam step
+                strategy.switcher.new_world(ahead.topology)
+                _broadcast_object({"adam_step": adam_step(strategy.megatron.optimizer) or 0}
+                                  if self.session.rank == 0 else None)
+                self.session.retire(old_groups)
+            setup = ahead.setup if ahead is not None else \
+                strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
+            result = hot_switch(strategy.megatron, target, setup, groups=groups, members=change.members,
+                                prepared=prepared)  # (3)
             strategy._install(result.state)
             _broadcast_object(self._trainer_state(trainer) if self.session.rank == 0 else None)  # (4)
         else:  # the leavers send over the old world; the survivors build the target on the new one
-            setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)  # the old world's topology
-            initialize_for_layout(target, seed=strategy.seed, groups=groups)
+            if ahead is None:
+                setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)  # the old world's topology
+                initialize_for_layout(target, seed=strategy.seed, groups=groups)
+            else:
+                setup = ahead.setup
             result = hot_switch(strategy.megatron, target, setup, groups=groups, group=old_world,
-                                members=change.members)
+                                members=change.members, prepared=prepared)
             strategy._install(result.state)
             self.session.retire(old_groups)
-            strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
+            strategy.switcher.new_world(ahead.topology if ahead is not None
+                                        else gather_topology(strategy.cluster_environment))
             if self.session.rank == 0 and not was_rank_zero:  # the old rank 0 left (its files are written)
                 continue_loggers(trainer.loggers)
         pause = time.perf_counter() - start
@@ -345,7 +419,8 @@ class ElasticDriver:
         return ChangeReport(step=step, change=str(change), src=str(src), dst=str(target), reason=choice.reason,
                             detect_to_swap_seconds=start - detected, pause_seconds=pause,
                             transfer_seconds=result.phases.get("engine", 0.0), build_seconds=build_seconds,
-                            rebuild_seconds=result.rebuild_seconds, moved_bytes=moved)
+                            rebuild_seconds=result.rebuild_seconds, moved_bytes=moved,
+                            ahead_build_seconds=result.ahead_build_seconds)
 
     def _trainer_state(self, trainer: "pl.Trainer") -> dict:
         """Lightning's checkpoint dict: loops, callbacks, data module, schedulers; no tensors (the

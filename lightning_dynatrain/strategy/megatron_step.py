@@ -26,7 +26,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.data.sampler import dp_share_bounds
-from lightning_dynatrain.megatron.gpt import build_gpt_model
+from lightning_dynatrain.megatron.gpt import build_gpt_model, build_unfilled_model
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_eval_step, run_train_step
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
@@ -41,8 +41,12 @@ def init_groups(layout: ParallelConfig, *, seed: int, groups: ProcessGroupCache 
 
 
 def build_model(recipe: MegatronRecipe, layout: ParallelConfig, groups: ProcessGroupCollection, *,
-                device: torch.device | None = None) -> torch.nn.Module:
-    """This rank's shard of the recipe's GPT at ``layout``, on ``layout``'s ``groups``."""
+                device: torch.device | None = None, unfilled: bool = False) -> torch.nn.Module:
+    """This rank's shard of the recipe's GPT at ``layout``, on ``layout``'s ``groups``; ``unfilled``:
+    not initialised, for a switch to fill (``megatron.gpt.build_unfilled_model``)."""
+    if unfilled:
+        return build_unfilled_model(recipe.shape, layout, seed=recipe.seed, params_dtype=recipe.params_dtype,
+                                    pg_collection=groups, execution=recipe.execution, device=device)
     return build_gpt_model(recipe.shape, layout, seed=recipe.seed, params_dtype=recipe.params_dtype,
                            pg_collection=groups, execution=recipe.execution, device=device)
 

@@ -117,12 +117,13 @@ class LayoutSwitcher:
         self.ahead_failures = 0
         self._close_watch()
 
-    def new_world_groups(self) -> "ProcessGroupCache":
-        """Fresh group caches for a new world (the old world's groups are retired with it)."""
+    def new_world_groups(self, groups: "ProcessGroupCache | None" = None) -> "ProcessGroupCache":
+        """Fresh group caches for a new world (the old world's groups are retired with it); ``groups``:
+        the cache the new world's first groups were made into ahead of the change."""
         from lightning_dynatrain.engine.collectives import SubgroupCache
         from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
 
-        self.groups, self.subgroups = ProcessGroupCache(), SubgroupCache()
+        self.groups, self.subgroups = groups or ProcessGroupCache(), SubgroupCache()
         self._drop_prepared()  # built on the old world's groups
         self._close_watch()
         return self.groups
@@ -148,15 +149,16 @@ class LayoutSwitcher:
                                            resume_from=self.resume_from, fault=fault)
         return self.watch
 
-    def world_change_setup(self, recipe: "MegatronRecipe", adam: "AdamSettings") -> "SwitchSetup":
-        """What a world change's switch uses: this world's topology, no broadcasts (their groups
-        would span two worlds)."""
+    def world_change_setup(self, recipe: "MegatronRecipe", adam: "AdamSettings",
+                           topology: Topology | None = None) -> "SwitchSetup":
+        """What a world change's switch uses: this world's topology (or ``topology``: the world the
+        switch will run over), no broadcasts (their groups would span two worlds)."""
         from lightning_dynatrain.megatron.hot_switch import SwitchSetup
         from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
 
         return SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
-                           staging_budget=self.staging_budget, memory_limit=self.memory_limit, topology=self.topology,
-                           execution=recipe.execution)
+                           staging_budget=self.staging_budget, memory_limit=self.memory_limit,
+                           topology=topology or self.topology, execution=recipe.execution)
 
     def close(self) -> None:
         """Destroy the groups this run made (collective use ends: call at teardown)."""

@@ -2,7 +2,8 @@
 
 One job, in order: a joiner without the job's token and a joiner of another model are refused with
 the reason and change nothing; a joiner that stops answering while the world that admits it is
-being built only cancels that change; a member that dies instead of leaving stops the job within a
+being built only cancels that change, and so does one that stops once its peers build the target's
+model ahead; a member that dies instead of leaving stops the job within a
 bounded time, with an error that names it.
 """
 
@@ -50,6 +51,16 @@ def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_
         job.wait_for(lambda: job.step() >= step + 10, what="training to go on at world 2", timeout=60)
         assert job.installed() == members and first.poll() is None
         stalled.kill()
+
+        # one stops later, once its peers build the next world's target ahead: that change is cancelled too
+        late = job.start_python(env={"DYNATRAIN_JOIN_FAULT": "STOP_IN_BUILD"})
+        job.wait_for(lambda: len(_latest(job).members) == 3, what="the late joiner's generation")
+        job.wait_for(lambda: _latest(job).dropped != (), what="the change to be cancelled", timeout=60)
+        step = job.step()
+        job.wait_for(lambda: job.step() >= step + 10, what="training to go on at world 2", timeout=60)
+        assert job.installed() == members and first.poll() is None
+        assert "building dp3-tp1-pp1 ahead" in job.tail(400)
+        late.kill()
 
         member = job.start_python()
         job.wait_for(lambda: job.installed_size() == 3, what="a joiner (world 3)")

@@ -21,17 +21,22 @@ pytestmark = pytest.mark.slow
 MAX_STEPS = 80
 
 
-def _static_losses(tmp_path) -> dict[int, float]:
-    out = tmp_path / "static"
+@pytest.fixture(scope="module")
+def static_losses(tmp_path_factory) -> dict[int, float]:
+    """The static run's loss at every step (the same model, data and global batch, one process)."""
+    out = tmp_path_factory.mktemp("static")
     subprocess.run([sys.executable, str(SCRIPT), str(out), "--max-steps", str(MAX_STEPS), "--static"], check=True,
                    capture_output=True, cwd=SCRIPT.parents[1], env=ElasticJob(out, max_steps=0, step_seconds=0).env)
     (result,) = [__import__("json").loads(p.read_text()) for p in out.glob("*.json")]
     return dict((step, loss) for step, loss in result["losses"])
 
 
-def test_two_join_rank0_leaves_on_sigterm_one_joins_again_and_every_survivor_matches_a_static_run(tmp_path):
+@pytest.mark.parametrize("ahead", [True, False], ids=["built_ahead", "on_demand"])
+def test_two_join_rank0_leaves_on_sigterm_one_joins_again_and_every_survivor_matches_a_static_run(tmp_path, ahead,
+                                                                                                  static_losses):
     logs = tmp_path / "logs"
-    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=("--log-dir", str(logs))) as job:
+    fit_args = ("--log-dir", str(logs)) + (() if ahead else ("--on-demand",))
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=fit_args) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         joiners = [job.start_python(), job.start_python()]
@@ -62,6 +67,8 @@ def test_two_join_rank0_leaves_on_sigterm_one_joins_again_and_every_survivor_mat
     assert [(c["src"], c["dst"]) for c in changes] == [(layouts[a], layouts[b]) for a, b in zip(sizes, sizes[1:])]
     assert all(c["moved_bytes"] > 0 and c["pause_seconds"] > 0 for c in changes)
     assert all(c["overlap_slowdown"] is not None and c["overlap_slowdown"] > -1 for c in changes)
+    # built ahead: the target's model, DDP and optimizer were built in the background, the pause bound them
+    assert all((c["ahead_build_seconds"] is not None) == ahead for c in changes), changes
     # one metrics file, continued by each rank 0 in turn (rank 0 left at one change): every step in it
     (metrics,) = logs.glob("metrics/version_*/metrics.csv")
     with open(metrics, newline="") as f:
@@ -72,7 +79,7 @@ def test_two_join_rank0_leaves_on_sigterm_one_joins_again_and_every_survivor_mat
                     f"(steps meanwhile {100 * c['overlap_slowdown']:+.0f}%), "
                     f"{c['moved_bytes'] / 2**20:.2f} MiB" for c in changes))
     # the loss of every step, whoever ran it, is the static run's (the same global batches)
-    static = _static_losses(tmp_path)
+    static = static_losses
     seen: dict[int, float] = {}
     for r in results.values():
         for step, loss in r["losses"]:

@@ -1,6 +1,7 @@
 """Worlds with a life cycle on real processes: the next world built in the background while the old
-one keeps stepping, installed at a step boundary, the old one retired; joiners started later; a
-leaver that hands off over the old world; megatron's groups on each new world.
+one keeps stepping, groups made on it before its install (borrowed), installed at a step boundary,
+the old one retired; joiners started later; a leaver that hands off over the old world; megatron's
+groups on each new world.
 
 Plain torch here (the world adapter alone). The protocol is the strategy's: every step's collective
 carries a vote ("I have built the next world", or "I am leaving"); the world changes at the first
@@ -47,7 +48,7 @@ def _megatron_sizes(layout: str) -> tuple[int, int]:
 
 def _old_member(name: str, address: str, rank: int) -> dict:
     """In generation 0 (2 ranks); generation 1: 4 ranks (two joiners); generation 2: ``b`` leaves."""
-    from lightning_dynatrain.elastic.world import NextWorld, build_group, install, retire
+    from lightning_dynatrain.elastic.world import BorrowedWorld, NextWorld, build_group, install, retire
 
     store = _connect(address)
     install(build_group(store, generation=0, rank=rank, size=2), store, generation=0)
@@ -57,18 +58,30 @@ def _old_member(name: str, address: str, rank: int) -> dict:
     steps = 1
     while _step(grow.ready)[1] < 2:
         steps += 1
-    old = install(grow.group(timeout=30), store, generation=1)
+    # groups of the next world made before its install, as the joiners make them after theirs
+    borrowed = BorrowedWorld(grow.group(timeout=30), store, generation=1)
+    with borrowed:
+        pair, borrowed_size = _pair_group(), dist.get_world_size()
+    out.update(borrowed_size=borrowed_size, old_world_after_borrowing=_step()[0])
+    old = install(borrowed.group, store, generation=1, borrowed=borrowed)
     out.update(steps_while_building=steps, gen1=_step()[0], rank1=dist.get_rank())
     retire(old)
-    out.update(gen1_sizes=_megatron_sizes("dp2-tp2-pp1"), subgroup=_pair_group_size())
+    out.update(pair_sum=_sum_over(pair), gen1_sizes=_megatron_sizes("dp2-tp2-pp1"),
+               subgroup=dist.get_world_size(_pair_group()))
     out.update(_shrink(name, store))
     return out
 
 
-def _pair_group_size() -> int:
+def _pair_group() -> dist.ProcessGroup:
     """``new_group`` on the new world, joiners and old members alike: ranks {0, 1} and {2, 3}."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    return dist.get_world_size(pairs[dist.get_rank() // 2])
+    return pairs[dist.get_rank() // 2]
+
+
+def _sum_over(group: dist.ProcessGroup) -> float:
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return t.item()
 
 
 def _joiner(name: str, address: str, rank: int) -> dict:
@@ -76,8 +89,10 @@ def _joiner(name: str, address: str, rank: int) -> dict:
 
     store = _connect(address)
     install(NextWorld(store, generation=1, rank=rank, size=4, background=False).group(), store, generation=1)
+    pair = _pair_group()  # the old members made theirs on this world before installing it
     out = {"gen1": _step()[0], "rank1": dist.get_rank()}
-    out.update(gen1_sizes=_megatron_sizes("dp2-tp2-pp1"), subgroup=_pair_group_size())
+    out.update(pair_sum=_sum_over(pair), gen1_sizes=_megatron_sizes("dp2-tp2-pp1"),
+               subgroup=dist.get_world_size(_pair_group()))
     out.update(_shrink(name, store))
     return out
 
@@ -118,8 +133,11 @@ def test_a_world_grows_with_joiners_and_shrinks_with_a_leaver_while_the_old_one_
     assert out["a"]["gen0"] == out["b"]["gen0"] == 2 and out["a"]["gen0_sizes"] == (2, 1)
     # the old members stepped while the joiners started (interpreters, imports, the build)
     assert out["a"]["steps_while_building"] > 10 and out["a"]["steps_while_building"] == out["b"]["steps_while_building"]
+    # borrowed, the next world was the default (4 ranks); then the old one again (2)
+    assert out["a"]["borrowed_size"] == 4 and out["a"]["old_world_after_borrowing"] == 2
     for name, rank in zip("abcd", range(4)):
         assert out[name]["gen1"] == 4 and out[name]["rank1"] == rank
+        assert out[name]["pair_sum"] == 2  # a group made while borrowed works after the install
         assert out[name]["gen1_sizes"] == (2, 2) and out[name]["subgroup"] == 2
     assert out["b"] == {**out["b"], "left": True} and "gen2" not in out["b"]
     for name, rank in zip("acd", range(3)):
