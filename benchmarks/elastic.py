@@ -9,9 +9,13 @@ target built ahead (the default, ``OnNodeChange(ahead=True)``) and on demand (``
 - ``pause_seconds``: what training saw between two steps (the whole change at the boundary),
   built ahead; ``pause_on_demand_seconds`` the same built on demand;
 - ``transfer_seconds``: the part of the pause that moved state (the engine), built ahead;
-- ``rebuild_seconds``: the on-demand run's target groups, model, DDP and optimizer, built inside
-  its pause; ``bind_seconds``: what the run built ahead did in its pause instead (groups from the
-  cache, memory bound); ``ahead_build_seconds``: its background build;
+- ``rebuild_seconds``: what the on-demand run's pause spent outside its transfer (its pause minus
+  its transfer): the target's groups, the joiners' model, DDP and optimizer (the old members wait
+  for them), the old members' own rebuild, and what both runs do at the boundary (the joiners'
+  Adam step and Lightning state, the memory check); ``rebuild_in_switch_seconds``: the old
+  members' own rebuild alone (``hot_switch``'s phases); ``bind_seconds``: what the run built
+  ahead did in its switch instead (groups from the cache, memory bound); ``ahead_build_seconds``:
+  its background build;
 - ``build_seconds``: the next world's process group, built in the background meanwhile.
 
 The cold path, per case, at the new world size: ``cold_init_seconds`` is fresh processes started
@@ -113,9 +117,11 @@ def _case(change: dict, on_demand: dict, world: int, model: str, ckpt: Path, out
                            f"{on_demand['src']} -> {on_demand['dst']}")
     cold_init = _torchrun(world, out / f"cold_init_{world}", model, "--max-steps", "1")
     cold_total = _torchrun(world, out / f"cold_total_{world}", model, "--max-steps", "3", "--resume", str(ckpt))
-    pause, transfer, rebuild = change["pause_seconds"], change["transfer_seconds"], on_demand["rebuild_seconds"]
+    pause, transfer = change["pause_seconds"], change["transfer_seconds"]
+    rebuild = on_demand["pause_seconds"] - on_demand["transfer_seconds"]
     return dict(change=change["change"], src=change["src"], dst=change["dst"], pause_seconds=pause,
-                transfer_seconds=transfer, rebuild_seconds=rebuild, bind_seconds=change["rebuild_seconds"],
+                transfer_seconds=transfer, rebuild_seconds=rebuild,
+                rebuild_in_switch_seconds=on_demand["rebuild_seconds"], bind_seconds=change["rebuild_seconds"],
                 ahead_build_seconds=change["ahead_build_seconds"], pause_on_demand_seconds=on_demand["pause_seconds"],
                 transfer_on_demand_seconds=on_demand["transfer_seconds"], build_seconds=change["build_seconds"],
                 moved_bytes=change["moved_bytes"], cold_init_seconds=cold_init, cold_total_seconds=cold_total,
@@ -141,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                  "shrink_4_to_2": _case(shrink, shrink_on_demand, 2, model, ckpt, out)}
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    keys = ("pause_seconds", "transfer_seconds", "pause_on_demand_seconds", "rebuild_seconds", "bind_seconds",
+    keys = ("pause_seconds", "transfer_seconds", "pause_on_demand_seconds", "rebuild_seconds",
+            "rebuild_in_switch_seconds", "bind_seconds",
             "ahead_build_seconds", "cold_init_seconds", "cold_total_seconds", "init_masked", "pause_over_cold",
             "outside_transfer_over_rebuild")
     geomean = {k: _geomean([c[k] for c in cases.values()]) for k in keys}
