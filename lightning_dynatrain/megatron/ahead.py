@@ -28,6 +28,10 @@ embedding's construction-time all-reduce over the embedding group is left out (i
 last stage's copy of the embedding, is written by the switch); any other collective fails the
 build, and the switch then runs on demand.
 
+A world change (``prepare_world_switch``, from ``strategy/elastic_ahead.py``) builds the same way
+on groups made on the next world before its install; its all-gather runs on the next world's
+default group, which training does not use yet (``docs/ahead-of-time.md``).
+
 Example (every rank)::
 
     pending = prepare_switch(state, ParallelConfig.parse("dp1-tp2-pp2"), setup, groups=cache)
@@ -284,5 +288,4 @@ def _release(state: MegatronState) -> tuple[_Buffers, _Released]:
 
 
 __all__ = ["PendingSwitch", "PreparedSwitch", "PreparedSwitchError", "build_unfilled_state", "prepare_switch",
-           "process_program",
-           "prepare_world_switch"]
+           "prepare_world_switch", "process_program"]

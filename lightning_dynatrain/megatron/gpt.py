@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import copy
-
 import math
 from dataclasses import dataclass
 from typing import Literal

@@ -6,11 +6,13 @@ process's ``elastic.ElasticSession`` and does the Lightning and megatron work of
 **Entering** (``enter``, from ``setup_environment``): every process asks the job's store to join;
 the ones a launcher started together form the first world, a process started later joins the
 running job. A joiner then takes part in the new world's first collectives, in this order, which
-the old members run at the change's boundary (``change_world``):
+the old members run at the change's boundary (``change_world``; built ahead, the default, (1) and
+(2) run at the boundary before, see ``strategy/elastic_ahead.py``, and the Adam step comes at the
+swap):
 
 1. the *header* broadcast from the new world's rank 0: the target layout, the source layout, the
    global and Adam step (``enter``);
-2. the new world's topology (one all-gather) and megatron's groups for the target (``enter``);
+2. megatron's groups for the target and the new world's topology (one all-gather) (``enter``);
 3. the state: the planner and engine move every tensor from the old members to their new places
    (the joiner's ``receive_state`` in ``strategy.setup``, after its model and optimizer are built);
 4. Lightning's own state (loops, callbacks, data module; no tensors) from rank 0, restored as a
@@ -168,6 +170,11 @@ class ElasticDriver:
     def local_collectives(self) -> bool:
         """Collectives the strategy runs for Lightning are local (catching up, or left)."""
         return self.catching_up or self.left
+
+    @property
+    def preparing(self) -> ParallelConfig | None:
+        """The target of the world change being built ahead, if one is."""
+        return self._ahead.choice.layout if self._ahead is not None else None
 
     @property
     def joining(self) -> bool:
@@ -329,7 +336,7 @@ class ElasticDriver:
 
     def _header(self, trainer: "pl.Trainer", target: ParallelConfig) -> dict[str, Any]:
         """(1) what a joiner learns first: the layouts, the step, the loggers' versions, whether the
-        target is built ahead (and then its Adam step comes at the swap, ``_go``)."""
+        target is built ahead (its Adam step then comes in a broadcast of its own at the swap)."""
         from lightning_dynatrain.megatron.state_bridge import adam_step
 
         strategy = self.strategy

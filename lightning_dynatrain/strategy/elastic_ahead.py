@@ -16,7 +16,9 @@ A change then takes two step boundaries (``ElasticDriver.at_boundary``):
    (``built_everywhere``: one small all-reduce a boundary meanwhile): the world is installed and the
    switch binds the prepared objects (no groups, plan or build in the pause).
 
-A leaver builds nothing (it votes yes at once). A change cancelled meanwhile (a joiner died) drops
+A leaver builds nothing (it votes yes at once). Between the two boundaries a layout switch within
+the running world is refused (``WorldChangePendingError``, before anything moves): the build is
+from the current layout. A change cancelled meanwhile (a joiner died) drops
 its build (``drop``). A build that fails on any member stops the change on every member with
 ``AheadBuildError``: ``OnNodeChange(ahead=False)`` builds in the pause instead.
 """
@@ -44,6 +46,10 @@ if TYPE_CHECKING:
 
 class AheadBuildError(DynaTrainError):
     """Building a world change's target ahead failed on a member: the change cannot be made."""
+
+
+class WorldChangePendingError(DynaTrainError):
+    """A layout switch was asked for while a world change is built ahead from the current layout."""
 
 
 @dataclass
@@ -122,4 +128,4 @@ class AheadChange:
             self.borrowed.forget()
 
 
-__all__ = ["AheadBuildError", "AheadChange"]
+__all__ = ["AheadBuildError", "AheadChange", "WorldChangePendingError"]

@@ -110,6 +110,13 @@ class SwitchHooks:
 
     def _reconfigure_now(self, layout: ParallelConfig, *, deferred: bool) -> ReconfigReport:
         src, step = self.layout, self._global_step()
+        if layout != src and self._elastic is not None and self._elastic.preparing is not None:
+            from lightning_dynatrain.strategy.elastic_ahead import WorldChangePendingError
+
+            raise mark_refused(WorldChangePendingError(
+                f"a switch to {layout} was asked for while a world change to {self._elastic.preparing} is built "
+                f"ahead from {src}", hint="switch after the change (a step or two later), or build world changes "
+                "in their pause: OnNodeChange(ahead=False)"))
         if layout == src:
             report = ReconfigReport(step=step, src=str(src), dst=str(src), deferred=deferred)
         else:

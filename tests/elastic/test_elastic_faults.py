@@ -28,6 +28,18 @@ def _latest(job: ElasticJob):
     return job.client.membership(job.client.generation())
 
 
+def _a_joiner_stops_and_only_its_change_is_cancelled(job: ElasticJob, fault: str, members: tuple, first) -> None:
+    """A joiner stopped by the session's hook ``fault`` (``DYNATRAIN_JOIN_FAULT``): its change is
+    cancelled and training goes on at the running world."""
+    stalled = job.start_python(env={"DYNATRAIN_JOIN_FAULT": fault})
+    job.wait_for(lambda: len(_latest(job).members) == 3, what=f"the generation of the joiner stopped at {fault}")
+    job.wait_for(lambda: _latest(job).dropped != (), what="the change to be cancelled", timeout=60)
+    step = job.step()
+    job.wait_for(lambda: job.step() >= step + 10, what="training to go on at world 2", timeout=60)
+    assert job.installed() == members and first.poll() is None
+    stalled.kill()
+
+
 def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_of_leaving(tmp_path):
     with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
         first = job.start_torchrun(2)
@@ -44,23 +56,10 @@ def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_
 
         # it stops answering once admitted, while the world that admits it is built (the session's hook
         # stops it there: a SIGSTOP sent from here could come after the world was installed)
-        stalled = job.start_python(env={"DYNATRAIN_JOIN_FAULT": "STOP"})
-        job.wait_for(lambda: len(_latest(job).members) == 3, what="the joiner's generation")
-        job.wait_for(lambda: _latest(job).dropped != (), what="the change to be cancelled", timeout=60)
-        step = job.step()
-        job.wait_for(lambda: job.step() >= step + 10, what="training to go on at world 2", timeout=60)
-        assert job.installed() == members and first.poll() is None
-        stalled.kill()
-
+        _a_joiner_stops_and_only_its_change_is_cancelled(job, "STOP", members, first)
         # one stops later, once its peers build the next world's target ahead: that change is cancelled too
-        late = job.start_python(env={"DYNATRAIN_JOIN_FAULT": "STOP_IN_BUILD"})
-        job.wait_for(lambda: len(_latest(job).members) == 3, what="the late joiner's generation")
-        job.wait_for(lambda: _latest(job).dropped != (), what="the change to be cancelled", timeout=60)
-        step = job.step()
-        job.wait_for(lambda: job.step() >= step + 10, what="training to go on at world 2", timeout=60)
-        assert job.installed() == members and first.poll() is None
+        _a_joiner_stops_and_only_its_change_is_cancelled(job, "STOP_IN_BUILD", members, first)
         assert "building dp3-tp1-pp1 ahead" in job.tail(400)
-        late.kill()
 
         member = job.start_python()
         job.wait_for(lambda: job.installed_size() == 3, what="a joiner (world 3)")
