@@ -145,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = _save_source(model, out, out / "source.ckpt")
         cases = {"grow_2_to_4": _case(grow, grow_on_demand, 4, model, ckpt, out),
                  "shrink_4_to_2": _case(shrink, shrink_on_demand, 2, model, ckpt, out)}
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    except BaseException:
+        print(f"kept {out} for its logs (job.log in each run's directory)", file=sys.stderr)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
     keys = ("pause_seconds", "transfer_seconds", "pause_on_demand_seconds", "rebuild_seconds",
             "rebuild_in_switch_seconds", "bind_seconds",
             "ahead_build_seconds", "cold_init_seconds", "cold_total_seconds", "init_masked", "pause_over_cold",

@@ -1,4 +1,4 @@
-"""An elastic ``trainer.fit`` as a user runs it: ``python elastic_fit.py OUT`` under torchrun or alone.
+"""An elastic ``trainer.fit`` as a user runs it: ``python elastic_fit.py OUT`` under torchrun, srun or alone.
 
 With ``DYNATRAIN_STORE`` / ``DYNATRAIN_TOKEN`` set it is elastic (``OnNodeChange`` with the model's
 layout map); ``--static`` runs the same model, data and global batch without it. Every process
@@ -112,7 +112,9 @@ def main() -> None:
                                 max_steps=args.max_steps, seed=SEED, eps=1e-6)
     if args.fingerprint_salt:
         module.hparams["salt"] = args.fingerprint_salt
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # this launch's processes: torchrun's variables, else srun's (one node), else one process
+    world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
     record = Record()
     callbacks: list = [record]
     if args.step_seconds:
@@ -122,7 +124,7 @@ def main() -> None:
     if not args.static:
         callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0, ahead=not args.on_demand))
     logger = CSVLogger(args.log_dir, name="metrics") if args.log_dir else False
-    trainer = Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    trainer = Trainer(accelerator="cpu", devices=devices,
                       strategy=DynaTrainStrategy(model["policy"][world]), max_steps=args.max_steps,
                       callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
                       enable_progress_bar=False,

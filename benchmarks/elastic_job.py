@@ -106,7 +106,7 @@ class ElasticJob:
         while not condition():
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting for {what or condition}; log:\n{self.tail()}")
-            if all(p.poll() is not None for p in self.procs):
+            if self.procs and all(p.poll() is not None for p in self.procs):  # (none: another launcher's)
                 raise AssertionError(f"every process ended while waiting for {what}; log:\n{self.tail()}")
             time.sleep(0.2)
 

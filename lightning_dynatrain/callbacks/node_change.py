@@ -114,7 +114,7 @@ class OnNodeChange(Callback):
         assert self._driver is not None
         if self._leave_noticed:
             self._leave_noticed = False
-            self._driver.leave()
+            self._driver.leave(trainer.global_step)
         report = self._driver.at_boundary(trainer)
         if report is not None:
             self.changes.append(asdict(report))

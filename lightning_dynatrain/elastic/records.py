@@ -84,6 +84,8 @@ class LeaveRequest:
     """A member announces it leaves (a preemption notice): it hands its state off first."""
 
     member: str
+    step: int = -1
+    """The optimizer step after which its process asked (at that boundary); -1: not known."""
     kind: str = "leave"
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,7 +14,12 @@ check is answered with the reason and logged; it consumes no rank and bumps no g
 Changes are one at a time: requests wait until the trainers say the previous generation is
 installed (key ``installed``); the requests of one kind waiting then make one change, once the
 oldest of them has waited ``gather`` seconds (preemption notices reach a node's processes within
-moments of each other, and each answers on its own: the window makes them one change). Processes a
+moments of each other, and each answers on its own: the window makes them one change). Leaves wait
+also until the job published step ``s + 2``, ``s`` the step the first of them asked after: each
+process notices its signal at a step boundary, and the processes pass a boundary moments apart, so
+a notice that came between two processes' passing of boundary ``s`` is seen by the later one at
+``s + 1`` (seconds later for a large model); it asked before step ``s + 2`` could end, and the store
+reads the step before the requests. Processes a
 launcher started together (one ``torchrun``, one ``srun`` step) join together: a join waits until
 every process of its launch has asked (at most ``launch_wait`` seconds). The first world forms
 from the first launch's processes, in their launch's rank order. A member of the running world
@@ -64,19 +69,21 @@ class StoreServer:
 
     def step(self) -> None:
         """Handle every request queued, then changes that can take effect, then liveness (one pass)."""
+        seen = self._current_step()  # before the queue: every request sent before the job got here is popped
         while self.store.queue_len("requests"):
             blob = self.store.queue_pop("requests", block=False)
             request = self.signer.verify(blob)
             if request is None:  # answered (its nonce is readable) so that its sender learns why
                 self._answer(_unsigned(blob), False, "it is not signed with the job's token")
                 continue
-            self.world.waiting.append({**request, "received": time.monotonic()})
+            asked = int(request.get("step", -1))
+            self.world.waiting.append({**request, "received": time.monotonic(), "asked_step": asked if asked >= 0 else seen})
         if self.world.failed:
             return
         if self.world.generation < 0:
             self._form_first_world()
         else:
-            self._next_change()
+            self._next_change(seen)
             self._check_alive()
 
     def serve(self, *, poll: float = 0.02, should_stop: Callable[[], bool] = lambda: False) -> None:
@@ -149,7 +156,7 @@ class StoreServer:
         """The last generation the trainers installed (its new rank 0 says so)."""
         return int(self.store.get("installed")) if self.store.check(["installed"]) else -1
 
-    def _next_change(self) -> None:
+    def _next_change(self, seen: int) -> None:
         if self._installed() == self.world.generation:
             self.world.running = self.world.members
         if not self.world.waiting or self.world.running != self.world.members:
@@ -158,6 +165,8 @@ class StoreServer:
         batch = [r for r in self.world.waiting if r.get("kind") == kind]
         if time.monotonic() - min(r["received"] for r in batch) < self.gather:
             return  # others of the same kind may be on their way
+        if kind == "leave" and seen < min(r["asked_step"] for r in batch) + 2:
+            return  # the others of the same notice: see the module docstring
         if kind == "join":
             batch = self._launches_ready(batch)
         self.world.waiting = [r for r in self.world.waiting if all(r is not b for b in batch)]

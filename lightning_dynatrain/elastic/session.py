@@ -284,12 +284,13 @@ class ElasticSession:
             self.store.publish_step(step)
 
     # ------------------------------------------------------------------------------ leaving
-    def request_leave(self) -> None:
-        """Ask to leave (a preemption notice): the change comes like any other; the state is
-        handed off at its boundary. Once; it does not wait (the others must keep stepping)."""
+    def request_leave(self, step: int = -1) -> None:
+        """Ask to leave (a preemption notice) at the boundary after optimizer step ``step``: the
+        change comes like any other; the state is handed off at its boundary. Once; it does not wait
+        (the others must keep stepping)."""
         if not self.leave_requested:
             self.leave_requested = True
-            self._leave_nonce = self.store.send(LeaveRequest(member=self.me))
+            self._leave_nonce = self.store.send(LeaveRequest(member=self.me, step=step))
             print(f"[dynatrain] {self.me} asked to leave; it hands its state off at the change's boundary",
                   file=sys.stderr, flush=True)
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
@@ -198,9 +199,8 @@ class ElasticDriver:
         self.session = ElasticSession(JobStore.from_environment(), backend=strategy.process_group_backend,
                                       device=device, timeout=strategy._timeout, heartbeat=self.heartbeat,
                                       exit_after=self.exit_after)
-        launch_id = f"{launcher.main_address}:{launcher.main_port}" if launcher_world > 1 else self.session.me
         self.session.enter(self.fingerprint(), launch_rank=launcher.global_rank(), launch_size=launcher_world,
-                           launch_id=launch_id)
+                           launch_id=_launch_id(launcher, self.session.me))
         strategy.cluster_environment = ElasticEnvironment(launcher, self.session)
         _set_rank_zero(self.session.rank)
         loggers = self._loggers()
@@ -434,14 +434,27 @@ class ElasticDriver:
         strategy's holds the optimizer's scalars only, the weights go under logical keys)."""
         return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
-    def leave(self) -> None:
-        """Ask to leave the job (the state is handed off at the change's boundary)."""
+    def leave(self, step: int = -1) -> None:
+        """Ask to leave the job at the boundary after optimizer step ``step`` (the state is handed
+        off at the change's boundary)."""
         assert self.session is not None
-        self.session.request_leave()
+        self.session.request_leave(step)
 
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
+
+
+def _launch_id(launcher: ClusterEnvironment, me: str) -> str:
+    """What the processes one launch started share, and no other launch: a SLURM job step (two
+    ``srun`` steps of one job share its address and port), else the launcher's address and port;
+    a process launched alone is a launch of its own."""
+    if launcher.world_size() <= 1:
+        return me
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    if isinstance(launcher, SLURMEnvironment) and job is not None and step is not None:
+        return f"slurm:{job}.{step}"
+    return f"{launcher.main_address}:{launcher.main_port}"
 
 
 def _broadcast_object(obj: Any) -> Any:

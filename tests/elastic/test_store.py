@@ -84,23 +84,29 @@ def test_a_joiner_gets_the_next_rank_from_a_step_every_rank_reaches_after_readin
 
 
 def test_leaves_asked_moments_apart_make_one_change(served):
-    """Two ranks that get the preemption notice together ask to leave 0.3 s apart: one generation."""
+    """Two ranks that get the preemption notice together ask to leave 0.3 s apart, one at the
+    boundary after step 20 and one (its boundary passed before the notice came) after step 21: one
+    generation, once the job published step 22 (every such notice has been sent by then)."""
     address, server, _ = served
     clients = _join_first_world(address, 4)
     clients[0].publish_step(20)
     answered: list[dict] = []
-    for leaver in clients[2:]:
-        threading.Thread(target=lambda c=leaver: answered.append(c.ask(LeaveRequest(member=c.member_id), timeout=10)),
-                         daemon=True).start()
+    for step, leaver in zip((20, 21), clients[2:]):
+        threading.Thread(target=lambda c=leaver, s=step: answered.append(
+            c.ask(LeaveRequest(member=c.member_id, step=s), timeout=10)), daemon=True).start()
         time.sleep(0.3)
     assert server.gather > 0.3
+    clients[0].publish_step(21)
+    time.sleep(server.gather + 0.5)
+    assert not answered and clients[0].generation() == 0  # the second could have asked at step 21's boundary
+    clients[0].publish_step(22)
     deadline = time.monotonic() + 5
     while len(answered) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [a["generation"] for a in answered] == [1, 1]
     world = clients[0].membership(1)
     assert world.members == (clients[0].member_id, clients[1].member_id)
-    assert set(world.left) == {c.member_id for c in clients[2:]} and clients[0].generation() == 1
+    assert set(world.left) == {c.member_id for c in clients[2:]} and world.effective_step == 25
 
 
 def test_joiners_that_ask_meanwhile_join_together_and_a_joiner_that_dies_cancels_only_its_change(served):

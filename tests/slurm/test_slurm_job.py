@@ -6,6 +6,10 @@ free ports, own munge key) for this module and stops them afterwards. Unlike
 hand, here slurmd sets them: the job must be picked up by Lightning's ``SLURMEnvironment``, train 10
 steps at ``dp2-tp2-pp1`` and switch once to ``dp4-tp1-pp1`` at step 5.
 
+An elastic fit under SLURM: ``dynatrain store`` on this machine, a first batch job whose ``srun``
+starts 2 tasks, a second job of 2 tasks that joins the running fit, then cancelled with SIGTERM
+(a preemption notice): its tasks hand their state off and exit 0, the first job's go on and finish.
+
 The module is skipped only when slurm-wlm and munge are missing and cannot be installed.
 """
 
@@ -22,6 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from benchmarks.elastic_job import SCRIPT, ElasticJob
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = Path(__file__).with_name("cluster.sh")
@@ -162,3 +168,65 @@ echo "[job] $SLURM_JOB_ID on $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks"
     losses = [float(r["loss"]) for r in rows]
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses), why(f"metrics.csv: {rows}")
     assert [r["layout"] for r in rows] == ["dp2-tp2-pp1"] * 5 + ["dp4-tp1-pp1"] * 5, why(f"metrics.csv: {rows}")
+
+
+def _python() -> Path:
+    venv_python = ROOT / ".venv" / "bin" / "python"  # by its absolute path, not resolved (that leaves the venv)
+    return venv_python if venv_python.exists() else Path(sys.executable).absolute()
+
+
+def _sbatch_elastic(cluster: Cluster, job: ElasticJob, tmp_path: Path, name: str, tasks: int) -> str:
+    """A batch job whose ``srun`` starts ``tasks`` processes of the elastic fit; its id."""
+    job_out = tmp_path / f"{name}.out"
+    script = tmp_path / f"{name}.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --job-name=dynatrain-{name}
+#SBATCH --nodes=1
+#SBATCH --ntasks={tasks}
+#SBATCH --ntasks-per-node={tasks}
+#SBATCH --oversubscribe
+#SBATCH --time=10
+#SBATCH --output={job_out}
+set -euo pipefail
+cd {ROOT}
+export SLURM_CONF={cluster.root / 'slurm.conf'}
+export PYTHONPATH={ROOT} OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+export DYNATRAIN_STORE={job.env["DYNATRAIN_STORE"]} DYNATRAIN_TOKEN={job.env["DYNATRAIN_TOKEN"]}
+srun -n {tasks} --ntasks-per-node {tasks} --oversubscribe {_python()} {SCRIPT} {job.out} --max-steps {job.max_steps} \\
+    --step-seconds {job.step_seconds}
+""")
+    sub = cluster.run("sbatch", "--parsable", str(script))
+    assert sub.returncode == 0, f"sbatch failed:\n{sub.stdout}\n{sub.stderr}\n{cluster.logs()}"
+    return sub.stdout.strip().split(";")[0]
+
+
+def test_an_elastic_fit_grows_with_a_second_slurm_job_and_shrinks_when_it_is_cancelled(cluster: Cluster,
+                                                                                       tmp_path: Path) -> None:
+    with ElasticJob(tmp_path / "elastic", max_steps=60, step_seconds=0.25) as job:
+        first = _sbatch_elastic(cluster, job, tmp_path, "first", 2)
+        job.wait_for(lambda: job.step() >= 3, what="the first job to train", timeout=JOB_TIMEOUT_S)
+        second = _sbatch_elastic(cluster, job, tmp_path, "second", 2)
+        job.wait_for(lambda: job.installed_size() == 4, what="the second job's tasks to join", timeout=JOB_TIMEOUT_S)
+        assert cluster.run("scancel", "--signal=TERM", second).returncode == 0  # a preemption notice
+        job.wait_for(lambda: job.installed_size() == 2, what="the second job's tasks to leave", timeout=JOB_TIMEOUT_S)
+        states = {name: _wait(cluster, job_id) for name, job_id in (("first", first), ("second", second))}
+        results, log = job.results(), job.tail()
+        outputs = {name: _tail(tmp_path / f"{name}.out", 60) for name in states}
+
+    def why(msg: str) -> str:
+        return f"{msg}\n{states}\n" + "\n".join(f"--- {n}.out\n{o}" for n, o in outputs.items()) + f"\n--- store\n{log}"
+
+    for name, state in states.items():  # the leavers exit 0 too: both jobs complete
+        assert (state.get("JobState"), state.get("ExitCode")) == ("COMPLETED", "0:0"), why(f"job {name}")
+    survivors = [r for r in results.values() if not r["left"]]
+    left = [r for r in results.values() if r["left"]]
+    assert len(survivors) == 2 and len(left) == 2, why(f"{len(survivors)} survivors, {len(left)} left")
+    assert {r["global_step"] for r in survivors} == {60} and {r["world"] for r in survivors} == {2}, why("the end")
+    changes = [(c["change"].split(" (")[0], c["src"], c["dst"]) for c in survivors[0]["changes"]]
+    assert changes == [("world 2 -> 4", "dp2-tp1-pp1", "dp2-tp2-pp1"), ("world 4 -> 2", "dp2-tp2-pp1", "dp2-tp1-pp1")], \
+        why(f"changes: {changes}")
+    assert all(c["ahead_build_seconds"] is not None for c in survivors[0]["changes"]), why("built on demand")
+    losses = [dict(r["losses"]) for r in results.values()]
+    for step in range(1, 61):  # every process that ran a step saw the same loss
+        seen = {round(l[step], 6) for l in losses if step in l}
+        assert len(seen) == 1, why(f"step {step}: losses {seen}")
