@@ -55,8 +55,9 @@ from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.vps.errors import DynaTrainError
 
 FAULT_ENV = "DYNATRAIN_SWITCH_FAULT"
-#: phases of a switch, in order (``SwitchFailedError.phase``)
-PHASES = ("plan", "memory_check", "rebuild", "preflight", "transfer", "confirm")
+#: phases of a switch, in order (``SwitchFailedError.phase``); ``groups``: making the switch's own
+#: group, at the first switch of a world (``SwitchWatch.start``)
+PHASES = ("groups", "plan", "memory_check", "rebuild", "preflight", "transfer", "confirm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +140,34 @@ class SwitchWatch:
               resume_from: Callable[[], str | None] = lambda: None, fault: FaultInjection | None = None,
               **kwargs) -> "SwitchWatch":
         """Make the switch's group over the whole world (collective over WORLD, created under
-        ``timeout`` or the derived deadline's floor) and start the heartbeat."""
+        ``timeout`` or the derived deadline's floor) and start the heartbeat.
+
+        Raises:
+            SwitchFailedError: a rank did not come to make the group within the deadline (dead or
+                stalled; phase ``groups``): it is named, and the state of the step counts as lost.
+        """
         deadline = timeout or SwitchDeadline(DEFAULT_FLOOR_S, "the derived deadline's floor")
-        group = dist.new_group(list(range(dist.get_world_size())), timeout=deadline.timedelta)
+        rank, world = dist.get_rank(), dist.get_world_size()
         base = c10d._get_default_store()
         # a namespace of its own per watch on this store: every rank makes watches equally often
-        serial = base.add(f"dynatrain_switch/watches/{group.rank()}", 1)
+        serial = base.add(f"dynatrain_switch/watches/{rank}", 1)
+        if fault is not None and fault.rank == rank and fault.phase == "groups":
+            os.kill(os.getpid(), fault.signal)
+        base.set(f"dynatrain_switch/{serial}/came/{rank}", "1")
+        try:
+            group = dist.new_group(list(range(world)), timeout=deadline.timedelta)
+        except Exception as err:  # torch's timeout names no rank: the ones that did not say they came
+            missing = [r for r in range(world) if not base.check([f"dynatrain_switch/{serial}/came/{r}"])]
+            cause = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            checkpoint = resume_from()
+            who = f"rank(s) {missing} did not come (dead or stalled)" if missing else "every rank came"
+            lost = "; the state of this step is lost" if missing else ""
+            hint = (f"see rank {missing[0]}'s log; resume from {checkpoint or 'the last checkpoint'}" if missing
+                    else "raise switch_timeout")
+            raise SwitchFailedError(f"the switch's group could not be made within {deadline.seconds:.0f} s "
+                                    f"({deadline.why}): {who}{lost} ({cause})", hint=hint,
+                                    rank=missing[0] if missing else None, phase="groups", lost_state=bool(missing),
+                                    resume_from=checkpoint) from err
         store = dist.PrefixStore(f"dynatrain_switch/{serial}/", base)
         return cls(group, store, training_timeout=training_timeout, timeout=timeout, resume_from=resume_from,
                    fault=fault, **kwargs)

@@ -70,9 +70,10 @@ def main() -> None:
         return SwitchWatch.start(training_timeout=timedelta(minutes=5), timeout=SwitchDeadline.fixed(args.deadline),
                                  resume_from=lambda: "/checkpoints/last", fault=fault, stale_after=args.stale_after)
 
-    watch = start_watch(FaultInjection.from_environment())
     result: dict = {"rank": rank, "pid": os.getpid()}
+    watch = None
     try:
+        watch = start_watch(FaultInjection.from_environment())  # the switch's group: a fault may come here
         state = hot_switch(state, dst, setup, groups=groups, watch=watch).state
         result["switched"] = True
     except SwitchFailedError as err:
@@ -90,7 +91,8 @@ def main() -> None:
         state = hot_switch(state, dst, setup, groups=groups, watch=watch).state
         result["retried"] = str(state.layout)
     # the job's teardown, as the strategy's: nothing here may wait on the missing rank
-    watch.close()
+    if watch is not None:
+        watch.close()
     destroy(keep=groups)
     groups.close()
     dist.destroy_process_group()

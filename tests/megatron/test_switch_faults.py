@@ -10,6 +10,7 @@ fixed deadline. ``DYNATRAIN_SWITCH_FAULT`` makes rank 2 send itself SIGKILL (or 
 it enters the transfer phase; the test notes when it died (or stopped) and requires every survivor
 to raise ``SwitchFailedError`` naming rank 2 and the transfer phase within the deadline (plus the
 heartbeat's window to name it), say the state is lost and name the checkpoint, and exit cleanly.
+One test kills it earlier, as the first switch makes its own group (phase ``groups``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _state(pid: int) -> str:
 
 
 def _run(tmp_path: Path, how: str, *, timeout_s: float, deadline_s: float = DEADLINE_S, extra: tuple[str, ...] = (),
-         resume_after: float | None = None) -> tuple[float, list[dict]]:
+         resume_after: float | None = None, phase: str = "transfer") -> tuple[float, list[dict]]:
     """Start the ranks, note when the victim died or stopped (and continue it ``resume_after``
     seconds later), wait for the others; every process still there at the end is killed. Returns
     (time of the fault, results of every rank that ended, in rank order)."""
@@ -56,7 +57,7 @@ def _run(tmp_path: Path, how: str, *, timeout_s: float, deadline_s: float = DEAD
             env = {k: v for k, v in os.environ.items()
                    if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_"))}
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                       DYNATRAIN_SWITCH_FAULT=f"{VICTIM}:transfer:{how}", OMP_NUM_THREADS="1",
+                       DYNATRAIN_SWITCH_FAULT=f"{VICTIM}:{phase}:{how}", OMP_NUM_THREADS="1",
                        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
             log = open(tmp_path / f"rank{rank}.log", "w")
             procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--deadline", str(deadline_s),
@@ -115,6 +116,21 @@ def test_stopped_rank_in_transfer(tmp_path: Path) -> None:
     """SIGSTOP: nothing closes; the waits on it fail at the deadline, the others learn it from the abort flag."""
     t_fault, survivors = _run(tmp_path, "STOP", timeout_s=240)
     _check(t_fault, survivors, DEADLINE_S + STALE_S + SLACK_S)
+
+
+def test_killed_rank_before_the_switch_group_is_made(tmp_path: Path) -> None:
+    """SIGKILL as the first switch's own group is made: the survivors' group creation fails at the
+    deadline (torch's error names no rank); each names rank 2, which never said it came, phase
+    ``groups``, and the state counts as lost (a rank holding part of it is gone)."""
+    t_fault, survivors = _run(tmp_path, "KILL", timeout_s=240, phase="groups")
+    for r in survivors:
+        assert r["error"] == "SwitchFailedError", r["message"]
+        assert (r["missing"], r["phase"], r["lost_state"]) == (VICTIM, "groups", True), r["message"]
+        assert f"rank(s) [{VICTIM}] did not come" in r["message"] and "/checkpoints/last" in r["message"], r["message"]
+        assert r["t_error"] - t_fault < DEADLINE_S + SLACK_S, f"rank {r['rank']}: {r['t_error'] - t_fault:.1f} s"
+        assert r["t_exit"] - r["t_error"] < 10, f"rank {r['rank']}'s teardown took {r['t_exit'] - r['t_error']:.1f} s"
+    print(f"seconds from the fault to each survivor's SwitchFailedError: "
+          f"{[round(r['t_error'] - t_fault, 1) for r in survivors]}")
 
 
 def test_keep_old_rolls_back_when_a_rank_stalls_past_the_deadline(tmp_path: Path) -> None:
