@@ -69,13 +69,18 @@ def parse_policy(policy: Policy) -> "str | dict[int, ParallelConfig]":
     """``"auto"``, or the map with every layout parsed (a YAML path read with OmegaConf).
 
     Raises:
-        LayoutError: a layout that does not parse, a size that is not its layout's world size.
+        LayoutError: a layout that does not parse, a size that is not its layout's world size, a
+            string that is neither ``auto`` nor a file.
     """
     if isinstance(policy, str) and policy.strip().lower() == "auto":
         return "auto"
     if isinstance(policy, (str, Path)):
         from omegaconf import OmegaConf
 
+        if not Path(policy).is_file():
+            raise LayoutError(f"the layout policy {str(policy)!r} is not 'auto', a map or a YAML file that exists",
+                              hint="pass 'auto', a map such as '{2: dp2-tp1-pp1, 4: dp2-tp2-pp1}' (a space after "
+                              "each colon, in YAML) or the path of a YAML file")
         loaded = OmegaConf.to_container(OmegaConf.load(policy))
         policy = loaded.get("layouts", loaded) if isinstance(loaded, dict) else loaded
     if not isinstance(policy, Mapping) or not policy:

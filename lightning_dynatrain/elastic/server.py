@@ -24,7 +24,8 @@ launcher started together (one ``torchrun``, one ``srun`` step) join together: a
 every process of its launch has asked (at most ``launch_wait`` seconds). The first world forms
 from the first launch's processes, in their launch's rank order. A member of the running world
 that stops saying it is alive for ``dead_after`` seconds without leaving is recorded as failed in a
-new generation: the job must stop (every trainer's watchdog reads it). A joiner that stops before
+new generation: the job must stop (every trainer's watchdog reads it), and every request after
+that is refused (also when the members stopped because their fit ended). A joiner that stops before
 its generation is installed only cancels that change (a generation with the running world's
 members, ``dropped``): training goes on.
 """
@@ -78,7 +79,11 @@ class StoreServer:
                 continue
             asked = int(request.get("step", -1))
             self.world.waiting.append({**request, "received": time.monotonic(), "asked_step": asked if asked >= 0 else seen})
-        if self.world.failed:
+        if self.world.failed:  # the job is over (a member stopped without leaving, or the fit ended)
+            for request in self.world.waiting:
+                self._answer(request, False, "the job's members stopped (failed, or their fit ended): there is no "
+                             "running world to join or leave; start a new job")
+            self.world.waiting = []
             return
         if self.world.generation < 0:
             self._form_first_world()

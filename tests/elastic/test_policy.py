@@ -45,6 +45,9 @@ def test_a_map_without_the_world_or_with_a_layout_of_another_size_is_refused():
         parse_policy({4: "dp2-tp1-pp1"})
     with pytest.raises(BatchSizeError, match="global batch 6 is not a multiple"):
         _choose({4: "dp4-tp1-pp1"}, 4, global_batch=6)  # the policy never changes the global batch
+    # YAML reads "{2:dp2-tp1-pp1}" (no space after the colon) as a string: not a file either
+    with pytest.raises(LayoutError, match="is not 'auto', a map or a YAML file that exists"):
+        parse_policy("{2:dp2-tp1-pp1,4:dp2-tp2-pp1}")
 
 
 def test_auto_picks_a_valid_layout_and_says_why():

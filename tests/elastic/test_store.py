@@ -172,3 +172,7 @@ def test_a_member_that_stops_saying_it_is_alive_is_recorded_as_failed(served):
     world = clients[0].membership(1)
     assert world.failed == (clients[1].member_id,)
     clients[0].stop_alive()
+    # the job is over: a process that asks to join now is told so at once, not left waiting
+    late = JobStore.connect(address, TOKEN)
+    with pytest.raises(AdmissionError, match="there is no running world to join"):
+        late.ask(JoinRequest(member=late.member_id, fingerprint="fp"), timeout=10)
