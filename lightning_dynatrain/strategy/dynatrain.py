@@ -3,7 +3,8 @@
 The strategy owns megatron's side of training for the current layout (groups, model shard, megatron
 DDP and optimizer, pipeline schedule; one ``MegatronState``) and gives Lightning what it expects
 (an optimizer to count steps, checkpoints; ranks, devices, precision and collectives come from
-``base.MegatronProcessStrategy``). Hooks are thin; the work is in plain functions
+``base.MegatronProcessStrategy``; the step entry points and ``reduce``: ``step_hooks.py``; switching:
+``switch_hooks.py``). Hooks are thin; the work is in plain functions
 (``megatron_step``, ``validation``, ``report``, ``checkpoint``, ``switching``).
 
 Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are
@@ -41,7 +42,6 @@ switch itself is ``switching.LayoutSwitcher``'s.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -52,9 +52,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -66,6 +64,7 @@ from lightning_dynatrain.data.sampler import GlobalBatchSampler
 from lightning_dynatrain.engine.deadline import parse_switch_timeout
 from lightning_dynatrain.strategy.base import MegatronProcessStrategy
 from lightning_dynatrain.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_dynatrain.strategy.step_hooks import StepHooks
 from lightning_dynatrain.strategy.switch_hooks import SwitchHooks
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.optimizer_handle import MegatronOptimizerHandle
@@ -93,7 +92,7 @@ def _parse_budget(value: int | str) -> int:
     return parse_bytes(value)
 
 
-class DynaTrainStrategy(SwitchHooks, CheckpointHooks, MegatronProcessStrategy):
+class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcessStrategy):
     """Megatron-core GPT training under Lightning, with in-memory layout switches.
 
     Args:
@@ -393,63 +392,6 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, MegatronProcessStrategy):
             self._elastic.close()
         self._teardown_process_group()
         super().teardown()
-
-    # ----------------------------------------------------------------------- the train step
-    def train_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float | None = None) -> float:
-        """One optimizer step over the global ``batch`` (call from ``training_step``); the global mean loss.
-
-        Lightning counts it as an optimizer step (``trainer.global_step`` advances).
-        """
-        from lightning_dynatrain.strategy.megatron_step import train_step
-
-        closure = partial(train_step, self.megatron, batch, self.recipe, lr=lr,
-                          weight_decay=self._adam.weight_decay if weight_decay is None else weight_decay)
-        return self._lightning_optimizers[0].step(closure=closure)
-
-    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
-        """The global mean loss of the global ``batch``, forward only, at the current layout (call
-        from ``validation_step``); the same float on every rank, whatever the pipeline stage."""
-        from lightning_dynatrain.strategy.megatron_step import eval_step
-
-        assert self._pgs is not None, "setup_environment makes the groups"
-        state = self._megatron
-        if state is not None:
-            return eval_step(state.ddp, state.groups, state.layout, batch, self.recipe)
-        return eval_step(self.model_shard, self._pgs, self.layout, batch, self.recipe)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._step_in_progress = True
-        beside_build, start = self._switcher is not None and self._switcher.building, time.perf_counter()
-        try:
-            output = super().training_step(*args, **kwargs)
-        finally:
-            self._step_in_progress = False
-        if self._switcher is not None:  # what a switch built ahead cost the steps beside its build
-            self._switcher.step_ran(time.perf_counter() - start, beside_build=beside_build)
-        self._run_pending()  # a switch requested during the step runs now, at the boundary
-        return output
-
-    @property
-    def num_microbatches(self) -> int:
-        """Micro-batches per optimizer step at the current layout: global // (dp * micro)."""
-        from lightning_dynatrain.strategy.megatron_step import microbatches
-
-        return microbatches(self.recipe, self.layout)
-
-    # --------------------------------------------------------------------------- collectives
-    def _collectives_are_local(self) -> bool:
-        return self._elastic is not None and self._elastic.local_collectives
-
-    @override
-    def reduce(self, tensor: torch.Tensor | Any, group: Any | None = None,
-               reduce_op: ReduceOp | str | None = "mean") -> torch.Tensor | Any:
-        """Reduce over the current layout's data-parallel group (``group=None``), or over ``group``."""
-        if not isinstance(tensor, torch.Tensor) or self._collectives_are_local():
-            return tensor
-        if group is None and self._megatron is not None:
-            group = self._megatron.groups.dp_cp
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     def __repr__(self) -> str:
         layout = self._layout or self._requested_layout

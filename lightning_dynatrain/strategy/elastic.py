@@ -37,22 +37,20 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, moved_bytes, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
 from lightning_dynatrain.elastic.session import JOIN_FAULT_ENV, ElasticSession, WorldChange
+from lightning_dynatrain.strategy.change_report import ChangeReport
+from lightning_dynatrain.strategy.elastic_environment import ElasticEnvironment, LauncherError, launch_id, set_rank_zero
 from lightning_dynatrain.strategy.loggers import continue_loggers, flush_loggers, logger_versions, pin_logger_versions
 from lightning_dynatrain.strategy.elastic_ahead import AheadChange
 from lightning_dynatrain.strategy.step_clock import OverlapClock
-from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
@@ -62,88 +60,6 @@ if TYPE_CHECKING:
 
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
-
-
-class LauncherError(DynaTrainError):
-    """The processes were started by a launcher that cannot carry an elastic job."""
-
-
-class ElasticEnvironment(ClusterEnvironment):
-    """The launcher's environment for devices and nodes; the world and this process's rank from
-    the elastic session, live (Lightning reads them on every use)."""
-
-    def __init__(self, launcher: ClusterEnvironment, session: ElasticSession) -> None:
-        self.launcher, self.session = launcher, session
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        return self.launcher.main_address
-
-    @property
-    def main_port(self) -> int:
-        return self.launcher.main_port
-
-    @staticmethod
-    def detect() -> bool:
-        return False
-
-    def world_size(self) -> int:
-        return self.session.size
-
-    def set_world_size(self, size: int) -> None:
-        pass  # the job's store says it
-
-    def global_rank(self) -> int:
-        return self.session.rank
-
-    def set_global_rank(self, rank: int) -> None:
-        pass  # the job's store says it
-
-    def local_rank(self) -> int:
-        return self.launcher.local_rank()
-
-    def node_rank(self) -> int:
-        return self.launcher.node_rank()
-
-
-@dataclass
-class ChangeReport:
-    """What one world change cost and moved (the same on every process that stays)."""
-
-    step: int
-    change: str
-    src: str
-    dst: str
-    reason: str
-    detect_to_swap_seconds: float
-    pause_seconds: float
-    transfer_seconds: float
-    build_seconds: float
-    rebuild_seconds: float
-    """Building the target's groups, model, DDP and optimizer inside the pause (on demand), or
-    binding the ones built ahead."""
-    moved_bytes: int
-    overlap_slowdown: float | None = None
-    """Mean seconds of the steps run while the next world was built (from the change's detection to
-    its boundary) over the median of the 10 steps before, minus 1; ``None`` without both."""
-    ahead_build_seconds: float | None = None
-    """The target's model, DDP and optimizer built ahead in the background (``None``: in the pause)."""
-
-    def __str__(self) -> str:
-        return (f"[dynatrain] step {self.step}: {self.change}, {self.src} -> {self.dst} in {self.pause_seconds:.3f} s "
-                f"(transfer {self.transfer_seconds:.3f} s, {self.moved_bytes / 2**20:.1f} MiB; world built "
-                f"{self.build_seconds:.3f} s{self._target()} in the background{self._slowdown()}; detected "
-                f"{self.detect_to_swap_seconds:.2f} s before the swap). {self.reason}")
-
-    def _target(self) -> str:
-        return "" if self.ahead_build_seconds is None else f" and its target {self.ahead_build_seconds:.3f} s"
-
-    def _slowdown(self) -> str:
-        return "" if self.overlap_slowdown is None else f", steps meanwhile {100 * self.overlap_slowdown:+.0f}%"
 
 
 class ElasticDriver:
@@ -200,9 +116,9 @@ class ElasticDriver:
                                       device=device, timeout=strategy._timeout, heartbeat=self.heartbeat,
                                       exit_after=self.exit_after)
         self.session.enter(self.fingerprint(), launch_rank=launcher.global_rank(), launch_size=launcher_world,
-                           launch_id=_launch_id(launcher, self.session.me))
+                           launch_id=launch_id(launcher, self.session.me))
         strategy.cluster_environment = ElasticEnvironment(launcher, self.session)
-        _set_rank_zero(self.session.rank)
+        set_rank_zero(self.session.rank)
         loggers = self._loggers()
         change = self.session.joined_change
         if change is None:  # the first world: one version directory for whoever is rank 0 later
@@ -387,7 +303,7 @@ class ElasticDriver:
         prepared = ahead.prepared() if ahead is not None else None
         was_rank_zero = strategy.global_rank == 0
         old_groups = self.session.swap(change, borrowed=ahead.borrowed if ahead is not None else None)
-        _set_rank_zero(self.session.rank)
+        set_rank_zero(self.session.rank)
         groups = strategy.switcher.new_world_groups(ahead.groups if ahead is not None else None)
         if change.grows:  # the joiners wait for (1)-(4) in this order (see the module docstring)
             if ahead is None:
@@ -445,29 +361,12 @@ class ElasticDriver:
             self.session.close()
 
 
-def _launch_id(launcher: ClusterEnvironment, me: str) -> str:
-    """What the processes one launch started share, and no other launch: a SLURM job step (two
-    ``srun`` steps of one job share its address and port), else the launcher's address and port;
-    a process launched alone is a launch of its own."""
-    if launcher.world_size() <= 1:
-        return me
-    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
-    if isinstance(launcher, SLURMEnvironment) and job is not None and step is not None:
-        return f"slurm:{job}.{step}"
-    return f"{launcher.main_address}:{launcher.main_port}"
-
-
 def _broadcast_object(obj: Any) -> Any:
     """One object from rank 0 of the world to every rank (a real collective, whatever the strategy's
     collectives do while catching up)."""
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _set_rank_zero(rank: int) -> None:
-    """Lightning reads the rank for its rank-zero-only calls from a module global: keep it current."""
-    rank_zero_only.rank = utils_rank_zero_only.rank = rank
 
 
 __all__ = ["ChangeReport", "ElasticDriver", "ElasticEnvironment", "LauncherError"]

@@ -1,0 +1,87 @@
+"""``DynaTrainStrategy``'s training-step entry points: ``train_step`` and ``eval_step`` (called from
+a LightningModule's ``training_step`` / ``validation_step``), Lightning's ``training_step`` hook
+(which runs a switch requested during the step at its end) and ``reduce`` over the current layout's
+data-parallel group.
+
+The step itself is ``megatron_step``'s; when a switch runs, and why there: ``strategy/dynatrain.py``'s
+module docstring.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.types import ReduceOp
+from typing_extensions import override
+
+
+class StepHooks:
+    """The training-step entry points of ``DynaTrainStrategy`` (a mixin before its Lightning base).
+
+    Reads the strategy's ``megatron`` state, ``recipe``, ``layout``, Adam settings (``_adam``),
+    groups (``_pgs``), switcher (``_switcher``) and elastic driver (``_elastic``); sets the step flag
+    (``_step_in_progress``) and runs a pending switch (``_run_pending``, ``SwitchHooks``).
+    """
+
+    def train_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float | None = None) -> float:
+        """One optimizer step over the global ``batch`` (call from ``training_step``); the global mean loss.
+
+        Lightning counts it as an optimizer step (``trainer.global_step`` advances).
+        """
+        from lightning_dynatrain.strategy.megatron_step import train_step
+
+        closure = partial(train_step, self.megatron, batch, self.recipe, lr=lr,
+                          weight_decay=self._adam.weight_decay if weight_decay is None else weight_decay)
+        return self._lightning_optimizers[0].step(closure=closure)
+
+    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """The global mean loss of the global ``batch``, forward only, at the current layout (call
+        from ``validation_step``); the same float on every rank, whatever the pipeline stage."""
+        from lightning_dynatrain.strategy.megatron_step import eval_step
+
+        assert self._pgs is not None, "setup_environment makes the groups"
+        state = self._megatron
+        if state is not None:
+            return eval_step(state.ddp, state.groups, state.layout, batch, self.recipe)
+        return eval_step(self.model_shard, self._pgs, self.layout, batch, self.recipe)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._step_in_progress = True
+        beside_build, start = self._switcher is not None and self._switcher.building, time.perf_counter()
+        try:
+            output = super().training_step(*args, **kwargs)
+        finally:
+            self._step_in_progress = False
+        if self._switcher is not None:  # what a switch built ahead cost the steps beside its build
+            self._switcher.step_ran(time.perf_counter() - start, beside_build=beside_build)
+        self._run_pending()  # a switch requested during the step runs now, at the boundary
+        return output
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per optimizer step at the current layout: global // (dp * micro)."""
+        from lightning_dynatrain.strategy.megatron_step import microbatches
+
+        return microbatches(self.recipe, self.layout)
+
+    def _collectives_are_local(self) -> bool:
+        return self._elastic is not None and self._elastic.local_collectives
+
+    @override
+    def reduce(self, tensor: torch.Tensor | Any, group: Any | None = None,
+               reduce_op: ReduceOp | str | None = "mean") -> torch.Tensor | Any:
+        """Reduce over the current layout's data-parallel group (``group=None``), or over ``group``."""
+        if not isinstance(tensor, torch.Tensor) or self._collectives_are_local():
+            return tensor
+        if group is None and self._megatron is not None:
+            group = self._megatron.groups.dp_cp
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+__all__ = ["StepHooks"]
