@@ -84,6 +84,7 @@ class OnNodeChange(Callback):
         """The strategy's elastic side (called by the strategy when it sets up)."""
         from lightning_dynatrain.strategy.elastic import ElasticDriver
 
+        self._listen_for_leave()  # from before this process enters the job: a notice during its set-up counts
         self._driver = ElasticDriver(strategy, policy=self.policy, memory_per_rank=self.memory_per_rank,
                                      step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after,
                                      ahead=self.ahead)
@@ -99,10 +100,15 @@ class OnNodeChange(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # Lightning's own handler broadcasts inside the handler and stops every rank: a leave
-        # notice must only mark this process (it leaves at the next change boundary)
+        self._listen_for_leave()  # again: Lightning registered its own handler since
+
+    def _listen_for_leave(self) -> None:
+        """A leave signal only marks this process (it leaves at the next change boundary). Lightning's
+        own SIGTERM handler broadcasts inside the handler and stops every rank, and before Lightning
+        registers it the default one ends the process: ours replaces both (the first ones are kept,
+        to be put back at teardown)."""
         for sig in LEAVE_SIGNALS:
-            self._previous_handlers[sig] = signal.getsignal(sig)
+            self._previous_handlers.setdefault(sig, signal.getsignal(sig))
             signal.signal(sig, self._on_leave_signal)
 
     def _on_leave_signal(self, signum: int, frame: Any) -> None:
