@@ -16,7 +16,9 @@ target built ahead (the default, ``OnNodeChange(ahead=True)``) and on demand (``
   members' own rebuild alone (``hot_switch``'s phases); ``bind_seconds``: what the run built
   ahead did in its switch instead (groups from the cache, memory bound); ``ahead_build_seconds``:
   its background build;
-- ``build_seconds``: the next world's process group, built in the background meanwhile.
+- ``build_seconds``: the next world's process group, built in the background meanwhile;
+  ``kept_world``: the new world was kept from before (the shrink gives the first world back: no
+  group built, in either run).
 
 The cold path, per case, at the new world size: ``cold_init_seconds`` is fresh processes started
 by torchrun until they are ready to train (interpreters, imports, the world, megatron's state and
@@ -124,7 +126,8 @@ def _case(change: dict, on_demand: dict, world: int, model: str, ckpt: Path, out
                 rebuild_in_switch_seconds=on_demand["rebuild_seconds"], bind_seconds=change["rebuild_seconds"],
                 ahead_build_seconds=change["ahead_build_seconds"], pause_on_demand_seconds=on_demand["pause_seconds"],
                 transfer_on_demand_seconds=on_demand["transfer_seconds"], build_seconds=change["build_seconds"],
-                moved_bytes=change["moved_bytes"], cold_init_seconds=cold_init, cold_total_seconds=cold_total,
+                moved_bytes=change["moved_bytes"], kept_world=change["kept_world"], cold_init_seconds=cold_init,
+                cold_total_seconds=cold_total,
                 init_masked=1 - (pause - transfer) / cold_init, pause_over_cold=pause / cold_total,
                 outside_transfer_over_rebuild=(pause - transfer) / rebuild if rebuild else None)
 

@@ -59,6 +59,10 @@ class OnNodeChange(Callback):
         ahead: build the next world's megatron groups and the target's model, DDP and optimizer in
             the background while the old world trains (one step boundary later than on demand),
             so that the change's pause is the transfer; ``False`` builds them in the pause.
+        keep_worlds: how many worlds left for a larger one are kept (their process groups, megatron's
+            included) for a return to the same processes, which then builds no group (a shrink that
+            gives borrowed processes back). On NCCL each kept world holds its communicators' memory;
+            0 keeps none.
 
     Raises:
         LayoutError: (at construction) the policy cannot be read; (at a change) it has no valid
@@ -69,11 +73,14 @@ class OnNodeChange(Callback):
 
     def __init__(self, policy: Policy = "auto", *, memory_per_rank: int | None = None,
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
-                 ahead: bool = True) -> None:
+                 ahead: bool = True, keep_worlds: int = 2) -> None:
         parse_policy(policy)  # fail at construction, not at the first change
+        if isinstance(keep_worlds, bool) or not isinstance(keep_worlds, int) or keep_worlds < 0:
+            raise ValueError(f"OnNodeChange(keep_worlds={keep_worlds!r}): give a count of worlds, 0 or more "
+                             "(0: every world left is destroyed)")
         self.policy = policy if not isinstance(policy, (str, Path)) or str(policy).lower() == "auto" else Path(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
-        self.heartbeat, self.exit_after, self.ahead = heartbeat, exit_after, ahead
+        self.heartbeat, self.exit_after, self.ahead, self.keep_worlds = heartbeat, exit_after, ahead, keep_worlds
         #: every world change this process saw, in order (rank 0's copy reaches joiners)
         self.changes: list[dict[str, Any]] = []
         self._driver: ElasticDriver | None = None
@@ -87,7 +94,7 @@ class OnNodeChange(Callback):
         self._listen_for_leave()  # from before this process enters the job: a notice during its set-up counts
         self._driver = ElasticDriver(strategy, policy=self.policy, memory_per_rank=self.memory_per_rank,
                                      step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after,
-                                     ahead=self.ahead)
+                                     ahead=self.ahead, keep_worlds=self.keep_worlds)
         return self._driver
 
     @override

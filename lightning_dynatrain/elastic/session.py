@@ -37,6 +37,7 @@ import torch.distributed as dist
 from lightning_dynatrain.elastic.client import JobStore
 from lightning_dynatrain.elastic.records import AdmissionError, JoinRequest, LeaveRequest, Membership
 from lightning_dynatrain.elastic.world import BorrowedWorld, NextWorld, install, retire
+from lightning_dynatrain.elastic.world_cache import KeptWorld, WorldCache
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.members import Members
 
@@ -99,8 +100,11 @@ class ElasticSession:
     """
 
     def __init__(self, store: JobStore, *, backend: str, device: torch.device | None = None,
-                 timeout: timedelta = timedelta(minutes=30), heartbeat: float = 1.0, exit_after: float = 30.0) -> None:
+                 timeout: timedelta = timedelta(minutes=30), heartbeat: float = 1.0, exit_after: float = 30.0,
+                 keep_worlds: int = 2) -> None:
         self.store, self.backend, self.device, self.timeout = store, backend, device, timeout
+        self.kept = WorldCache(keep_worlds)
+        """Worlds left for one whose members are all still in the job (``world_cache``)."""
         self.heartbeat, self.exit_after = heartbeat, exit_after
         self.world: Membership | None = None
         self.joined_change: WorldChange | None = None
@@ -225,9 +229,15 @@ class ElasticSession:
             return
         self._pending, self._cancel = record, None
         rank = record.rank_of(self.me)
-        self._next = None if rank is None else NextWorld(  # on a connection of its own: its build waits
-            self.store.for_thread().raw, generation=record.generation, rank=rank, size=len(record.members),
-            backend=self.backend, timeout=self.timeout, device=self.device)
+        kept = self.kept.find(record.members)
+        if rank is None:
+            self._next = None
+        elif kept is not None:  # a return to a kept world: nothing to build
+            self._next = NextWorld.kept(kept.groups.default, generation=record.generation, rank=rank)
+        else:  # on a connection of its own: its build waits
+            self._next = NextWorld(self.store.for_thread().raw, generation=record.generation, rank=rank,
+                                   size=len(record.members), backend=self.backend, timeout=self.timeout,
+                                   device=self.device)
 
     def _apply_cancel(self, step: int) -> None:
         """From a cancel record's effective step on (every rank has read it; until then every rank
@@ -253,30 +263,46 @@ class ElasticSession:
         assert self._next is not None, "no pending world of this process's"
         return self._next
 
+    @property
+    def pending_kept(self) -> KeptWorld | None:
+        """The kept world the pending change returns to (its groups are all there), if it does."""
+        return self.kept.find(self._pending.members) if self._pending is not None and self._next is not None else None
+
     def borrow(self) -> BorrowedWorld:
         """The pending world's group (built: after a vote), to borrow before the swap (``world.BorrowedWorld``)."""
         assert self._pending is not None
+        kept = self.pending_kept
         return BorrowedWorld(self.next_world().group(timeout=self.timeout.total_seconds()), self.store.raw,
-                             generation=self._pending.generation)
+                             generation=self._pending.generation, kept=kept.groups if kept is not None else None)
 
-    def swap(self, change: WorldChange, *, borrowed: BorrowedWorld | None = None) -> list[dist.ProcessGroup]:
+    def swap(self, change: WorldChange, *, borrowed: BorrowedWorld | None = None) -> KeptWorld | None:
         """Install ``change.new``'s world (its members; a leaver keeps the old one). Returns the old
-        world's groups, to ``retire`` after the new world's first collective. ``borrowed``: that
-        world's group, borrowed before (``borrow``; the groups made on it stay)."""
-        old: list[dist.ProcessGroup] = []
+        world, to ``retire`` after the new world's first collective. ``borrowed``: that world's
+        group, borrowed before (``borrow``; the groups made on it stay)."""
+        old = None
         if not change.leaving:
-            assert self._next is not None
-            old = install(self._next.group(timeout=self.timeout.total_seconds()), self.store.raw,
-                          generation=change.new.generation, borrowed=borrowed)
+            assert self._next is not None and self.world is not None
+            kept = self.kept.take(change.new.members)
+            groups = install(self._next.group(timeout=self.timeout.total_seconds()), self.store.raw,
+                             generation=change.new.generation, borrowed=borrowed,
+                             kept=kept.groups if kept is not None else None, keep=self.kept.groups())
+            old = KeptWorld(members=self.world.members, generation=self.world.generation, groups=groups)
             self.world = change.new
             if self.rank == 0:
                 self.store.mark_installed(change.new.generation)
         self._pending, self._next = None, None
         return old
 
-    @staticmethod
-    def retire(groups: list[dist.ProcessGroup]) -> None:
-        retire(groups)
+    def retire(self, old: KeptWorld | None, *, extra: object = None) -> None:
+        """After the new world's first collective: keep the world ``swap`` replaced, with ``extra``
+        (the strategy's caches of its groups), for a return to its members (``keep_worlds``), or
+        destroy its groups; destroy those of kept worlds that can no longer be returned to."""
+        assert self.world is not None
+        if old is None:
+            retire(self.kept.prune(self.world.members))
+            return
+        kept = KeptWorld(members=old.members, generation=old.generation, groups=old.groups, extra=extra)
+        retire(self.kept.keep(kept, self.world.members))
 
     def publish_step(self, step: int) -> None:
         """Rank 0 tells the store the job finished ``step`` (one store ``set``)."""

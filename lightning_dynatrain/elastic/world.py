@@ -12,7 +12,9 @@ with every member present. Changing the world in a running job instead:
    with ``group_count`` set to a value every member agrees on (``new_group`` names unnamed groups
    by that counter and uses the name as a store prefix: joiners and old members must count alike);
 3. ``retire``: the old world's groups destroyed one by one once the first collective of the new
-   world has run (destroying the old WORLD first would shut every backend down on the critical path).
+   world has run (destroying the old WORLD first would shut every backend down on the critical path),
+   or kept for a return to the same members (``world_cache.WorldCache``): ``install`` then puts a
+   kept world back with the ``group_count`` its members had reached in it, and builds nothing.
 
 Between 1 and 2, ``BorrowedWorld`` makes the built group the default for a moment on the training
 thread, between two steps: the next world's megatron groups, its topology and its joiners' header
@@ -26,13 +28,14 @@ Example::
     ...training steps on the old world...
     old = install(nxt.group(timeout=60), store, generation=1)  # at the step boundary
     dist.all_reduce(torch.ones(1))                             # the new world's first collective
-    retire(old)
+    retire(old.groups)
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
@@ -40,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from lightning_dynatrain.elastic.records import AdmissionError
+from lightning_dynatrain.elastic.world_cache import WorldGroups
 
 #: ``group_count`` of generation ``g``'s world: identical on every member, far from the counts any
 #: earlier generation's ``new_group`` calls reach
@@ -109,6 +113,16 @@ class NextWorld:
             self.seconds = time.perf_counter() - start
             self._done.set()
 
+    @classmethod
+    def kept(cls, pg: dist.ProcessGroup, *, generation: int, rank: int) -> "NextWorld":
+        """A next world that needs no build: a kept world's group (``world_cache``)."""
+        world = cls.__new__(cls)
+        world.generation, world.rank, world.size, world.backend = generation, rank, pg.size(), pg._get_backend_name()
+        world._result, world._error, world.seconds = pg, None, 0.0
+        world._done = threading.Event()
+        world._done.set()
+        return world
+
     @property
     def ready(self) -> bool:
         return self._done.is_set() and self._error is None
@@ -140,21 +154,29 @@ def _register(pg: dist.ProcessGroup, store: dist.Store, generation: int) -> None
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
 
 
-def install(pg: dist.ProcessGroup, store: dist.Store, *, generation: int,
-            borrowed: "BorrowedWorld | None" = None) -> list[dist.ProcessGroup]:
+def install(pg: dist.ProcessGroup, store: dist.Store, *, generation: int, borrowed: "BorrowedWorld | None" = None,
+            kept: WorldGroups | None = None, keep: frozenset[dist.ProcessGroup] = frozenset()) -> WorldGroups:
     """Make ``pg`` (built by ``build_group`` over ``store``) the default group (WORLD). Returns the
-    groups of the world it replaces, to ``retire`` once the new world's first collective has run.
+    groups of the world it replaces, to ``retire`` once the new world's first collective has run
+    (or to keep: ``world_cache``).
 
     Groups made later (``new_group``, megatron's) live under the generation's prefix of ``store``:
     every member, joiner or not, names them alike (``group_count``). ``borrowed``: the
-    ``BorrowedWorld`` that made groups on ``pg`` already (they stay; the count goes on from them)."""
-    made = borrowed.made if borrowed is not None else []
-    old = [g for g in c10d._world.pg_map if g is not None and g is not pg and g not in made]
-    if borrowed is None:
+    ``BorrowedWorld`` that made groups on ``pg`` already (they stay; the count goes on from them).
+    ``kept``: ``pg`` is a kept world's, registered when it was built (its groups stay; the count
+    goes on from where its members left it). ``keep``: the groups of other kept worlds (not the
+    replaced world's)."""
+    made = set(borrowed.made if borrowed is not None else []) | set(kept.groups if kept is not None else ())
+    default = c10d._world.default_pg
+    old = tuple(g for g in c10d._world.pg_map if g is not None and g is not pg and g not in made and g not in keep)
+    replaced = WorldGroups(default=default if default is not pg else None, groups=old,
+                           group_count=c10d._world.group_count)
+    if borrowed is None and kept is None:
         _register(pg, store, generation)
     c10d._update_default_pg(pg)
-    c10d._world.group_count = borrowed.group_count if borrowed is not None else GROUP_COUNT_STRIDE * (generation + 1)
-    return old
+    c10d._world.group_count = (borrowed.group_count if borrowed is not None else
+                               kept.group_count if kept is not None else GROUP_COUNT_STRIDE * (generation + 1))
+    return replaced
 
 
 class BorrowedWorld:
@@ -171,10 +193,12 @@ class BorrowedWorld:
         old = install(borrowed.group, store, generation=1, borrowed=borrowed)
     """
 
-    def __init__(self, pg: dist.ProcessGroup, store: dist.Store, *, generation: int) -> None:
-        self.group, self.generation = pg, generation
-        _register(pg, store, generation)
-        self.group_count = GROUP_COUNT_STRIDE * (generation + 1)
+    def __init__(self, pg: dist.ProcessGroup, store: dist.Store, *, generation: int,
+                 kept: WorldGroups | None = None) -> None:
+        self.group, self.generation, self.kept = pg, generation, kept
+        if kept is None:
+            _register(pg, store, generation)
+        self.group_count = kept.group_count if kept is not None else GROUP_COUNT_STRIDE * (generation + 1)
         self.made: list[dist.ProcessGroup] = []
         """The groups made on the next world while borrowed (``install`` keeps them)."""
         self._saved: tuple[dist.ProcessGroup, int] | None = None
@@ -198,14 +222,15 @@ class BorrowedWorld:
         self._saved = None
 
     def forget(self) -> None:
-        """The swap will not come (the change was cancelled): destroy what was made on the next world."""
+        """The swap will not come (the change was cancelled): destroy what was made on the next world
+        (a kept world's own groups are its keeper's)."""
         retire(self.made)
         self.made = []
-        if self.group in c10d._world.pg_map:
+        if self.kept is None and self.group in c10d._world.pg_map:
             dist.destroy_process_group(self.group)
 
 
-def retire(groups: list[dist.ProcessGroup]) -> None:
+def retire(groups: "Iterable[dist.ProcessGroup]") -> None:
     """Destroy an old world's groups (local; after the new world's first collective)."""
     for group in groups:
         if group in c10d._world.pg_map:

@@ -67,9 +67,9 @@ class ElasticDriver:
 
     def __init__(self, strategy: "DynaTrainStrategy", *, policy: Any, memory_per_rank: int | None = None,
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
-                 ahead: bool = True) -> None:
+                 ahead: bool = True, keep_worlds: int = 2) -> None:
         self.strategy = strategy
-        self.ahead = ahead
+        self.ahead, self.keep_worlds = ahead, keep_worlds
         self.policy = parse_policy(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
         self.heartbeat, self.exit_after = heartbeat, exit_after
@@ -114,7 +114,7 @@ class ElasticDriver:
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
         self.session = ElasticSession(JobStore.from_environment(), backend=strategy.process_group_backend,
                                       device=device, timeout=strategy._timeout, heartbeat=self.heartbeat,
-                                      exit_after=self.exit_after)
+                                      exit_after=self.exit_after, keep_worlds=self.keep_worlds)
         self.session.enter(self.fingerprint(), launch_rank=launcher.global_rank(), launch_size=launcher_world,
                            launch_id=launch_id(launcher, self.session.me))
         strategy.cluster_environment = ElasticEnvironment(launcher, self.session)
@@ -136,7 +136,8 @@ class ElasticDriver:
 
     def fingerprint(self) -> str:
         """What this process would train: the module's class, recipe and optimizer settings, the
-        precision, the packages (a joiner must present the job's)."""
+        precision, the packages, how world changes are made (a joiner must present the job's: every
+        member takes part in every change's build alike)."""
         import importlib.metadata as md
 
         module = self.strategy.lightning_module
@@ -150,7 +151,8 @@ class ElasticDriver:
         hparams = dict(getattr(module, "hparams", {}) or {})
         return job_fingerprint(type(module).__qualname__, recipe, adam, sorted(hparams.items()),
                                type(self.strategy.precision_plugin).__name__,
-                               getattr(self.strategy.precision_plugin, "precision", None), versions)
+                               getattr(self.strategy.precision_plugin, "precision", None), versions,
+                               {"ahead": self.ahead, "keep_worlds": self.keep_worlds})
 
     def receive_state(self, build: "Callable[[], MegatronState]") -> "MegatronState":
         """(3) A joiner's state from the old members: ``build()`` makes its DDP and optimizer at
@@ -269,7 +271,9 @@ class ElasticDriver:
         if change.grows:  # (1) for the joiners, waiting on the next world
             with borrowed:
                 _broadcast_object(self._header(trainer, choice.layout) if change.new.rank_of(change.me) == 0 else None)
-        self._ahead = AheadChange.start(self.strategy, change, choice, borrowed)
+        kept = self.session.pending_kept
+        self._ahead = AheadChange.start(self.strategy, change, choice, borrowed,
+                                        kept=kept.extra if kept is not None else None)
         rank_zero_info(f"[dynatrain] step {trainer.global_step}: {change}: building {choice.layout} ahead "
                        f"({time.perf_counter() - start:.3f} s for its groups)")
 
@@ -302,20 +306,23 @@ class ElasticDriver:
             return None
         prepared = ahead.prepared() if ahead is not None else None
         was_rank_zero = strategy.global_rank == 0
-        old_groups = self.session.swap(change, borrowed=ahead.borrowed if ahead is not None else None)
+        kept = self.session.pending_kept  # a return to a kept world: its groups are all there
+        left_world = self.session.swap(change, borrowed=ahead.borrowed if ahead is not None else None)
+        old_caches = strategy.switcher.world_caches()
         set_rank_zero(self.session.rank)
-        groups = strategy.switcher.new_world_groups(ahead.groups if ahead is not None else None)
+        groups = strategy.switcher.new_world_groups(ahead.groups if ahead is not None else None,
+                                                    kept=kept.extra if kept is not None else None)
         if change.grows:  # the joiners wait for (1)-(4) in this order (see the module docstring)
             if ahead is None:
                 _broadcast_object(self._header(trainer, target) if self.session.rank == 0 else None)  # (1)
-                self.session.retire(old_groups)
+                self.session.retire(left_world, extra=old_caches)
                 initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (2)
                 strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
             else:  # (1) and (2) ran at the prepare boundary; the joiners wait for the Adam step
                 strategy.switcher.new_world(ahead.topology)
                 _broadcast_object({"adam_step": adam_step(strategy.megatron.optimizer) or 0}
                                   if self.session.rank == 0 else None)
-                self.session.retire(old_groups)
+                self.session.retire(left_world, extra=old_caches)
             setup = ahead.setup if ahead is not None else \
                 strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
             result = hot_switch(strategy.megatron, target, setup, groups=groups, members=change.members,
@@ -331,7 +338,7 @@ class ElasticDriver:
             result = hot_switch(strategy.megatron, target, setup, groups=groups, group=old_world,
                                 members=change.members, prepared=prepared)
             strategy._install(result.state)
-            self.session.retire(old_groups)
+            self.session.retire(left_world, extra=old_caches)
             strategy.switcher.new_world(ahead.topology if ahead is not None
                                         else gather_topology(strategy.cluster_environment))
             if self.session.rank == 0 and not was_rank_zero:  # the old rank 0 left (its files are written)
@@ -343,7 +350,7 @@ class ElasticDriver:
                             detect_to_swap_seconds=start - detected, pause_seconds=pause,
                             transfer_seconds=result.phases.get("engine", 0.0), build_seconds=build_seconds,
                             rebuild_seconds=result.rebuild_seconds, moved_bytes=moved,
-                            ahead_build_seconds=result.ahead_build_seconds)
+                            ahead_build_seconds=result.ahead_build_seconds, kept_world=kept is not None)
 
     def _trainer_state(self, trainer: "pl.Trainer") -> dict:
         """Lightning's checkpoint dict: loops, callbacks, data module, schedulers; no tensors (the

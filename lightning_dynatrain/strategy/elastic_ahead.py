@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+    from lightning_dynatrain.strategy.switching import WorldGroupCaches
     from lightning_dynatrain.vps.topology import Topology
 
 
@@ -69,16 +70,17 @@ class AheadChange:
 
     @classmethod
     def start(cls, strategy: "DynaTrainStrategy", change: "WorldChange", choice: "LayoutChoice",
-              borrowed: "BorrowedWorld | None") -> "AheadChange":
+              borrowed: "BorrowedWorld | None", kept: "WorldGroupCaches | None" = None) -> "AheadChange":
         """Make the target's groups and the topology on the borrowed next world, then start the build
-        (collective over the next world; a leaver, with ``borrowed=None``, does nothing)."""
+        (collective over the next world; a leaver, with ``borrowed=None``, does nothing). ``kept``:
+        the next world is a kept one, with these caches (a layout seen in it makes no group)."""
         from lightning_dynatrain.megatron.ahead import prepare_world_switch
         from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, prepare_groups
         from lightning_dynatrain.strategy.topology import gather_topology
 
         if borrowed is None:
             return cls(change.new.generation, choice)
-        groups = ProcessGroupCache()
+        groups = kept.groups if kept is not None else ProcessGroupCache()
         pgs = prepare_groups(choice.layout, installed=strategy.layout, seed=strategy.seed, groups=groups,
                              world=borrowed, installed_groups=strategy.switcher.groups)
         with borrowed:  # after the groups, as a joiner's set-up runs them
@@ -122,7 +124,7 @@ class AheadChange:
         in its all-gather for a joiner that died then fails, as expected, and is let go."""
         if self.pending is not None:
             self.pending.abandon()
-        if self.groups is not None:
+        if self.groups is not None and (self.borrowed is None or self.borrowed.kept is None):  # a kept world's stay
             self.groups.close()
         if self.borrowed is not None:
             self.borrowed.forget()

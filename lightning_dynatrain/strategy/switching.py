@@ -15,6 +15,7 @@ optimizer-step boundary, a request made during a training step deferred to its e
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,7 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.topology import Topology
 
 if TYPE_CHECKING:
-    from lightning_dynatrain.engine.collectives import LinkCosts
+    from lightning_dynatrain.engine.collectives import LinkCosts, SubgroupCache
     from lightning_dynatrain.engine.deadline import SwitchDeadline
     from lightning_dynatrain.engine.watch import SwitchWatch
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
@@ -55,6 +56,14 @@ def parse_switch_safety(value: str | None) -> str:
                              hint='use "fast" (default: the old state is freed as it moves) or "keep_old" '
                              "(a failed switch rolls back; the old state is held until the switch ends)")
     return text
+
+
+@dataclass(frozen=True)
+class WorldGroupCaches:
+    """One world's caches of groups: megatron's (every layout's) and the switches' broadcast subgroups."""
+
+    groups: "ProcessGroupCache"
+    subgroups: "SubgroupCache"
 
 
 class SwitchVerificationError(RuntimeError):
@@ -117,13 +126,20 @@ class LayoutSwitcher:
         self.ahead_failures = 0
         self._close_watch()
 
-    def new_world_groups(self, groups: "ProcessGroupCache | None" = None) -> "ProcessGroupCache":
-        """Fresh group caches for a new world (the old world's groups are retired with it); ``groups``:
-        the cache the new world's first groups were made into ahead of the change."""
+    def world_caches(self) -> WorldGroupCaches:
+        """This world's group caches (kept with the world for a return to it: ``elastic.world_cache``)."""
+        return WorldGroupCaches(self.groups, self.subgroups)
+
+    def new_world_groups(self, groups: "ProcessGroupCache | None" = None,
+                         kept: WorldGroupCaches | None = None) -> "ProcessGroupCache":
+        """Group caches for a new world (the old world's groups are retired or kept with it):
+        ``groups``, the cache the new world's first groups were made into ahead of the change;
+        ``kept``, those of a kept world returned to; fresh ones otherwise."""
         from lightning_dynatrain.engine.collectives import SubgroupCache
         from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
 
-        self.groups, self.subgroups = groups or ProcessGroupCache(), SubgroupCache()
+        self.groups = groups or (kept.groups if kept is not None else ProcessGroupCache())
+        self.subgroups = kept.subgroups if kept is not None else SubgroupCache()
         self._drop_prepared()  # built on the old world's groups
         self._close_watch()
         return self.groups
@@ -303,5 +319,5 @@ def fingerprint(state: "MegatronState", setup: "SwitchSetup") -> dict:
     return logical_fingerprint(store, setup.spec, state.layout, rank, precision_of(state.model))
 
 
-__all__ = ["SWITCH_SAFETY", "LayoutSwitcher", "SwitchVerificationError", "fingerprint", "parse_switch_safety",
-           "verify_unchanged"]
+__all__ = ["SWITCH_SAFETY", "LayoutSwitcher", "SwitchVerificationError", "WorldGroupCaches", "fingerprint",
+           "parse_switch_safety", "verify_unchanged"]

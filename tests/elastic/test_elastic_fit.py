@@ -32,8 +32,8 @@ def static_losses(tmp_path_factory) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("ahead", [True, False], ids=["built_ahead", "on_demand"])
-def test_two_join_rank0_leaves_on_sigterm_one_joins_again_and_every_survivor_matches_a_static_run(tmp_path, ahead,
-                                                                                                  static_losses):
+def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_matches_a_static_run(tmp_path, ahead,
+                                                                                                   static_losses):
     logs = tmp_path / "logs"
     fit_args = ("--log-dir", str(logs)) + (() if ahead else ("--on-demand",))
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=fit_args) as job:
@@ -46,23 +46,27 @@ def test_two_join_rank0_leaves_on_sigterm_one_joins_again_and_every_survivor_mat
         gone = lambda: all(f":{rank0}:" not in m for m in job.installed())  # noqa: E731
         job.wait_for(gone, what="rank 0 to leave")
         job.wait_for(lambda: gone() and job.installed_size() == 4, what="one more joiner (world 4 again)")
+        assert job.signal_member(3, signal.SIGTERM) == again.pid  # it leaves: back to a world kept from before
+        job.wait_for(lambda: job.installed_size() == 3, what="the last joiner to leave (world 3 again)")
         codes = [job.wait(p) for p in [first, *joiners, again]]
         results = job.results()
         log = job.tail()
     assert codes == [0, 0, 0, 0], log
     left = [r for r in results.values() if r["left"]]
     survivors = [r for r in results.values() if not r["left"]]
-    assert [r["pid"] for r in left] == [rank0] and len(survivors) == 4, log
+    assert sorted(r["pid"] for r in left) == sorted([rank0, again.pid]) and len(survivors) == 3, log
     assert {r["global_step"] for r in survivors} == {MAX_STEPS}
-    assert {(r["world"], r["layout"]) for r in survivors} == {(4, "dp2-tp2-pp1")}
-    assert sorted(r["rank"] for r in survivors) == [0, 1, 2, 3]
-    for coord in ([0, 0], [1, 0]):  # the data-parallel replicas of each tensor-parallel shard are identical
-        assert len({r["shard"] for r in survivors if r["tp_pp"] == coord}) == 1
+    assert {(r["world"], r["layout"]) for r in survivors} == {(3, "dp3-tp1-pp1")}
+    assert sorted(r["rank"] for r in survivors) == [0, 1, 2]
+    assert len({r["shard"] for r in survivors}) == 1  # the data-parallel replicas are identical
     # every change the longest-lived survivor saw: 2 -> 4 (the joiners together, or one at a time),
-    # 4 -> 3 (rank 0 left), 3 -> 4, each at the policy's layout, each moving state
+    # 4 -> 3 (rank 0 left), 3 -> 4, 4 -> 3 (the last joiner left), each at the policy's layout, each
+    # moving state
     changes = max((r["changes"] for r in survivors), key=len)
     sizes = [2] + [int(c["change"].split(" -> ")[1].split()[0]) for c in changes]
-    assert sizes in ([2, 4, 3, 4], [2, 3, 4, 3, 4]), changes
+    assert sizes in ([2, 4, 3, 4, 3], [2, 3, 4, 3, 4, 3]), changes
+    # the last change returned to the world of 3 that the one before it left: kept, so no group was built
+    assert [c["kept_world"] for c in changes] == [False] * (len(changes) - 1) + [True], changes
     layouts = {2: "dp2-tp1-pp1", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"}
     assert [(c["src"], c["dst"]) for c in changes] == [(layouts[a], layouts[b]) for a, b in zip(sizes, sizes[1:])]
     assert all(c["moved_bytes"] > 0 and c["pause_seconds"] > 0 for c in changes)

@@ -65,7 +65,7 @@ def _old_member(name: str, address: str, rank: int) -> dict:
     out.update(borrowed_size=borrowed_size, old_world_after_borrowing=_step()[0])
     old = install(borrowed.group, store, generation=1, borrowed=borrowed)
     out.update(steps_while_building=steps, gen1=_step()[0], rank1=dist.get_rank())
-    retire(old)
+    retire(old.groups)
     out.update(pair_sum=_sum_over(pair), gen1_sizes=_megatron_sizes("dp2-tp2-pp1"),
                subgroup=dist.get_world_size(_pair_group()))
     out.update(_shrink(name, store))
@@ -112,7 +112,7 @@ def _shrink(name: str, store: dist.Store) -> dict:
         return {"left": True}
     old = install(nxt.group(timeout=30), store, generation=2)
     out = {"gen2": _step()[0], "rank2": dist.get_rank(), "handoff": handoff.tolist()}
-    retire(old)
+    retire(old.groups)
     out["gen2_sizes"] = _megatron_sizes("dp3-tp1-pp1")
     dist.barrier()
     return out
@@ -143,3 +143,69 @@ def test_a_world_grows_with_joiners_and_shrinks_with_a_leaver_while_the_old_one_
     for name, rank in zip("acd", range(3)):
         assert out[name]["gen2"] == 3 and out[name]["rank2"] == rank
         assert out[name]["handoff"] == [7.0] * 4 and out[name]["gen2_sizes"] == (1, 3)
+
+
+def _returning_member(name: str, address: str, rank: int) -> dict:
+    """Generation 0: ``a`` and ``b``; generation 1: ``c`` joins, and generation 0 is kept (its members
+    are all still there); generation 2: ``c`` leaves, and ``a`` and ``b`` install the kept world."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from lightning_dynatrain.elastic.world import NextWorld, build_group, install, retire
+    from lightning_dynatrain.elastic.world_cache import KeptWorld, WorldCache
+
+    store, cache = _connect(address), WorldCache(capacity=2)
+    install(build_group(store, generation=0, rank=rank, size=2), store, generation=0)
+    gen0, pair = dist.GroupMember.WORLD, dist.new_group([0, 1])  # a group made on generation 0
+    store.add("members_up", 1)
+    grow = NextWorld(store, generation=1, rank=rank, size=3)
+    while _step(grow.ready)[1] < 2:
+        pass
+    old = install(grow.group(timeout=30), store, generation=1, keep=cache.groups())
+    out = {"gen1": _step()[0]}
+    destroyed = cache.keep(KeptWorld(members=("a", "b"), generation=0, groups=old), running=("a", "b", "c"))
+    out.update(kept_after_grow=len(cache), destroyed_at_grow=len(destroyed), kept_default=old.default is gen0)
+    retire(destroyed)
+    while _step(False)[1] < 1:  # c votes to leave
+        pass
+    kept = cache.take(("a", "b"))
+    back = NextWorld.kept(kept.groups.default, generation=2, rank=rank)
+    old = install(back.group(), store, generation=2, kept=kept.groups, keep=cache.groups())
+    retire(cache.keep(KeptWorld(members=("a", "b", "c"), generation=1, groups=old), running=("a", "b")))
+    out.update(gen2=_step()[0], same_group=dist.GroupMember.WORLD is gen0, build_seconds=back.seconds,
+               kept_after_return=len(cache), old_pair=_sum_over(pair), groups=len(c10d._world.pg_map))
+    new_pair = dist.new_group([0, 1])  # named from the count the members reached in generation 0, alike
+    out["new_pair"] = _sum_over(new_pair)
+    dist.barrier()
+    return out
+
+
+def _leaving_joiner(name: str, address: str, rank: int) -> dict:
+    from lightning_dynatrain.elastic.world import NextWorld, install
+
+    store = _connect(address)
+    install(NextWorld(store, generation=1, rank=rank, size=3, background=False).group(), store, generation=1)
+    out = {"gen1": _step()[0]}
+    _step(True)  # leaves at once
+    return out
+
+
+def test_a_return_to_a_kept_world_installs_its_groups_and_builds_none():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{master.port}"
+    procs = Processes()
+    procs.start("a", _returning_member, address, 0)
+    procs.start("b", _returning_member, address, 1)
+    master.wait(["members_up"], timedelta(seconds=120))
+    procs.start("c", _leaving_joiner, address, 2)
+    out = procs.collect(timeout_s=180)
+
+    assert out["c"] == {"gen1": 3}
+    for name in "ab":
+        o = out[name]
+        assert o["gen1"] == 3 and o["gen2"] == 2
+        # generation 0 was kept at the grow (nothing destroyed), generation 1 not at the return (c left)
+        assert (o["kept_default"], o["kept_after_grow"], o["destroyed_at_grow"], o["kept_after_return"]) == \
+            (True, 1, 0, 0)
+        # the return installed generation 0's own group, built nothing, and its groups still work
+        assert o["same_group"] and o["build_seconds"] == 0.0 and o["old_pair"] == 2 and o["new_pair"] == 2
+        assert o["groups"] == 2  # generation 0's WORLD and pair; generation 1's were destroyed

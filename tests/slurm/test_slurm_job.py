@@ -226,6 +226,8 @@ def test_an_elastic_fit_grows_with_a_second_slurm_job_and_shrinks_when_it_is_can
     assert changes == [("world 2 -> 4", "dp2-tp1-pp1", "dp2-tp2-pp1"), ("world 4 -> 2", "dp2-tp2-pp1", "dp2-tp1-pp1")], \
         why(f"changes: {changes}")
     assert all(c["ahead_build_seconds"] is not None for c in survivors[0]["changes"]), why("built on demand")
+    # the second job's tasks leaving gives the first world back: its groups were kept, none was built
+    assert [c["kept_world"] for c in survivors[0]["changes"]] == [False, True], why("the first world was not kept")
     losses = [dict(r["losses"]) for r in results.values()]
     for step in range(1, 61):  # every process that ran a step saw the same loss
         seen = {round(l[step], 6) for l in losses if step in l}
