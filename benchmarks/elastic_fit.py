@@ -13,7 +13,8 @@ Options for tests and benchmarks: ``--step-seconds`` stretches each step (the co
 model) so that processes started later find the fit still running; ``--fingerprint-salt`` changes
 the model's fingerprint without changing the model; ``--stop-in-store`` ends the fit at the step
 the job's store names under ``bench/stop_at`` (every rank reads it: they stop at the same step);
-``--resume`` resumes a checkpoint; ``--save`` writes one at the end; ``--log-dir`` adds a
+``--switch-while-building`` asks for a layout switch while a world change is
+built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; ``--save`` writes one at the end; ``--log-dir`` adds a
 ``CSVLogger`` there (every step logged: its metrics file must continue whoever is rank 0);
 ``--on-demand`` builds each change's target in its pause (``OnNodeChange(ahead=False)``).
 """
@@ -56,6 +57,8 @@ def main() -> None:
     parser.add_argument("--save", default=None)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--on-demand", action="store_true", help="build each change's target in its pause")
+    parser.add_argument("--switch-while-building", action="store_true",
+                        help="ask for a layout switch at the first boundary where a world change is built ahead")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = MODELS[args.model]
@@ -84,6 +87,24 @@ def main() -> None:
                 self.store = JobStore.from_environment().store
             if self.store.check([STOP_KEY]) and trainer.global_step >= int(self.store.get(STOP_KEY)):
                 trainer.should_stop = True
+
+    class SwitchWhileBuilding(Callback):
+        """Ask for a layout switch (once, to a valid layout other than the tiny model's policy's)
+        while a world change is built ahead: it must be refused before anything moves, and training go on."""
+
+        OTHER = {2: "dp1-tp2-pp1", 3: "dp1-tp1-pp3", 4: "dp4-tp1-pp1"}
+
+        answer: list[str] | None = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            from lightning_dynatrain.engine.errors import was_refused
+
+            if self.answer is None and trainer.strategy.elastic.preparing is not None:
+                try:
+                    trainer.strategy.reconfigure(self.OTHER[trainer.world_size])
+                    self.answer = ["switched", ""]
+                except Exception as err:  # noqa: BLE001 - recorded for the test, which expects a refusal
+                    self.answer = [type(err).__name__, str(err), was_refused(err)]
 
     class Record(Callback):
         """What this process ends with (read before teardown releases megatron's state)."""
@@ -123,6 +144,8 @@ def main() -> None:
         callbacks.append(StopInStore())
     if not args.static:
         callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0, ahead=not args.on_demand))
+    if args.switch_while_building:
+        callbacks.append(SwitchWhileBuilding())  # after OnNodeChange: sees the change it started building
     logger = CSVLogger(args.log_dir, name="metrics") if args.log_dir else False
     trainer = Trainer(accelerator="cpu", devices=devices,
                       strategy=DynaTrainStrategy(model["policy"][world]), max_steps=args.max_steps,
@@ -135,7 +158,8 @@ def main() -> None:
     node_change = next((c for c in callbacks if isinstance(c, OnNodeChange)), None)
     result = {"pid": os.getpid(), "losses": module.losses, "global_step": trainer.global_step, "left": record.left,
               **record.result, "changes": node_change.changes if node_change else [], "started_at": STARTED_AT,
-              "ready_at": record.ready_at}
+              "ready_at": record.ready_at,
+              "switch_while_building": next((c.answer for c in callbacks if isinstance(c, SwitchWhileBuilding)), None)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{os.getpid()}.json").write_text(json.dumps(result))
 

@@ -45,7 +45,8 @@ from lightning_dynatrain.vps.members import Members
 EXIT_MEMBER_FAILED = 75
 #: test hook: ``DYNATRAIN_JOIN_FAULT=STOP`` stops a joiner (SIGSTOP) right after it is admitted, before
 #: the world that admits it is built, so that the change must be cancelled; ``STOP_IN_BUILD`` once its
-#: peers build the target ahead, before its own build (``strategy.elastic``)
+#: peers build the target ahead, before its own build; ``STOP_IN_SWITCH`` once they swapped to the new
+#: world and started the switch that fills it (built ahead; ``strategy.elastic``)
 JOIN_FAULT_ENV = "DYNATRAIN_JOIN_FAULT"
 
 

@@ -171,10 +171,15 @@ class ElasticDriver:
             with build_collectives(dist.GroupMember.WORLD):  # a peer whose build failed is named, not a TypeError
                 return build()
 
+        def step_at_the_swap() -> int:  # the others swapped: the switch has begun
+            step = int(_broadcast_object(None)["adam_step"])
+            if os.environ.get(JOIN_FAULT_ENV) == "STOP_IN_SWITCH":  # test hook (elastic.session)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return step
+
         result = receive_state(build_beside_theirs if ahead else build, strategy.model_shard,
                                ParallelConfig.parse(self.header["src"]), strategy.layout, setup,
-                               step=(lambda: int(_broadcast_object(None)["adam_step"])) if ahead
-                               else int(self.header["adam_step"]),
+                               step=step_at_the_swap if ahead else int(self.header["adam_step"]),
                                members=self.session.joined_change.members, ahead=ahead)
         return result.state
 

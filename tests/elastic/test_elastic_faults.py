@@ -4,7 +4,9 @@ One job, in order: a joiner without the job's token and a joiner of another mode
 the reason and change nothing; a joiner that stops answering while the world that admits it is
 being built only cancels that change, and so does one that stops once its peers build the target's
 model ahead; a member that dies instead of leaving stops the job within a
-bounded time, with an error that names it.
+bounded time, with an error that names it. In a job of its own: a joiner that stalls inside the
+switch that fills it, after the world changed, stops the job the same way (world changes run under
+the session's heartbeat and watchdog, not the layout switch's deadline).
 """
 
 from __future__ import annotations
@@ -73,6 +75,23 @@ def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_
     assert code != 0
     # the survivors say who failed: raised from the step (MemberFailedError) or, when they are stuck in a
     # collective, printed by the session's watchdog before it ends the process
+    assert re.search(rf"(MemberFailedError: |\[dynatrain\] (ending this process \(75\): )?)member\(s\) "
+                     rf"{re.escape(victim)} \(rank 2\) stopped answering", log), log
+    assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
+
+
+def test_a_joiner_stalled_inside_the_switch_that_fills_it_stops_the_job_within_a_bounded_time(tmp_path):
+    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
+        first = job.start_torchrun(2)
+        job.wait_for(lambda: job.step() >= 3, what="the first world to train")
+        stalled = job.start_python(env={"DYNATRAIN_JOIN_FAULT": "STOP_IN_SWITCH"})
+        job.wait_for(lambda: job.installed_size() == 3, what="the world with the joiner to be installed")
+        installed_at, victim = time.monotonic(), job.installed()[2]
+        code = job.wait(first, timeout=120)
+        stopped_after = time.monotonic() - installed_at
+        log = job.tail(400)
+        stalled.kill()
+    assert code != 0, log
     assert re.search(rf"(MemberFailedError: |\[dynatrain\] (ending this process \(75\): )?)member\(s\) "
                      rf"{re.escape(victim)} \(rank 2\) stopped answering", log), log
     assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"

@@ -35,7 +35,8 @@ def static_losses(tmp_path_factory) -> dict[int, float]:
 def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_matches_a_static_run(tmp_path, ahead,
                                                                                                    static_losses):
     logs = tmp_path / "logs"
-    fit_args = ("--log-dir", str(logs)) + (() if ahead else ("--on-demand",))
+    # built ahead, each process asks for a layout switch while a change is built (refused, nothing moves)
+    fit_args = ("--log-dir", str(logs)) + (("--switch-while-building",) if ahead else ("--on-demand",))
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=fit_args) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
@@ -73,6 +74,10 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
     assert all(c["overlap_slowdown"] is not None and c["overlap_slowdown"] > -1 for c in changes)
     # built ahead: the target's model, DDP and optimizer were built in the background, the pause bound them
     assert all((c["ahead_build_seconds"] is not None) == ahead for c in changes), changes
+    if ahead:  # every process was an old member at some change's prepare boundary, and asked then
+        answers = [r["switch_while_building"] for r in results.values()]
+        assert len(answers) == 5 and all(a[0] == "WorldChangePendingError" and a[2] for a in answers), answers
+        assert all("is built ahead" in a[1] for a in answers), answers
     # one metrics file, continued by each rank 0 in turn (rank 0 left at one change): every step in it
     (metrics,) = logs.glob("metrics/version_*/metrics.csv")
     with open(metrics, newline="") as f:
