@@ -28,6 +28,12 @@ SCRIPT = Path(__file__).with_name("elastic_fit.py")
 TOKEN = "test-job-token"
 
 
+def torchrun(nproc: int, *script: str) -> list[str]:
+    """``torchrun --standalone --nproc-per-node N --max-restarts 0 SCRIPT...`` (a launch of its own)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "--max-restarts", "0", *script]
+
+
 class ElasticJob:
     """A store process and the training processes of one job (see the module docstring)."""
 
@@ -68,13 +74,13 @@ class ElasticJob:
                 str(self.step_seconds), *self.fit_args, *extra]
 
     def start_torchrun(self, nproc: int, *extra: str) -> subprocess.Popen:
-        return self._start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(nproc), "--max-restarts", "0", *self._args(*extra)])
+        return self.start(torchrun(nproc, *self._args(*extra)))
 
     def start_python(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        return self._start([sys.executable, *self._args(*extra)], env=env)
+        return self.start([sys.executable, *self._args(*extra)], env=env)
 
-    def _start(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Run ``cmd`` as a process of this job (its store in the environment, its output in the log)."""
         proc = subprocess.Popen(cmd, env={**self.env, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
                                 cwd=REPO)
         self.procs.append(proc)
