@@ -118,13 +118,20 @@ def _shrink(name: str, store: dist.Store) -> dict:
     return out
 
 
-def test_a_world_grows_with_joiners_and_shrinks_with_a_leaver_while_the_old_one_steps():
+def _first_world(member) -> tuple[Processes, dist.TCPStore, str]:
+    """``a`` and ``b`` run ``member`` over a master store (keep it alive) at the returned address;
+    returns once generation 0 steps."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = f"127.0.0.1:{master.port}"
     procs = Processes()
-    procs.start("a", _old_member, address, 0)
-    procs.start("b", _old_member, address, 1)
+    procs.start("a", member, address, 0)
+    procs.start("b", member, address, 1)
     master.wait(["members_up"], timedelta(seconds=120))  # generation 0 is up and stepping
+    return procs, master, address
+
+
+def test_a_world_grows_with_joiners_and_shrinks_with_a_leaver_while_the_old_one_steps():
+    procs, _master, address = _first_world(_old_member)
     time.sleep(1.0)
     procs.start("c", _joiner, address, 2)
     procs.start("d", _joiner, address, 3)
@@ -190,12 +197,7 @@ def _leaving_joiner(name: str, address: str, rank: int) -> dict:
 
 
 def test_a_return_to_a_kept_world_installs_its_groups_and_builds_none():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    address = f"127.0.0.1:{master.port}"
-    procs = Processes()
-    procs.start("a", _returning_member, address, 0)
-    procs.start("b", _returning_member, address, 1)
-    master.wait(["members_up"], timedelta(seconds=120))
+    procs, _master, address = _first_world(_returning_member)
     procs.start("c", _leaving_joiner, address, 2)
     out = procs.collect(timeout_s=180)
 
