@@ -143,8 +143,12 @@ class OnNodeChange(Callback):
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         """A collective failed: when a member failed, say so (the store's account, within its
-        liveness bound) instead of the transport's message."""
-        if isinstance(exception, MemberFailedError) or self._driver is None or self._driver.session is None:
+        liveness bound) instead of the transport's message. A ``SwitchFailedError`` (a world
+        change's grow runs under the switch watch) names the rank and the phase already."""
+        from lightning_dynatrain.engine.errors import SwitchFailedError
+
+        if isinstance(exception, (MemberFailedError, SwitchFailedError)) or self._driver is None \
+                or self._driver.session is None:
             return
         failure = self._driver.session.wait_for_failure(timeout=3 * self.heartbeat + 15.0)
         if failure is not None:

@@ -196,8 +196,8 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     old_grads = sum(t.nbytes for t in current.gradient_buffers())
     cached_groups = groups.keys() if groups is not None else frozenset()
     attempt = None
-    if watch is not None:
-        assert group is None and members.is_identity, "a watched switch runs within one world, on the watch's group"
+    if watch is not None:  # (a world change's grow too: the watch's group spans the new world, rank for rank)
+        assert group is None, "a watched switch runs over the world, on the watch's group"
         attempt, group = watch.begin(program, setup.link_costs, f"{src} -> {target}"), watch.group
     try:
         if attempt is not None:
@@ -250,14 +250,18 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
 
 def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, src: ParallelConfig,
                   target: ParallelConfig, setup: SwitchSetup, *, step: int | Callable[[], int], members: Members,
-                  group: dist.ProcessGroup | None = None, ahead: bool = False) -> HotSwitchResult:
+                  group: dist.ProcessGroup | None = None, ahead: bool = False,
+                  watch: Callable[[], SwitchWatch] | None = None) -> HotSwitchResult:
     """A process that joins: its state at ``target`` filled with the others' state at Adam step
     ``step``; the other side of their ``hot_switch`` (or ``send_state``) over ``group``, whose
     process ``members`` says holds no source rank. ``model`` is its shard (weights not needed);
     ``build()`` makes its DDP and optimizer around it, after the memory check as ``hot_switch``
     does (megatron's optimizer runs collectives as it is built: the order must match), or with
     ``ahead`` first, as the others' builds ahead do (``megatron.ahead.prepare_world_switch``).
-    ``step`` may be a function, called after the build (the others may still be training)."""
+    ``step`` may be a function, called after the build (the others may still be training).
+    ``watch()`` (collective, after ``step``, where the others make theirs before their
+    ``hot_switch``): the new world's ``SwitchWatch``; the rest runs under its deadline, on its
+    group, and a peer that dies or stalls raises ``SwitchFailedError`` here as on the others."""
     start, phase, process = time.perf_counter(), _Phases(), group_rank(group)
     assert members.src_rank(process) is None, f"process {process} holds a source rank: it switches, not joins"
     device = next(model.parameters()).device
@@ -268,17 +272,40 @@ def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, sr
         with phase("ddp_optimizer"):
             new = build()
     step = step() if callable(step) else step
-    with phase("memory_check"):
-        need = _check_memory(program, setup, device, f"joining at {target}", group, 0, 0)
-    if new is None:
-        with phase("ddp_optimizer"):
-            new = build()
-    with phase("optimizer_state"):
-        materialize_adam_state(new.optimizer, step, zero=False)
+    attempt = None
+    if watch is not None:
+        assert group is None, "a watched switch runs over the world, on the watch's group"
+        watched = watch()
+        attempt, group = watched.begin(program, setup.link_costs, f"joining at {target}"), watched.group
     memory = PlainMemory()
-    memory.bind(MegatronTarget(new, setup.spec, members.dst_rank(process)))
-    with phase("engine"):
-        _, report = execute_switch(program, {}, memory, group=group)
+    try:
+        if attempt is not None:
+            attempt.phase("memory_check")
+        with phase("memory_check"):
+            need = _check_memory(program, setup, device, f"joining at {target}", group, 0, 0)
+        if new is None:
+            if attempt is not None:
+                attempt.phase("rebuild")
+            with phase("ddp_optimizer"):
+                new = build()
+        with phase("optimizer_state"):
+            materialize_adam_state(new.optimizer, step, zero=False)
+        memory.bind(MegatronTarget(new, setup.spec, members.dst_rank(process)))
+        with phase("engine"):
+            _, report = execute_switch(program, {}, memory, group=group,
+                                       on_phase=attempt.phase if attempt is not None else None,
+                                       timeout=attempt.deadline.timedelta if attempt is not None else None)
+        if attempt is not None:
+            attempt.confirm()
+    except Exception as err:
+        if attempt is None or was_refused(err):
+            raise
+        group = None  # the watch drops the switch's group: nothing here may hold it
+        traceback.clear_frames(err.__traceback__)
+        raise attempt.failure(err, lost_state=True) from err  # a joiner has no old state to go back to
+    finally:
+        if attempt is not None:
+            attempt.watch.end()
     return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
                            memory=memory.figures(), need_bytes=need)
 

@@ -180,7 +180,8 @@ class ElasticDriver:
         result = receive_state(build_beside_theirs if ahead else build, strategy.model_shard,
                                ParallelConfig.parse(self.header["src"]), strategy.layout, setup,
                                step=step_at_the_swap if ahead else int(self.header["adam_step"]),
-                               members=self.session.joined_change.members, ahead=ahead)
+                               members=self.session.joined_change.members, ahead=ahead,
+                               watch=strategy.switcher.world_watch)  # where the others make theirs
         return result.state
 
     @property
@@ -330,8 +331,9 @@ class ElasticDriver:
                 self.session.retire(left_world, extra=old_caches)
             setup = ahead.setup if ahead is not None else \
                 strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
+            # (3) under the new world's switch watch (its deadline; a joiner that dies or stalls is named)
             result = hot_switch(strategy.megatron, target, setup, groups=groups, members=change.members,
-                                prepared=prepared)  # (3)
+                                prepared=prepared, watch=strategy.switcher.world_watch())
             strategy._install(result.state)
             _broadcast_object(self._trainer_state(trainer) if self.session.rank == 0 else None)  # (4)
         else:  # the leavers send over the old world; the survivors build the target on the new one

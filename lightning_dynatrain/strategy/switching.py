@@ -149,9 +149,9 @@ class LayoutSwitcher:
             self.watch.close()
             self.watch = None
 
-    def _watch(self) -> "SwitchWatch":
-        """This world's watch (made at its first switch, or again after a failed one broke its group;
-        collective)."""
+    def world_watch(self) -> "SwitchWatch":
+        """This world's watch (made at its first switch, a world change's grow included, or again
+        after a failed one broke its group; collective over the world)."""
         from lightning_dynatrain.engine.collectives import SubgroupCache
         from lightning_dynatrain.engine.watch import SwitchWatch
 
@@ -209,7 +209,7 @@ class LayoutSwitcher:
         """
         from lightning_dynatrain.megatron.hot_switch import hot_switch
 
-        watch = self._watch()
+        watch = self.world_watch()
         setup = self.setup(recipe, adam, group=watch.group)
         prepared = self._take_prepared(state.layout, target, watch.group)
         slowdown = self.clock.slowdown()  # of the steps beside this switch's build (if it had one)
@@ -232,7 +232,7 @@ class LayoutSwitcher:
         if self.ahead_failures or target == state.layout:
             return False
         self._drop_prepared()
-        watch = self._watch()
+        watch = self.world_watch()
         setup = self.setup(recipe, adam, group=watch.group)
         self._prepared = (state.layout, target, prepare_switch(state, target, setup, groups=self.groups))
         return True

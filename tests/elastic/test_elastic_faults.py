@@ -4,9 +4,10 @@ One job, in order: a joiner without the job's token and a joiner of another mode
 the reason and change nothing; a joiner that stops answering while the world that admits it is
 being built only cancels that change, and so does one that stops once its peers build the target's
 model ahead; a member that dies instead of leaving stops the job within a
-bounded time, with an error that names it. In a job of its own: a joiner that stalls inside the
-switch that fills it, after the world changed, stops the job the same way (world changes run under
-the session's heartbeat and watchdog, not the layout switch's deadline).
+bounded time, with an error that names it. In jobs of their own: a joiner killed as the transfer
+that fills it starts (a grow's switch runs under the new world's switch watch) fails the change on
+every survivor with ``SwitchFailedError`` naming its rank and the phase; a joiner that stalls at the
+start of that switch stops the job within the heartbeat and watchdog bounds, naming it.
 """
 
 from __future__ import annotations
@@ -94,4 +95,22 @@ def test_a_joiner_stalled_inside_the_switch_that_fills_it_stops_the_job_within_a
     assert code != 0, log
     assert re.search(rf"(MemberFailedError: |\[dynatrain\] (ending this process \(75\): )?)member\(s\) "
                      rf"{re.escape(victim)} \(rank 2\) stopped answering", log), log
+    assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
+
+
+def test_a_joiner_killed_in_the_transfer_that_fills_it_fails_the_change_naming_its_rank(tmp_path):
+    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
+        first = job.start_torchrun(2)
+        job.wait_for(lambda: job.step() >= 3, what="the first world to train")
+        killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL"})  # rank 2 of the new world
+        job.wait_for(lambda: job.installed_size() == 3, what="the world with the joiner to be installed")
+        installed_at = time.monotonic()
+        code = job.wait(first, timeout=120)
+        stopped_after = time.monotonic() - installed_at
+        log = job.tail(400)
+        assert job.wait(killed) == -signal.SIGKILL, log
+    assert code != 0, log
+    failures = re.findall(r"SwitchFailedError: layout switch dp2-tp1-pp1 -> dp3-tp1-pp1 failed: rank 2 stopped "
+                          r"answering in phase 'transfer'", log)
+    assert len(failures) >= 2, log  # on both survivors
     assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
