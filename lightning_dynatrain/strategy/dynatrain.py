@@ -289,6 +289,8 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
         self._pgs = init_groups(self._layout, seed=self.seed, groups=self._switcher.groups)
         topology = gather_topology(self.cluster_environment)
         self._switcher.new_world(topology)
+        if self._elastic is not None and self._elastic.fills_model_later:
+            self._switcher.world_watch()  # the next world's switch watch, where the others made theirs ahead
         rank_zero_info(f"[dynatrain] layout {self._layout} on {self.world_size} processes "
                        f"({self.process_group_backend}, {self.cluster_environment.__class__.__name__}), {topology}")
 

@@ -324,8 +324,10 @@ class ElasticDriver:
                 self.session.retire(left_world, extra=old_caches)
                 initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (2)
                 strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
-            else:  # (1) and (2) ran at the prepare boundary; the joiners wait for the Adam step
+            else:  # (1), (2) and the switch watch came at the prepare boundary; the joiners wait for the Adam step
                 strategy.switcher.new_world(ahead.topology)
+                if ahead.watch is not None:
+                    strategy.switcher.adopt_watch(ahead.watch)
                 _broadcast_object({"adam_step": adam_step(strategy.megatron.optimizer) or 0}
                                   if self.session.rank == 0 else None)
                 self.session.retire(left_world, extra=old_caches)

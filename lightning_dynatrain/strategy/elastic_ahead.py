@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from lightning_dynatrain.elastic.policy import LayoutChoice
     from lightning_dynatrain.elastic.session import WorldChange
     from lightning_dynatrain.elastic.world import BorrowedWorld
+    from lightning_dynatrain.engine.watch import SwitchWatch
     from lightning_dynatrain.megatron.ahead import PendingSwitch, PreparedSwitch
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache
@@ -67,6 +68,8 @@ class AheadChange:
     """The next world's nodes."""
     setup: "SwitchSetup | None" = None
     pending: "PendingSwitch | None" = None
+    watch: "SwitchWatch | None" = None
+    """The next world's switch watch (a grow's switch runs under it), made with its groups."""
 
     @classmethod
     def start(cls, strategy: "DynaTrainStrategy", change: "WorldChange", choice: "LayoutChoice",
@@ -83,8 +86,9 @@ class AheadChange:
         groups = kept.groups if kept is not None else ProcessGroupCache()
         pgs = prepare_groups(choice.layout, installed=strategy.layout, seed=strategy.seed, groups=groups,
                              world=borrowed, installed_groups=strategy.switcher.groups)
-        with borrowed:  # after the groups, as a joiner's set-up runs them
+        with borrowed:  # after the groups, as a joiner's set-up runs them (its watch too, for a grow)
             topology = gather_topology(strategy.cluster_environment)
+            watch = strategy.switcher.make_watch() if change.grows else None
         # a grow's switch runs over the new world, a shrink's over the old one (the leavers send)
         setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam,
                                                      topology=topology if change.grows else None)
@@ -94,7 +98,7 @@ class AheadChange:
         pending = prepare_world_switch(strategy.megatron, choice.layout, setup, pgs=pgs, next_world=borrowed.group,
                                        members=change.members, process=process)
         return cls(change.new.generation, choice, borrowed=borrowed, groups=groups, topology=topology, setup=setup,
-                   pending=pending)
+                   pending=pending, watch=watch)
 
     def built_everywhere(self) -> bool:
         """Whether every member of the running world has its build (one small all-reduce over it;
@@ -124,6 +128,8 @@ class AheadChange:
         in its all-gather for a joiner that died then fails, as expected, and is let go."""
         if self.pending is not None:
             self.pending.abandon()
+        if self.watch is not None:
+            self.watch.close()
         if self.groups is not None and (self.borrowed is None or self.borrowed.kept is None):  # a kept world's stay
             self.groups.close()
         if self.borrowed is not None:

@@ -153,17 +153,29 @@ class LayoutSwitcher:
         """This world's watch (made at its first switch, a world change's grow included, or again
         after a failed one broke its group; collective over the world)."""
         from lightning_dynatrain.engine.collectives import SubgroupCache
-        from lightning_dynatrain.engine.watch import SwitchWatch
 
         if self.watch is not None and self.watch.broken:  # training went on after a failed switch
             self._close_watch()
             self.subgroups.close()
             self.subgroups = SubgroupCache()
         if self.watch is None:
-            fault, self.fault = self.fault, None  # the test hook fires in the first watched switch only
-            self.watch = SwitchWatch.start(training_timeout=self.training_timeout, timeout=self.switch_timeout,
-                                           resume_from=self.resume_from, fault=fault)
+            self.watch = self.make_watch()
         return self.watch
+
+    def make_watch(self) -> "SwitchWatch":
+        """A new watch over the default group now (collective over it): the next world's, made while
+        it is borrowed ahead of a grow (``adopt_watch`` installs it at the swap)."""
+        from lightning_dynatrain.engine.watch import SwitchWatch
+
+        fault, self.fault = self.fault, None  # the test hook fires in the first watched switch only
+        return SwitchWatch.start(training_timeout=self.training_timeout, timeout=self.switch_timeout,
+                                 resume_from=self.resume_from, fault=fault)
+
+    def adopt_watch(self, watch: "SwitchWatch") -> None:
+        """``watch`` (``make_watch``, on the world installed since) is this world's from now on."""
+        if self.watch is not watch:
+            self._close_watch()
+            self.watch = watch
 
     def world_change_setup(self, recipe: "MegatronRecipe", adam: "AdamSettings",
                            topology: Topology | None = None) -> "SwitchSetup":
