@@ -23,9 +23,9 @@ addresses, not ranks. ``SwitchWatch`` bounds and explains that:
 
 A failed switch breaks the switch's group: the next switch (if training goes on) makes a new one.
 
-Test hook: ``DYNATRAIN_SWITCH_FAULT="RANK:PHASE:SIGNAL"`` (e.g. ``2:transfer:KILL``, ``1:transfer:STOP``)
-makes rank ``RANK`` send itself ``SIGNAL`` as it enters ``PHASE`` of its first switch; read once,
-where the watch is made.
+Test hook: ``DYNATRAIN_SWITCH_FAULT="RANK:PHASE:SIGNAL[:SWITCH]"`` (e.g. ``2:transfer:KILL``,
+``1:transfer:STOP``, ``2:transfer:KILL:2``) makes rank ``RANK`` send itself ``SIGNAL`` as it enters
+``PHASE`` of switch ``SWITCH`` (default 1) of its first watch; read once, where the watch is made.
 
 Example (every rank)::
 
@@ -62,25 +62,29 @@ PHASES = ("groups", "plan", "memory_check", "rebuild", "preflight", "transfer", 
 
 @dataclass(frozen=True, slots=True)
 class FaultInjection:
-    """Rank ``rank`` sends itself ``signal`` when it enters ``phase`` of its first switch (tests)."""
+    """Rank ``rank`` sends itself ``signal`` when it enters ``phase`` of switch number ``switch`` of
+    its first watch (tests)."""
 
     rank: int
     phase: str
     signal: int
+    switch: int = 1
 
     @classmethod
     def parse(cls, text: str) -> "FaultInjection":
-        """``"RANK:PHASE:SIGNAL"``, e.g. ``"2:transfer:KILL"``.
+        """``"RANK:PHASE:SIGNAL"`` or ``"RANK:PHASE:SIGNAL:SWITCH"``, e.g. ``"2:transfer:KILL"``
+        (``SWITCH`` counts the watch's switches from 1, the default).
 
         Raises:
             DynaTrainError: not of that form, or an unknown phase or signal.
         """
         parts = text.strip().split(":")
         names = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM}
-        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in PHASES or parts[2].upper() not in names:
-            raise DynaTrainError(f"{FAULT_ENV}={text!r} is not RANK:PHASE:SIGNAL",
+        if len(parts) not in (3, 4) or not parts[0].isdigit() or parts[1] not in PHASES \
+                or parts[2].upper() not in names or (len(parts) == 4 and not parts[3].isdigit()):
+            raise DynaTrainError(f"{FAULT_ENV}={text!r} is not RANK:PHASE:SIGNAL[:SWITCH]",
                                  hint=f"e.g. 2:transfer:KILL; phases {', '.join(PHASES)}; signals {', '.join(names)}")
-        return cls(int(parts[0]), parts[1], int(names[parts[2].upper()]))
+        return cls(int(parts[0]), parts[1], int(names[parts[2].upper()]), int(parts[3]) if len(parts) == 4 else 1)
 
     @classmethod
     def from_environment(cls) -> "FaultInjection | None":
@@ -269,7 +273,7 @@ class SwitchAttempt:
         watch.phase = name
         watch._beat()  # the phase is known at once (a rank that dies next is named in it)
         fault = watch.fault
-        if fault is not None and fault.rank == watch.rank and fault.phase == name and watch.switch == 1:
+        if fault is not None and fault.rank == watch.rank and fault.phase == name and watch.switch == fault.switch:
             os.kill(os.getpid(), fault.signal)
 
     def confirm(self) -> None:

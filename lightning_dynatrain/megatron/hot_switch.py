@@ -196,8 +196,8 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     old_grads = sum(t.nbytes for t in current.gradient_buffers())
     cached_groups = groups.keys() if groups is not None else frozenset()
     attempt = None
-    if watch is not None:  # (a world change's grow too: the watch's group spans the new world, rank for rank)
-        assert group is None, "a watched switch runs over the world, on the watch's group"
+    if watch is not None:  # the watch's group spans ``group`` (or the world) rank for rank: a world change's too
+        assert watch.group.size() == (group or dist.GroupMember.WORLD).size(), "the watch is another world's"
         attempt, group = watch.begin(program, setup.link_costs, f"{src} -> {target}"), watch.group
     try:
         if attempt is not None:
@@ -311,9 +311,10 @@ def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, sr
 
 
 def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, *, members: Members,
-               group: dist.ProcessGroup | None = None) -> SwitchReport:
+               group: dist.ProcessGroup | None = None, watch: SwitchWatch | None = None) -> SwitchReport:
     """A process that leaves: its state goes to the processes that hold ``target`` (the other side
-    of their ``hot_switch`` over ``group``); it keeps nothing."""
+    of their ``hot_switch`` over ``group``); it keeps nothing. ``watch``: ``group``'s switch watch,
+    as theirs (a peer that dies or stalls raises ``SwitchFailedError``)."""
     process = group_rank(group)
     assert members.dst_rank(process) is None, f"process {process} holds a target rank: it switches, not leaves"
     src = current.layout
@@ -322,8 +323,27 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         materialize_adam_state(current.optimizer, 0)
     source = megatron_store(current.ddp, current.optimizer, setup.spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
-    _check_memory(program, setup, device, f"leaving {src}", group, 0, 0)
-    _, report = execute_switch(program, source, PlainMemory(), group=group)
+    attempt = None
+    if watch is not None:
+        attempt, group = watch.begin(program, setup.link_costs, f"leaving {src}"), watch.group
+    try:
+        if attempt is not None:
+            attempt.phase("memory_check")
+        _check_memory(program, setup, device, f"leaving {src}", group, 0, 0)
+        _, report = execute_switch(program, source, PlainMemory(), group=group,
+                                   on_phase=attempt.phase if attempt is not None else None,
+                                   timeout=attempt.deadline.timedelta if attempt is not None else None)
+        if attempt is not None:
+            attempt.confirm()
+    except Exception as err:
+        if attempt is None or was_refused(err):
+            raise
+        group = None  # the watch drops the switch's group: nothing here may hold it
+        traceback.clear_frames(err.__traceback__)
+        raise attempt.failure(err, lost_state=True) from err
+    finally:
+        if attempt is not None:
+            attempt.watch.end()
     release_rope_caches()
     return report
 

@@ -298,11 +298,13 @@ class ElasticDriver:
         src, target, step = strategy.layout, choice.layout, trainer.global_step
         old_world = dist.GroupMember.WORLD
         build_seconds = self.session.build_seconds()
+        # a shrink's switch runs over the old world, under its switch watch (every old member, leavers too)
+        old_watch = strategy.switcher.world_watch() if not change.grows else None
         if change.leaving:
             if strategy.global_rank == 0:  # written before the survivors can go on: the next rank 0 appends
                 flush_loggers(trainer.loggers)
             setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
-            send_state(strategy.megatron, target, setup, members=change.members, group=old_world)
+            send_state(strategy.megatron, target, setup, members=change.members, group=old_world, watch=old_watch)
             self.left = True
             trainer.should_stop = True
             self.session.close()
@@ -315,6 +317,8 @@ class ElasticDriver:
         kept = self.session.pending_kept  # a return to a kept world: its groups are all there
         left_world = self.session.swap(change, borrowed=ahead.borrowed if ahead is not None else None)
         old_caches = strategy.switcher.world_caches()
+        if old_watch is not None:
+            strategy.switcher.detach_watch()  # kept until the shrink's switch over the old world ends
         set_rank_zero(self.session.rank)
         groups = strategy.switcher.new_world_groups(ahead.groups if ahead is not None else None,
                                                     kept=kept.extra if kept is not None else None)
@@ -344,8 +348,12 @@ class ElasticDriver:
                 initialize_for_layout(target, seed=strategy.seed, groups=groups)
             else:
                 setup = ahead.setup
-            result = hot_switch(strategy.megatron, target, setup, groups=groups, group=old_world,
-                                members=change.members, prepared=prepared)
+            try:
+                result = hot_switch(strategy.megatron, target, setup, groups=groups, group=old_world,
+                                    members=change.members, prepared=prepared, watch=old_watch)
+            finally:
+                assert old_watch is not None
+                old_watch.close()
             strategy._install(result.state)
             self.session.retire(left_world, extra=old_caches)
             strategy.switcher.new_world(ahead.topology if ahead is not None

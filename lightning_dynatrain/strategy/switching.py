@@ -171,6 +171,11 @@ class LayoutSwitcher:
         return SwitchWatch.start(training_timeout=self.training_timeout, timeout=self.switch_timeout,
                                  resume_from=self.resume_from, fault=fault)
 
+    def detach_watch(self) -> None:
+        """Forget this world's watch without closing it (its holder closes it: a shrink's, used over
+        the old world after the new one is installed)."""
+        self.watch = None
+
     def adopt_watch(self, watch: "SwitchWatch") -> None:
         """``watch`` (``make_watch``, on the world installed since) is this world's from now on."""
         if self.watch is not watch:

@@ -5,9 +5,10 @@ the reason and change nothing; a joiner that stops answering while the world tha
 being built only cancels that change, and so does one that stops once its peers build the target's
 model ahead; a member that dies instead of leaving stops the job within a
 bounded time, with an error that names it. In jobs of their own: a joiner killed as the transfer
-that fills it starts (a grow's switch runs under the new world's switch watch) fails the change on
-every survivor with ``SwitchFailedError`` naming its rank and the phase; a joiner that stalls at the
-start of that switch stops the job within the heartbeat and watchdog bounds, naming it.
+that fills it starts, and a leaver killed as the transfer that hands its state off starts (world
+changes run under the switch watch), fail the change on every survivor with ``SwitchFailedError``
+naming the rank and the phase; a joiner that stalls at the start of the switch that fills it stops
+the job within the heartbeat and watchdog bounds, naming it.
 """
 
 from __future__ import annotations
@@ -98,19 +99,27 @@ def test_a_joiner_stalled_inside_the_switch_that_fills_it_stops_the_job_within_a
     assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
 
 
-def test_a_joiner_killed_in_the_transfer_that_fills_it_fails_the_change_naming_its_rank(tmp_path):
+@pytest.mark.parametrize("fault", ["joining", "leaving"])
+def test_a_process_killed_in_the_transfer_of_a_world_change_fails_it_naming_its_rank(tmp_path, fault):
+    """Rank 2 of world 3 (the joiner) kills itself entering the transfer of the grow that fills it
+    (its watch's switch 1), or of the shrink it leaves by (switch 2, after SIGTERM)."""
+    switch, change = (1, "dp2-tp1-pp1 -> dp3-tp1-pp1") if fault == "joining" else (2, "dp3-tp1-pp1 -> dp2-tp1-pp1")
     with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
-        killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL"})  # rank 2 of the new world
+        killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": f"2:transfer:KILL:{switch}"})
         job.wait_for(lambda: job.installed_size() == 3, what="the world with the joiner to be installed")
-        installed_at = time.monotonic()
+        if fault == "leaving":
+            at = job.step()
+            job.wait_for(lambda: job.step() >= at + 3, what="world 3 to train")
+            killed.send_signal(signal.SIGTERM)  # it leaves: the shrink's switch runs over world 3
+        started = time.monotonic()
         code = job.wait(first, timeout=120)
-        stopped_after = time.monotonic() - installed_at
+        stopped_after = time.monotonic() - started
         log = job.tail(400)
         assert job.wait(killed) == -signal.SIGKILL, log
     assert code != 0, log
-    failures = re.findall(r"SwitchFailedError: layout switch dp2-tp1-pp1 -> dp3-tp1-pp1 failed: rank 2 stopped "
-                          r"answering in phase 'transfer'", log)
+    failures = re.findall(rf"SwitchFailedError: layout switch {change} failed: rank 2 stopped answering in phase "
+                          r"'transfer'", log)
     assert len(failures) >= 2, log  # on both survivors
     assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"

@@ -56,9 +56,10 @@ def test_switch_timeout_is_parsed_once_with_a_clear_error():
             parse_switch_timeout(bad)
 
 
-def test_fault_hook_parses_rank_phase_and_signal():
-    assert FaultInjection.parse("2:transfer:KILL") == FaultInjection(2, "transfer", int(signal.SIGKILL))
+def test_fault_hook_parses_rank_phase_signal_and_switch():
+    assert FaultInjection.parse("2:transfer:KILL") == FaultInjection(2, "transfer", int(signal.SIGKILL), 1)
     assert FaultInjection.parse("0:confirm:stop").signal == int(signal.SIGSTOP)
-    for bad in ("2:transfer", "x:transfer:KILL", "1:moving:KILL", "1:transfer:HUP"):
+    assert FaultInjection.parse("2:transfer:KILL:2").switch == 2
+    for bad in ("2:transfer", "x:transfer:KILL", "1:moving:KILL", "1:transfer:HUP", "1:transfer:KILL:x"):
         with pytest.raises(DynaTrainError, match="RANK:PHASE:SIGNAL"):
             FaultInjection.parse(bad)
