@@ -273,6 +273,8 @@ class ElasticDriver:
         assert self.session is not None
         start = time.perf_counter()
         choice = self.choose(change)
+        if not change.grows:  # a shrink's switch runs under the running world's watch: made now if it has none
+            self.strategy.switcher.world_watch()
         borrowed = None if change.leaving else self.session.borrow()
         if change.grows:  # (1) for the joiners, waiting on the next world
             with borrowed:
