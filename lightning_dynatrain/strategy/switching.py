@@ -167,7 +167,7 @@ class LayoutSwitcher:
         it is borrowed ahead of a grow (``adopt_watch`` installs it at the swap)."""
         from lightning_dynatrain.engine.watch import SwitchWatch
 
-        fault, self.fault = self.fault, None  # the test hook fires in the first watched switch only
+        fault, self.fault = self.fault, None  # the test hook goes to the first watch only
         return SwitchWatch.start(training_timeout=self.training_timeout, timeout=self.switch_timeout,
                                  resume_from=self.resume_from, fault=fault)
 
