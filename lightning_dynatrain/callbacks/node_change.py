@@ -85,6 +85,7 @@ class OnNodeChange(Callback):
         self.changes: list[dict[str, Any]] = []
         self._driver: ElasticDriver | None = None
         self._previous_handlers: dict[int, Any] = {}
+        self._signal_connector: Any = None  # Lightning's, while its handler registration is wrapped
         self._leave_noticed = False
 
     def make_driver(self, strategy: "DynaTrainStrategy") -> "ElasticDriver":
@@ -104,10 +105,22 @@ class OnNodeChange(Callback):
         if not isinstance(trainer.strategy, DynaTrainStrategy) or self._driver is None:
             raise TypeError("OnNodeChange needs Trainer(strategy=DynaTrainStrategy(...)): it changes the world "
                             f"under that strategy, not under {type(trainer.strategy).__name__}")
+        # Lightning registers its SIGTERM handler just before the fit loop starts, and that handler
+        # broadcasts over the world from inside itself: a leave notice between then and
+        # on_train_start would hang this process. Ours goes back in right after Lightning's.
+        connector = trainer._signal_connector
+        register = connector.register_signal_handlers
+
+        def register_then_listen() -> None:
+            register()
+            self._listen_for_leave()
+
+        connector.register_signal_handlers = register_then_listen
+        self._signal_connector = connector
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._listen_for_leave()  # again: Lightning registered its own handler since
+        self._listen_for_leave()  # ours still (a fit whose signal connector was not wrapped in setup)
 
     def _listen_for_leave(self) -> None:
         """A leave signal only marks this process (it leaves at the next change boundary). Lightning's
@@ -160,6 +173,9 @@ class OnNodeChange(Callback):
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers.clear()
+        if self._signal_connector is not None:  # Lightning's own method again
+            self._signal_connector.__dict__.pop("register_signal_handlers", None)
+            self._signal_connector = None
 
     @override
     def state_dict(self) -> dict[str, Any]:

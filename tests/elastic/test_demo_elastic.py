@@ -14,7 +14,7 @@ from benchmarks.elastic_job import REPO, ElasticJob, torchrun
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 300
+MAX_STEPS = 240
 POLICY = "{2: dp2-tp1-pp1, 4: dp2-tp2-pp1}"
 
 
