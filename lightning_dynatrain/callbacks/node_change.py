@@ -118,10 +118,6 @@ class OnNodeChange(Callback):
         connector.register_signal_handlers = register_then_listen
         self._signal_connector = connector
 
-    @override
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._listen_for_leave()  # ours still (a fit whose signal connector was not wrapped in setup)
-
     def _listen_for_leave(self) -> None:
         """A leave signal only marks this process (it leaves at the next change boundary). Lightning's
         own SIGTERM handler broadcasts inside the handler and stops every rank, and before Lightning

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import MappingProxyType
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,7 @@ from lightning_dynatrain.engine.errors import mark_refused, was_refused
 from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.walker import execute_switch
-from lightning_dynatrain.engine.watch import SwitchWatch
+from lightning_dynatrain.engine.watch import SwitchAttempt, SwitchWatch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.ahead import PreparedSwitch, process_program
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
@@ -71,6 +72,8 @@ from lightning_dynatrain.vps.members import Members
 
 from lightning_dynatrain.vps.spec import ModelSpec
 from lightning_dynatrain.vps.topology import Topology
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -216,11 +219,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
                 new = _rebuild(current, target, setup, step, memory, phase, groups, timeout=timeout)
             memory.bind(MegatronTarget(new, spec, members.dst_rank(process)))
             with phase("engine"):
-                _, report = execute_switch(program, source, memory, group=group, subgroups=subgroups,
-                                           on_phase=attempt.phase if attempt is not None else None,
-                                           timeout=attempt.deadline.timedelta if attempt is not None else None)
-            if attempt is not None:
-                attempt.confirm()  # every rank holds its new state
+                _, report = _execute_watched(program, source, memory, group, attempt, subgroups=subgroups)
             if isinstance(memory, KeepOldMemory):
                 memory.commit()  # the old state goes only now
         except BaseException as err:
@@ -275,37 +274,26 @@ def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, sr
     attempt = None
     if watch is not None:
         assert group is None, "a watched switch runs over the world, on the watch's group"
-        watched = watch()
-        attempt, group = watched.begin(program, setup.link_costs, f"joining at {target}"), watched.group
+        attempt = watch().begin(program, setup.link_costs, f"joining at {target}")
     memory = PlainMemory()
-    try:
-        if attempt is not None:
-            attempt.phase("memory_check")
+
+    def fill(group: dist.ProcessGroup | None) -> tuple[MegatronState, int | None, SwitchReport]:
+        _phase(attempt, "memory_check")
         with phase("memory_check"):
             need = _check_memory(program, setup, device, f"joining at {target}", group, 0, 0)
-        if new is None:
-            if attempt is not None:
-                attempt.phase("rebuild")
+        state = new
+        if state is None:
+            _phase(attempt, "rebuild")
             with phase("ddp_optimizer"):
-                new = build()
+                state = build()
         with phase("optimizer_state"):
-            materialize_adam_state(new.optimizer, step, zero=False)
-        memory.bind(MegatronTarget(new, setup.spec, members.dst_rank(process)))
+            materialize_adam_state(state.optimizer, step, zero=False)
+        memory.bind(MegatronTarget(state, setup.spec, members.dst_rank(process)))
         with phase("engine"):
-            _, report = execute_switch(program, {}, memory, group=group,
-                                       on_phase=attempt.phase if attempt is not None else None,
-                                       timeout=attempt.deadline.timedelta if attempt is not None else None)
-        if attempt is not None:
-            attempt.confirm()
-    except Exception as err:
-        if attempt is None or was_refused(err):
-            raise
-        group = None  # the watch drops the switch's group: nothing here may hold it
-        traceback.clear_frames(err.__traceback__)
-        raise attempt.failure(err, lost_state=True) from err  # a joiner has no old state to go back to
-    finally:
-        if attempt is not None:
-            attempt.watch.end()
+            _, report = _execute_watched(program, {}, memory, group, attempt)
+        return state, need, report
+
+    new, need, report = _watched(attempt, group, fill)  # a joiner has no old state to go back to: lost
     return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
                            memory=memory.figures(), need_bytes=need)
 
@@ -323,29 +311,52 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         materialize_adam_state(current.optimizer, 0)
     source = megatron_store(current.ddp, current.optimizer, setup.spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
-    attempt = None
-    if watch is not None:
-        attempt, group = watch.begin(program, setup.link_costs, f"leaving {src}"), watch.group
-    try:
-        if attempt is not None:
-            attempt.phase("memory_check")
+    attempt = watch.begin(program, setup.link_costs, f"leaving {src}") if watch is not None else None
+
+    def hand_off(group: dist.ProcessGroup | None) -> SwitchReport:
+        _phase(attempt, "memory_check")
         _check_memory(program, setup, device, f"leaving {src}", group, 0, 0)
-        _, report = execute_switch(program, source, PlainMemory(), group=group,
-                                   on_phase=attempt.phase if attempt is not None else None,
-                                   timeout=attempt.deadline.timedelta if attempt is not None else None)
-        if attempt is not None:
-            attempt.confirm()
+        return _execute_watched(program, source, PlainMemory(), group, attempt)[1]
+
+    report = _watched(attempt, group, hand_off)
+    release_rope_caches()
+    return report
+
+
+def _phase(attempt: SwitchAttempt | None, name: str) -> None:
+    if attempt is not None:
+        attempt.phase(name)
+
+
+def _execute_watched(program: SwitchProgram, source: Mapping, memory: PlainMemory, group: dist.ProcessGroup | None,
+                     attempt: SwitchAttempt | None, *, subgroups: SubgroupCache | None = None) -> tuple[object, SwitchReport]:
+    """``execute_switch`` over ``group``, its phases and waits under ``attempt`` (if any), then every
+    rank's confirmation that it holds its new state."""
+    result = execute_switch(program, source, memory, group=group, subgroups=subgroups,
+                            on_phase=attempt.phase if attempt is not None else None,
+                            timeout=attempt.deadline.timedelta if attempt is not None else None)
+    if attempt is not None:
+        attempt.confirm()
+    return result
+
+
+def _watched(attempt: SwitchAttempt | None, group: dist.ProcessGroup | None,
+             body: Callable[[dist.ProcessGroup | None], T]) -> T:
+    """``body(group)``; under ``attempt`` (a joiner's or leaver's side of a world change), on its
+    watch's group instead, a failure raised as the attempt's ``SwitchFailedError`` (this side's
+    state counts as lost; a refusal passes as it is), and the watch's switch ended. Nothing here
+    holds the watch's group past ``body`` (the watch drops it when a switch fails)."""
+    if attempt is None:
+        return body(group)
+    try:
+        return body(attempt.watch.group)
     except Exception as err:
-        if attempt is None or was_refused(err):
+        if was_refused(err):
             raise
-        group = None  # the watch drops the switch's group: nothing here may hold it
         traceback.clear_frames(err.__traceback__)
         raise attempt.failure(err, lost_state=True) from err
     finally:
-        if attempt is not None:
-            attempt.watch.end()
-    release_rope_caches()
-    return report
+        attempt.watch.end()
 
 
 def _check_memory(program: SwitchProgram, setup: SwitchSetup, device: torch.device, what: str,
