@@ -8,7 +8,7 @@ message, and says why it is safe to hide; nothing is filtered by category or mod
 
 ``quiet_third_party_warnings`` installs them (idempotent; ``warnings.filterwarnings`` drops a
 duplicate before inserting). ``DynaTrainStrategy.setup_environment`` calls it before megatron-core
-is first imported, and the demo's command line calls it before parsing (jsonargparse resolves type
+is first imported (so does ``DynaTrainFabricStrategy``'s), and the demo's command line calls it before parsing (jsonargparse resolves type
 hints, which imports megatron-core). Filters marked ``cpu_only`` are about GPU kernels or CUDA
 settings: on a GPU they are real advice and stay.
 """
@@ -72,6 +72,11 @@ THIRD_PARTY: tuple[QuietWarning, ...] = (
     QuietWarning(
         FutureWarning, r"lightning\.pytorch\.utilities\._pytree", "`isinstance(treespec, LeafSpec)` is deprecated",
         "Lightning 2.6.6 builds torch's LeafSpec when it flattens step outputs; torch 2.13 deprecates the class"),
+    QuietWarning(
+        FutureWarning, r"lightning\.fabric\.utilities\.distributed",
+        "torch.distributed.nn.functional.all_gather is deprecated",
+        "Lightning 2.6.6's fabric.all_gather calls torch's differentiable all_gather, which torch 2.13 deprecates "
+        "in favour of its functional collectives; the gathered tensors are the same"),
     QuietWarning(
         UserWarning, r"megatron\.core\.tensor_parallel\.layers",
         "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",

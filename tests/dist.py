@@ -19,7 +19,10 @@ The function must be importable by the children (a module-level function of a te
 
 from __future__ import annotations
 
+import shutil
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from benchmarks.baselines.launch import JobError, free_port, spawn_job
@@ -53,4 +56,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         raise DistributedTestError(str(err)) from None
 
 
-__all__ = ["DistributedTestError", "free_port", "run_distributed"]
+def fabric_executable() -> str:
+    """The ``fabric`` executable of this interpreter's environment (Lightning's CLI, a torchrun wrapper)."""
+    beside = Path(sys.executable).with_name("fabric")
+    found = str(beside) if beside.exists() else shutil.which("fabric")
+    assert found, "lightning installs a `fabric` executable; none found beside the interpreter or on PATH"
+    return found
+
+
+__all__ = ["DistributedTestError", "fabric_executable", "free_port", "run_distributed"]
+

@@ -31,7 +31,7 @@ gloo; on GPUs the same script runs on nccl)::
         scheduler.step()
         optimizer.zero_grad()
         accelerator.print(f"step {step + 1} loss {loss.item():.4f} at {engine.layout}")
-    accelerator.save_state("checkpoint")   # every rank's shard; load_state at any layout of 4 processes
+    accelerator.save_state("checkpoint")   # layout-free: load_state at any layout and number of processes
     engine.close()
     accelerator.end_training()
 
@@ -47,22 +47,23 @@ object twice: ``prepare`` records them and returns them unchanged (no DDP, no de
 autocast, no sharding); the scheduler is no torch ``LRScheduler``, so ``prepare`` passes it through.
 Megatron's own DDP (over the layout's data-parallel group) and the engine's slicing of the global
 batch do the work instead. Passing them through ``prepare`` is optional: the loop works the same
-without it. ``accelerator.save_state``/``load_state`` write and read every rank's own shard through
+without it. ``accelerator.save_state``/``load_state`` write and read the engine's layout-free checkpoint through
 Accelerate's save/load pre-hooks (``checkpoint.py``), because Accelerate writes rank 0's state
 dicts only; the run's progress joins them through ``register_for_checkpointing``.
 
 The pieces, one per file: ``plugin`` (the settings: layout, schedule, budgets; ``DYNATRAIN_*``
 environment variables; a ``dynatrain_config:`` YAML block), ``environment`` (what is taken from the
-Accelerator, and what is refused), ``engine`` (state, step, switches), ``prepared`` (the objects
-handed to ``prepare``), ``data`` (global-batch loader), ``checkpoint`` (save/load hooks).
+Accelerator, and what is refused), ``host`` (the Accelerator as the engine's ``LoopHost``),
+``checkpoint`` (save/load hooks). The engine itself, the objects handed to ``prepare`` and the
+global-batch loader are shared with the Fabric integration (``lightning_dynatrain.loop``).
 """
 
 from lightning_dynatrain.accelerate.checkpoint import CheckpointError
-from lightning_dynatrain.accelerate.data import global_batch_loader
-from lightning_dynatrain.accelerate.engine import DataMismatchError, DynaTrainEngine
 from lightning_dynatrain.accelerate.environment import AcceleratorSetupError
 from lightning_dynatrain.accelerate.plugin import AccelerateConfigError, DynaTrainPlugin
-from lightning_dynatrain.accelerate.prepared import (
+from lightning_dynatrain.loop.data import global_batch_loader
+from lightning_dynatrain.loop.engine import DataMismatchError, DynaTrainEngine
+from lightning_dynatrain.loop.prepared import (
     DynaTrainModel,
     DynaTrainOptimizer,
     DynaTrainScheduler,

@@ -15,6 +15,7 @@ from lightning_dynatrain.megatron.gpt import GPTShape
 from lightning_dynatrain.strategy.validation import BatchSizeError, WorldSizeError
 from lightning_dynatrain.vps.errors import DynaTrainError, LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
+from tests.errors import refused
 
 SHAPE = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=32,
                  make_vocab_size_divisible_by=64)
@@ -27,16 +28,6 @@ ENV = ("DYNATRAIN_LAYOUT", "DYNATRAIN_SCHEDULE", "DYNATRAIN_STAGING_BUDGET", "DY
 def _clean_env(monkeypatch):
     for name in ENV:
         monkeypatch.delenv(name, raising=False)
-
-
-def _refused(kind: type[Exception], *words: str, call) -> str:
-    with pytest.raises(kind) as info:
-        call()
-    text = str(info.value)
-    assert "HINT" in text, text
-    for word in words:
-        assert word in text, (word, text)
-    return text
 
 
 def test_a_plugin_parses_its_settings_once() -> None:
@@ -68,7 +59,7 @@ def test_switch_faults_settings_as_the_strategys() -> None:
     ("", ["layout"]),
 ])
 def test_a_bad_layout_is_refused(layout: str, words: list[str]) -> None:
-    _refused(LayoutError, *words, call=lambda: DynaTrainPlugin(layout=layout))
+    refused(LayoutError, *words, call=lambda: DynaTrainPlugin(layout=layout))
 
 
 @pytest.mark.parametrize("schedule, words", [
@@ -81,20 +72,20 @@ def test_a_bad_layout_is_refused(layout: str, words: list[str]) -> None:
     ("missing_schedule.yaml", ["does not exist"]),
 ])
 def test_a_bad_schedule_is_refused(schedule, words: list[str]) -> None:
-    _refused(ScheduleError, *words, call=lambda: DynaTrainPlugin(schedule=schedule))
+    refused(ScheduleError, *words, call=lambda: DynaTrainPlugin(schedule=schedule))
 
 
 def test_layouts_that_do_not_fit_the_world_the_model_or_the_batch_are_refused_before_anything_is_built() -> None:
     plugin = DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={2: "dp1-tp2-pp2", 5000: "dp1-tp1-pp4"})
-    _refused(ScheduleError, "step 5000", "dp1-tp1-pp4", "pp=4 must divide the 2 layers",
-             call=lambda: plugin.validate(world_size=4, shape=SHAPE, global_batch_size=8, micro_batch_size=1))
-    _refused(WorldSizeError, "needs dp*tp*pp*cp = 4 processes but the job runs 8",
-             call=lambda: plugin.validate(world_size=8, shape=SHAPE))
-    _refused(BatchSizeError, "global batch 6 is not a multiple of dp * micro_batch_size = 2 * 4",
-             call=lambda: DynaTrainPlugin(layout="dp2-tp2-pp1").validate(world_size=4, shape=SHAPE,
+    refused(ScheduleError, "step 5000", "dp1-tp1-pp4", "pp=4 must divide the 2 layers",
+            call=lambda: plugin.validate(world_size=4, shape=SHAPE, global_batch_size=8, micro_batch_size=1))
+    refused(WorldSizeError, "needs dp*tp*pp*cp = 4 processes but the job runs 8",
+            call=lambda: plugin.validate(world_size=8, shape=SHAPE))
+    refused(BatchSizeError, "global batch 6 is not a multiple of dp * micro_batch_size = 2 * 4",
+            call=lambda: DynaTrainPlugin(layout="dp2-tp2-pp1").validate(world_size=4, shape=SHAPE,
                                                                           global_batch_size=6, micro_batch_size=4))
-    _refused(ScheduleError, "step 3", "needs dp*tp*pp*cp = 2 processes",
-             call=lambda: DynaTrainPlugin(layout="dp4", schedule="3:dp2").validate(world_size=4))
+    refused(ScheduleError, "step 3", "needs dp*tp*pp*cp = 2 processes",
+            call=lambda: DynaTrainPlugin(layout="dp4", schedule="3:dp2").validate(world_size=4))
     fits = DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={2: "dp1-tp2-pp2", 4: "dp2-tp1-pp2-zero1"})
     assert fits.validate(world_size=4, shape=SHAPE, global_batch_size=8, micro_batch_size=1) == \
         ParallelConfig.parse("dp2-tp2-pp1")
@@ -111,7 +102,7 @@ def test_layouts_that_do_not_fit_the_world_the_model_or_the_batch_are_refused_be
     ("switch_safety", "careful", DynaTrainError, ["switch_safety='careful'", "keep_old"]),
 ])
 def test_bad_budgets_and_flags_are_refused(field: str, value, kind: type[Exception], words: list[str]) -> None:
-    _refused(kind, *words, call=lambda: DynaTrainPlugin(**{field: value}))
+    refused(kind, *words, call=lambda: DynaTrainPlugin(**{field: value}))
 
 
 def test_environment_variables_are_the_defaults_and_arguments_win(monkeypatch) -> None:
@@ -131,7 +122,7 @@ def test_environment_variables_are_the_defaults_and_arguments_win(monkeypatch) -
     assert DynaTrainPlugin(schedule_ahead=True).schedule_ahead is True  # an argument wins
     assert str(DynaTrainPlugin(layout="dp4", schedule={}).layout) == "dp4-tp1-pp1"
     monkeypatch.setenv("DYNATRAIN_LAYOUT", "dp2-xx2")
-    _refused(LayoutError, "unknown part 'xx2'", call=DynaTrainPlugin)
+    refused(LayoutError, "unknown part 'xx2'", call=DynaTrainPlugin)
 
 
 def test_a_yaml_block_in_the_style_of_accelerates_config(tmp_path) -> None:
@@ -146,13 +137,13 @@ def test_a_yaml_block_in_the_style_of_accelerates_config(tmp_path) -> None:
     assert str(DynaTrainPlugin.from_yaml(path, layout="dp4").layout) == "dp4-tp1-pp1"
 
     path.write_text("dynatrain_config:\n  dynatrain_layout: dp4\n  layout_typo: dp2\n")
-    _refused(AccelerateConfigError, "unknown keys ['layout_typo']", "dynatrain_layout",
-             call=lambda: DynaTrainPlugin.from_yaml(path))
+    refused(AccelerateConfigError, "unknown keys ['layout_typo']", "dynatrain_layout",
+            call=lambda: DynaTrainPlugin.from_yaml(path))
     path.write_text("distributed_type: MULTI_CPU\n")
-    _refused(AccelerateConfigError, "no `dynatrain_config:` mapping", call=lambda: DynaTrainPlugin.from_yaml(path))
+    refused(AccelerateConfigError, "no `dynatrain_config:` mapping", call=lambda: DynaTrainPlugin.from_yaml(path))
     path.write_text("dynatrain_config:\n  dynatrain_schedule: {2: dp9-tp}\n")
-    _refused(ScheduleError, "entry at step 2", call=lambda: DynaTrainPlugin.from_yaml(path))
-    _refused(AccelerateConfigError, "cannot read", call=lambda: DynaTrainPlugin.from_yaml(tmp_path / "absent.yaml"))
+    refused(ScheduleError, "entry at step 2", call=lambda: DynaTrainPlugin.from_yaml(path))
+    refused(AccelerateConfigError, "cannot read", call=lambda: DynaTrainPlugin.from_yaml(tmp_path / "absent.yaml"))
 
 
 def test_accelerator_settings_the_megatron_step_cannot_honour_are_refused() -> None:
@@ -162,26 +153,10 @@ def test_accelerator_settings_the_megatron_step_cannot_honour_are_refused() -> N
                 initialized=True)
     assert check_accelerator(**good) == torch.float32
     assert check_accelerator(**{**good, "mixed_precision": "bf16"}) == torch.bfloat16
-    _refused(AcceleratorSetupError, "not initialised", "--multi_gpu", "Accelerator(cpu=True)",
-             call=lambda: check_accelerator(**{**good, "distributed_type": "DistributedType.NO", "initialized": False}))
-    _refused(AcceleratorSetupError, "DEEPSPEED", call=lambda: check_accelerator(**{**good, "distributed_type": "DEEPSPEED"}))
-    _refused(AcceleratorSetupError, "gradient_accumulation_steps=4", "micro_batch_size",
-             call=lambda: check_accelerator(**{**good, "gradient_accumulation_steps": 4}))
-    _refused(AcceleratorSetupError, "mixed_precision='fp16'", call=lambda: check_accelerator(**{**good,
-                                                                                             "mixed_precision": "fp16"}))
-
-
-def test_a_checkpoint_is_loaded_only_when_every_rank_read_the_same_layout_json_of_this_world_size() -> None:
-    from pathlib import Path
-
-    from lightning_dynatrain.accelerate.checkpoint import CheckpointError, agreed_meta
-
-    where = Path("ckpt/dynatrain/layout.json")
-    meta = {"layout": "dp1-tp2-pp2", "world_size": 4, "step": 3}
-    assert agreed_meta([meta] * 4, where=where, world_size=4) == meta
-    _refused(WorldSizeError, "written on 4 processes at layout dp1-tp2-pp2, this run has 2", "--num_processes 4",
-             call=lambda: agreed_meta([meta] * 2, where=where, world_size=2))
-    _refused(CheckpointError, "cannot read ckpt/dynatrain/layout.json on ranks [1]", "FileNotFoundError",
-             call=lambda: agreed_meta([meta, "FileNotFoundError: no such file"], where=where, world_size=2))
-    _refused(CheckpointError, "the ranks read different", "shared file system",
-             call=lambda: agreed_meta([meta, {**meta, "step": 4}], where=where, world_size=2))
+    refused(AcceleratorSetupError, "not initialised", "--multi_gpu", "Accelerator(cpu=True)",
+            call=lambda: check_accelerator(**{**good, "distributed_type": "DistributedType.NO", "initialized": False}))
+    refused(AcceleratorSetupError, "DEEPSPEED", call=lambda: check_accelerator(**{**good, "distributed_type": "DEEPSPEED"}))
+    refused(AcceleratorSetupError, "gradient_accumulation_steps=4", "micro_batch_size",
+            call=lambda: check_accelerator(**{**good, "gradient_accumulation_steps": 4}))
+    refused(AcceleratorSetupError, "mixed_precision='fp16'",
+            call=lambda: check_accelerator(**{**good, "mixed_precision": "fp16"}))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lightning_dynatrain.strategy.threads import available_cores
-from tests.dist import free_port
+from tests.dist import fabric_executable, free_port
 
 SCRIPT = Path(__file__).with_name("launch_script.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,14 +103,6 @@ def test_slurm_srun_environment(tmp_path: Path, reference: list[float]) -> None:
     assert _check(results, "SLURMEnvironment") == reference
 
 
-def _fabric() -> str:
-    """The ``fabric`` executable of this interpreter's environment (Lightning's CLI, a torchrun wrapper)."""
-    beside = Path(sys.executable).with_name("fabric")
-    found = str(beside) if beside.exists() else shutil.which("fabric")
-    assert found, "lightning installs a `fabric` executable; none found beside the interpreter or on PATH"
-    return found
-
-
 def test_fabric_run_switches_and_fits_its_threads_to_the_cores(tmp_path: Path, reference: list[float]) -> None:
     """``fabric run --accelerator cpu --devices 2`` with a switch at step 2 (dp2 -> tp2).
 
@@ -120,7 +111,7 @@ def test_fabric_run_switches_and_fits_its_threads_to_the_cores(tmp_path: Path, r
     run's, bit for bit; the step after it runs at tp2 (another summation order) and agrees closely.
     """
     cores = available_cores()
-    out = _run([_fabric(), "run", "--accelerator", "cpu", "--devices", "2", str(SCRIPT), str(tmp_path),
+    out = _run([fabric_executable(), "run", "--accelerator", "cpu", "--devices", "2", str(SCRIPT), str(tmp_path),
                 "--devices", "2", "--schedule", "2:dp1-tp2-pp1"], _env())
     results = _results(tmp_path, 2)
     for rank, r in enumerate(results):

@@ -1,8 +1,11 @@
-"""``DynaTrainEngine``: a megatron-core GPT trained step by step in an Accelerate loop, switching layout.
+"""``DynaTrainEngine``: a megatron-core GPT trained step by step in a plain loop, switching layout.
 
 The engine holds the current layout's ``MegatronState`` (megatron's groups, the model shard, megatron
-DDP and optimizer) and runs on the processes and default process group Accelerate made. It is the
-Accelerate counterpart of ``DynaTrainStrategy`` and calls the same plain functions:
+DDP and optimizer) and runs on the processes and default process group a loop library made:
+Accelerate (``DynaTrainEngine(accelerator, plugin, ...)``) or Lightning Fabric
+(``DynaTrainEngine(fabric, ...)`` under ``DynaTrainFabricStrategy``). What it takes from that
+library goes through one small interface, ``host.LoopHost``. It is the loop counterpart of
+``DynaTrainStrategy`` and calls the same plain functions:
 
 - building: ``megatron_step.init_groups`` / ``build_model`` / ``attach_optimizer``;
 - one step: ``megatron_step.train_step`` (this rank's data-parallel share of the global batch,
@@ -15,14 +18,14 @@ Accelerate counterpart of ``DynaTrainStrategy`` and calls the same plain functio
 When a switch runs: ``reconfigure(target)`` at once (call it between steps, on every rank); a
 schedule entry ``S: L`` of the plugin once ``S`` optimizer steps are done, at the first step
 boundary after that (``optimizer.step()`` of the loop, else the start of the next step). Rank 0 of
-each node prints one line per switch (``accelerator.print``)::
+each node prints one line per switch (the host's ``print``)::
 
     [dynatrain] step 2: dp2-tp2-pp1 -> dp1-tp2-pp2 in 0.412 s, moved 12.0 MiB (...), retained 30.1 MiB (...)
 
 The loss each step returns is the global batch's mean token loss, already reduced over the
 data-parallel ranks and sent from the last pipeline stage: the same float on every rank, so it
-needs no ``accelerator.reduce``; ``accelerator.gather_for_metrics`` over it returns one copy per
-process (the example gathers the run's losses once, to show they agree).
+needs no further reduction (``accelerator.gather_for_metrics`` or ``fabric.all_gather`` over it
+returns one equal copy per process).
 
 The learning rate of step ``k`` (0-based) is ``lr_at(k)``: a function of the step count, so it
 survives switches and resumes untouched, as under the Lightning strategy. Weight decay is
@@ -39,13 +42,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.accelerate.environment import (
-    AcceleratorSetupError,
-    accelerator_facts,
-    check_accelerator,
-    cluster_environment,
-)
 from lightning_dynatrain.callbacks.scheduled import next_to_prepare
+from lightning_dynatrain.loop.host import LoopHost, as_host
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.switching import LayoutSwitcher
@@ -54,7 +52,6 @@ from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
     from torch.utils.data import Dataset
 
     from lightning_dynatrain.accelerate.plugin import DynaTrainPlugin
@@ -67,6 +64,10 @@ class DataMismatchError(DynaTrainError):
     """The ranks were handed different batches for the same step."""
 
 
+class LoopSetupError(DynaTrainError):
+    """The loop library (or how it was launched) is set up in a way the megatron step cannot use."""
+
+
 class DynaTrainEngine:
     """The current layout's megatron state, its step, its switches (see the module docstring).
 
@@ -74,56 +75,65 @@ class DynaTrainEngine:
     ``reconfigure`` in the same order.
 
     Args:
-        accelerator: a started ``Accelerator`` (its processes and default process group are used).
-        plugin: the layout, the switch schedule and budgets.
-        recipe: the layout-free model and the batch sizes; ``params_dtype`` follows
-            ``Accelerator(mixed_precision=...)`` (leave it ``None``).
+        host: a started ``Accelerator`` or a launched ``Fabric`` (``DynaTrainFabricStrategy``), or any
+            ``LoopHost``: its processes, default process group, device and precision are used.
+        plugin: the layout, the switch schedule and budgets. Under Accelerate it is this argument
+            (default: ``DynaTrainPlugin()``, from ``DYNATRAIN_*`` variables); under Fabric the
+            strategy holds it (leave this ``None``).
+        recipe: the layout-free model and the batch sizes; ``params_dtype`` follows the host's
+            precision (leave it ``None``).
         adam: megatron Adam's settings (peak LR, weight decay, betas, eps, gradient clipping).
         lr_at: learning rate of optimizer step ``k`` (0-based); default the constant ``adam.lr``.
 
     Raises:
-        AcceleratorSetupError: the Accelerator cannot run the megatron step (no process group,
-            DeepSpeed/FSDP, gradient accumulation, fp16, a recipe dtype that disagrees).
+        AcceleratorSetupError / FabricSetupError: the host cannot run the megatron step (no process
+            group, a sharding engine of its own, gradient accumulation, fp16, ...).
+        LoopSetupError: the recipe's dtype disagrees with the host's precision, or a plugin was
+            given where the host holds one.
         LayoutError / WorldSizeError / BatchSizeError / ScheduleError: the plugin's layout or a
             schedule entry does not fit the world, the model or the batch sizes.
 
     Attributes:
-        model, optimizer, scheduler: what the loop hands to ``accelerator.prepare`` (``prepared.py``):
-            ``prepare`` returns them unchanged.
+        model, optimizer, scheduler: what the loop hands to ``accelerator.prepare`` or
+            ``fabric.setup`` (``prepared.py``), which keep them from wrapping and sharding.
         history: every switch that moved state, in order (the same on every rank).
     """
 
-    def __init__(self, accelerator: "Accelerator", plugin: "DynaTrainPlugin", *, recipe: MegatronRecipe,
+    def __init__(self, host: Any, plugin: "DynaTrainPlugin | None" = None, *, recipe: MegatronRecipe,
                  adam: AdamSettings, lr_at: Callable[[int], float] | None = None) -> None:
-        from lightning_dynatrain.accelerate.checkpoint import register_checkpoint_hooks
-        from lightning_dynatrain.accelerate.prepared import DynaTrainModel, DynaTrainOptimizer, DynaTrainScheduler
+        from lightning_dynatrain.loop.prepared import DynaTrainModel, DynaTrainOptimizer, DynaTrainScheduler
         from lightning_dynatrain.strategy.megatron_step import attach_optimizer, build_model, init_groups
         from lightning_dynatrain.strategy.topology import gather_topology
 
-        dtype = check_accelerator(**accelerator_facts(accelerator))
+        self.host: LoopHost = as_host(host)
+        dtype = self.host.params_dtype
         if recipe.params_dtype not in (None, dtype):
-            raise AcceleratorSetupError(
-                f"MegatronRecipe(params_dtype={recipe.params_dtype}) disagrees with "
-                f"Accelerator(mixed_precision={accelerator.mixed_precision!r})",
-                hint="leave params_dtype=None: the Accelerator's mixed_precision says it")
-        self.accelerator, self.plugin, self.adam = accelerator, plugin, adam
+            raise LoopSetupError(
+                f"MegatronRecipe(params_dtype={recipe.params_dtype}) disagrees with the {self.host.name} "
+                f"precision ({dtype})", hint=f"leave params_dtype=None: the {self.host.name} precision says it")
+        self.plugin = _plugin_of(self.host, plugin)
+        self.adam = adam
         self.recipe = replace(recipe, params_dtype=dtype)
         self.lr_at: Callable[[int], float] = lr_at if lr_at is not None else _Constant(adam.lr)
         self.world_size = dist.get_world_size()
-        layout = plugin.validate(world_size=self.world_size, shape=recipe.shape,
+        settings = self.plugin
+        layout = settings.validate(world_size=self.world_size, shape=recipe.shape,
                                  global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size)
-        self.switcher = LayoutSwitcher(staging_budget=plugin.staging_budget, memory_limit=plugin.switch_memory_limit,
-                                       verify=plugin.verify, promote_broadcasts=plugin.promote_broadcasts,
-                                       switch_timeout=plugin.switch_timeout,
-                                       keep_old=plugin.switch_safety == "keep_old")
+        self.switcher = LayoutSwitcher(staging_budget=settings.staging_budget,
+                                       memory_limit=settings.switch_memory_limit, verify=settings.verify,
+                                       promote_broadcasts=settings.promote_broadcasts,
+                                       switch_timeout=settings.switch_timeout,
+                                       keep_old=settings.switch_safety == "keep_old")
         # the same order as DynaTrainStrategy: groups, node map, model shard, DDP + optimizer
-        groups = init_groups(layout, seed=plugin.seed, groups=self.switcher.groups)
-        topology = gather_topology(cluster_environment())
+        groups = init_groups(layout, seed=settings.seed, groups=self.switcher.groups)
+        topology = gather_topology(self.host.cluster_environment())
         self.switcher.new_world(topology)
-        model = build_model(self.recipe, layout, groups, device=accelerator.device)
+        model = build_model(self.recipe, layout, groups, device=self.host.device)
         self._state: MegatronState | None = attach_optimizer(model, self.recipe, layout, adam, groups)
         #: optimizer steps done
         self.step = 0
+        #: the step of the checkpoint last loaded into the state (``loop.checkpoint``), else None
+        self.loaded_step: int | None = None
         self.history: list[ReconfigReport] = []
         self._done: set[int] = set()
         self._not_ahead: set[int] = set()  # schedule entries whose build could not start
@@ -132,10 +142,9 @@ class DynaTrainEngine:
         self.model = DynaTrainModel(self)
         self.optimizer = DynaTrainOptimizer(self)
         self.scheduler = DynaTrainScheduler(self)
-        self._hooks = register_checkpoint_hooks(accelerator, self)
-        accelerator.register_for_checkpointing(self)  # the run's progress (state_dict below)
-        accelerator.print(f"[dynatrain] layout {layout} on {self.world_size} processes "
-                          f"({dist.get_backend()}, {accelerator.distributed_type}), {topology}; {plugin}")
+        self._detach = self.host.attach(self)
+        self.host.print(f"[dynatrain] layout {layout} on {self.world_size} processes ({self.host.describe()}), "
+                        f"params {str(dtype).removeprefix('torch.')}, {topology}; {settings}")
 
     # ------------------------------------------------------------------------------ state
     @property
@@ -166,9 +175,10 @@ class DynaTrainEngine:
     def dataloader(self, dataset: "Dataset", *, shuffle: bool = True, seed: int = 0,
                    num_workers: int = 0) -> "GlobalBatchDataLoader":
         """A loader of GLOBAL batches (``recipe.global_batch_size`` rows, the same on every rank),
-        which ``accelerator.prepare`` leaves alone (``data.global_batch_loader``); the engine keeps it
-        at the data position of its step (``step * G``), a resume included."""
-        from lightning_dynatrain.accelerate.data import global_batch_loader
+        which ``accelerator.prepare`` and ``fabric.setup_dataloaders`` leave alone
+        (``data.global_batch_loader``); the engine keeps it at the data position of its step
+        (``step * G``), a resume included."""
+        from lightning_dynatrain.loop.data import global_batch_loader
 
         loader = global_batch_loader(dataset, global_batch_size=self.recipe.global_batch_size, shuffle=shuffle,
                                      seed=seed, num_workers=num_workers)
@@ -221,7 +231,7 @@ class DynaTrainEngine:
                 self._not_ahead.add(step)  # a build failed in this run: switches build on demand
         except DynaTrainError as err:  # the same on every rank: the switch builds when it runs
             self._not_ahead.add(step)
-            self.accelerator.print(f"[dynatrain] the switch to {layout} at step {step} cannot be built ahead "
+            self.host.print(f"[dynatrain] the switch to {layout} at step {step} cannot be built ahead "
                                    f"({type(err).__name__}: {err}); it will be built when it runs")
 
     def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport:
@@ -245,27 +255,30 @@ class DynaTrainEngine:
                                                        step=self.step, deferred=False)
             release_state(old)  # taken apart: reference counting frees it (``megatron.state``)
             self.history.append(report)
-        self.accelerator.print(str(report), flush=True)
+        self.host.print(str(report))
         return report
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The run's progress, the same on every rank (Accelerate saves it from rank 0 as a custom
-        checkpoint; the model and optimizer shards go to per-rank files, ``checkpoint.py``)."""
+        checkpoint, Fabric in ``fabric.ckpt``; the training state goes to the engine's layout-free
+        checkpoint, ``checkpoint.py``)."""
         return {"step": self.step, "layout": str(self.layout), "schedule_done": sorted(self._done),
                 "history": [report.to_json() for report in self.history]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the progress (after the shards: Accelerate loads custom checkpoints last).
+        """Restore the progress (after the engine's state: Accelerate loads custom checkpoints last,
+        the Fabric strategy reads the engine's state first). The engine stays at its layout.
 
         Raises:
-            LayoutError: the progress was saved at another layout than the shards now loaded.
+            CheckpointError: the progress is of another step than the state loaded (two checkpoints mixed).
         """
-        from lightning_dynatrain.vps.errors import LayoutError
+        from lightning_dynatrain.checkpoint.identity import CheckpointError
 
-        if state.get("layout") != str(self.layout):
-            raise LayoutError(f"the run's progress was saved at layout {state.get('layout')}, the engine is at "
-                              f"{self.layout}", hint="load a checkpoint written by one save_state call")
+        if self.loaded_step is not None and int(state["step"]) != self.loaded_step:
+            raise CheckpointError(f"the run's progress was saved at step {state['step']}, the training state "
+                                  f"loaded is of step {self.loaded_step}",
+                                  hint="load a checkpoint written by one save_state or fabric.save call")
         self.step = int(state["step"])
         self._done = {int(s) for s in state.get("schedule_done", ())}
         self.history = [ReconfigReport(**row) for row in state.get("history", ())]
@@ -273,12 +286,13 @@ class DynaTrainEngine:
             sampler.set_step(self.step)
 
     def close(self) -> None:
-        """Release megatron's groups and the checkpoint hooks (before ``accelerator.end_training()``)."""
+        """Release megatron's groups and the host's checkpoint wiring (before ``accelerator.end_training()``
+        or the end of the Fabric script)."""
         from lightning_dynatrain.strategy.megatron_step import teardown_state
 
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        for undo in self._detach:
+            undo()
+        self._detach = []
         if self._state is not None and dist.is_available() and dist.is_initialized():
             teardown_state()
             self.switcher.close()
@@ -293,6 +307,22 @@ class DynaTrainEngine:
     def __repr__(self) -> str:
         where = str(self._state.layout) if self._state is not None else "closed"
         return f"DynaTrainEngine({where}, step {self.step}, {len(self.history)} switches)"
+
+
+def _plugin_of(host: LoopHost, given: "DynaTrainPlugin | None") -> "DynaTrainPlugin":
+    """The run's settings: the host's own (Fabric's strategy holds them), else ``given``, else the
+    defaults and ``DYNATRAIN_*`` variables.
+
+    Raises:
+        LoopSetupError: a plugin given where the host holds one.
+    """
+    from lightning_dynatrain.accelerate.plugin import DynaTrainPlugin
+
+    held = getattr(host, "plugin", None)
+    if held is not None and given is not None and given != held:
+        raise LoopSetupError(f"a plugin was given ({given}) but the {host.name} strategy holds the settings ({held})",
+                             hint=f"pass the layout, schedule and budgets to the {host.name} strategy only")
+    return held if held is not None else given if given is not None else DynaTrainPlugin()
 
 
 class _Constant:
@@ -319,7 +349,8 @@ def _check_same_batch(batch: Mapping[str, torch.Tensor], *, step: int) -> None:
         raise DataMismatchError(
             f"the ranks were handed different batches for step {step + 1} (shapes and checksums {everyone})",
             hint="serve the same GLOBAL batch on every rank: build the loader with engine.dataloader(dataset) "
-            "(accelerator.prepare leaves it alone); a DataLoader Accelerate prepared is sharded by world size")
+            "(accelerator.prepare and fabric.setup_dataloaders leave it alone); a DataLoader Accelerate prepared, "
+            "or one Fabric gave a distributed sampler, is sharded by world size")
 
 
-__all__ = ["DataMismatchError", "DynaTrainEngine"]
+__all__ = ["DataMismatchError", "DynaTrainEngine", "LoopSetupError"]

@@ -1,5 +1,5 @@
-"""What an Accelerate loop hands to ``accelerator.prepare``: a model, an optimizer and a scheduler
-that are views of one ``DynaTrainEngine``, and that ``prepare`` returns unchanged.
+"""What a loop hands to ``accelerator.prepare`` or ``fabric.setup``: a model, an optimizer and a
+scheduler that are views of one ``DynaTrainEngine``, which neither library wraps.
 
 ``Accelerator.prepare`` wraps a trainable ``nn.Module`` in torch DDP over the whole world, wraps an
 optimizer in ``AcceleratedOptimizer``, a scheduler in ``AcceleratedScheduler`` (which steps it once
@@ -16,12 +16,16 @@ instead, object by object (Accelerate 1.15):
 - the loader of ``engine.dataloader`` (``data.global_batch_loader``) carries the same mark: every
   rank keeps the whole global batch, the engine cuts the current layout's data-parallel share.
 
+Under Fabric, ``DynaTrainFabricStrategy`` does the same from the strategy's side: ``fabric.setup``
+puts Fabric's thin wrappers around the model and optimizer (calls pass through) but no DDP, no
+device move and no precision context, and ``fabric.setup_dataloaders`` adds no distributed sampler.
+
 The loop is Accelerate's Megatron-LM loop: ``model(batch)`` in training mode runs the whole
 megatron step (forward and backward over the micro-batches through the pipeline schedule,
-finalize grads, optimizer step) and returns the loss; ``accelerator.backward(loss)`` and
-``optimizer.zero_grad()`` have nothing left to do; ``optimizer.step()`` is the step boundary, where
-a scheduled layout switch runs; ``scheduler.step()`` has nothing to do (the step's LR is
-``lr_at(step)``, set inside the fused step).
+finalize grads, optimizer step) and returns the loss; ``accelerator.backward(loss)`` /
+``fabric.backward(loss)`` and ``optimizer.zero_grad()`` have nothing left to do; ``optimizer.step()``
+is the step boundary, where a scheduled layout switch runs; ``scheduler.step()`` has nothing to do
+(the step's LR is ``lr_at(step)``, set inside the fused step).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from lightning_dynatrain.accelerate.engine import DynaTrainEngine
+    from lightning_dynatrain.loop.engine import DynaTrainEngine
     from lightning_dynatrain.strategy.report import ReconfigReport
 
 
@@ -44,11 +48,12 @@ class EvaluationNotSupportedError(RuntimeError):
 
 
 class DynaTrainModel(torch.nn.Module):
-    """The model an Accelerate loop calls: ``loss = model(batch)`` runs one whole optimizer step.
+    """The model a loop calls: ``loss = model(batch)`` runs one whole optimizer step.
 
     It registers no parameters of its own (the shard changes at every switch; ``shard`` is the
     current one), so ``state_dict()`` is empty: checkpoints go through ``save_state``, whose hook
-    writes every rank's shard (``checkpoint.py``), never through ``accelerator.save_model``.
+    writes the engine's layout-free checkpoint (``checkpoint.py``), never through ``accelerator.save_model``.
+    Under Fabric, ``fabric.save`` does the same through the strategy.
     """
 
     def __init__(self, engine: "DynaTrainEngine") -> None:
@@ -70,7 +75,8 @@ class DynaTrainModel(torch.nn.Module):
 
         Returns:
             The global mean loss as a 0-dim tensor on the accelerator's device. It is a leaf that
-            requires grad, so ``accelerator.backward(loss)`` runs and changes nothing: the step ran.
+            requires grad, so ``accelerator.backward(loss)`` (``fabric.backward``) runs and changes
+            nothing: the step ran.
 
         Raises:
             EvaluationNotSupportedError: the model is in eval mode.
@@ -78,20 +84,21 @@ class DynaTrainModel(torch.nn.Module):
         if not self.training:
             raise EvaluationNotSupportedError()
         loss = self._engine.train_step(batch if batch is not None else tensors)
-        return torch.tensor(loss, dtype=torch.float32, device=self._engine.accelerator.device, requires_grad=True)
+        return torch.tensor(loss, dtype=torch.float32, device=self._engine.host.device, requires_grad=True)
 
     def extra_repr(self) -> str:
         return repr(self._engine)
 
 
 class DynaTrainOptimizer(torch.optim.Optimizer):
-    """The optimizer an Accelerate loop steps: the current layout's megatron optimizer, seen through the engine.
+    """The optimizer a loop steps: the current layout's megatron optimizer, seen through the engine.
 
     ``step()`` marks the step boundary (a scheduled switch due now runs); ``zero_grad()`` does
     nothing (megatron zeroes its gradient buffer at the start of each step); ``param_groups`` are
-    megatron's current ones (their ``lr`` is set at each step). ``state_dict()`` is what every
-    rank shares -- the layout and world size -- because Accelerate writes rank 0's copy and loads
-    it on every rank; the sharded Adam state goes to the per-rank files of ``save_state``.
+    megatron's current ones (their ``lr`` is set at each step). ``state_dict()`` says where it was
+    written (layout and world size), the same on every rank, because Accelerate and Fabric write
+    rank 0's copy and load it on every rank; the sharded Adam state goes to the engine's
+    layout-free checkpoint (``checkpoint.py``).
     """
 
     def __init__(self, engine: "DynaTrainEngine") -> None:  # no super().__init__: megatron owns the params
@@ -127,18 +134,17 @@ class DynaTrainOptimizer(torch.optim.Optimizer):
         return {"layout": str(self._engine.layout), "world_size": self._engine.world_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check the checkpoint's layout against the engine's (the shards were loaded by then).
+        """Nothing to restore: the Adam state came with the engine's checkpoint (any layout and world size).
 
         Raises:
-            LayoutError: the file says another layout or world size.
+            CheckpointError: ``state_dict`` was not written by a ``DynaTrainOptimizer``.
         """
-        from lightning_dynatrain.vps.errors import LayoutError
+        from lightning_dynatrain.checkpoint.identity import CheckpointError
 
-        saved = (state_dict.get("layout"), state_dict.get("world_size"))
-        if saved != (str(self._engine.layout), self._engine.world_size):
-            raise LayoutError(f"optimizer.bin was written at layout {saved[0]} on {saved[1]} processes, the engine "
-                              f"is at {self._engine.layout} on {self._engine.world_size}",
-                              hint="load a checkpoint written by one save_state call of a DynaTrainEngine run")
+        if not {"layout", "world_size"} <= set(state_dict):
+            raise CheckpointError(f"the optimizer's saved state has keys {sorted(state_dict)}, not a "
+                                  "DynaTrainOptimizer's", hint="load a checkpoint written by save_state or fabric.save "
+                                  "of a DynaTrainEngine run")
 
     def __repr__(self) -> str:
         return f"DynaTrainOptimizer({self._engine.layout}, {type(self._engine.state.optimizer).__name__})"

@@ -1,4 +1,4 @@
-"""The data side of an Accelerate run: global batches on every rank, which ``prepare`` leaves alone.
+"""The data side of a loop run: global batches on every rank, which Accelerate and Fabric leave alone.
 
 A layout switch changes who is a data-parallel replica of whom, so the loader must not know the
 layout: every rank reads the same GLOBAL batch of step ``k`` (``GlobalBatchSampler``: positions
@@ -7,7 +7,8 @@ layout: every rank reads the same GLOBAL batch of step ``k`` (``GlobalBatchSampl
 or a slice of each): wrong under tensor and pipeline parallelism, where the ranks of one replica
 need the same rows. The loader made here carries ``_is_accelerate_prepared``, the mark Accelerate's
 ``prepare_data_loader`` reads to return a loader unchanged, so it can go through ``prepare`` with
-the rest of the loop's objects.
+the rest of the loop's objects. Under Fabric, ``DynaTrainFabricStrategy`` has no
+``distributed_sampler_kwargs``, so ``fabric.setup_dataloaders`` adds no sampler either.
 
 Example::
 
@@ -26,7 +27,8 @@ from lightning_dynatrain.data.sampler import GlobalBatchSampler
 def global_batch_loader(dataset: Dataset, *, global_batch_size: int, shuffle: bool = True, seed: int = 0,
                         num_workers: int = 0) -> GlobalBatchDataLoader:
     """A ``DataLoader`` of whole global batches (the same on every rank) that ``accelerator.prepare``
-    returns unchanged; ``DynaTrainEngine.dataloader`` makes one at the engine's data position.
+    and ``fabric.setup_dataloaders`` return unsharded; ``DynaTrainEngine.dataloader`` makes one at
+    the engine's data position.
 
     Raises:
         ValueError: an empty dataset or a non-positive batch size (``GlobalBatchSampler``).

@@ -1,0 +1,87 @@
+"""What ``accelerate_gpt.py`` and ``fabric_gpt.py`` share: the Lightning demo's model, optimizer and LR
+schedule as command-line flags, and the files a run writes (``metrics.csv`` as the Lightning demo,
+``switches.jsonl``)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from lightning_dynatrain.warning_filters import quiet_third_party_warnings
+
+# megatron-core's import-time notices (no Transformer Engine, no Apex) are named there; the model's
+# modules below import megatron-core
+quiet_third_party_warnings(on_cpu=not torch.cuda.is_available())
+
+from lightning_dynatrain.accelerate import DynaTrainPlugin  # noqa: E402
+from lightning_dynatrain.data import VOCAB_SIZE  # noqa: E402
+from lightning_dynatrain.megatron.gpt import GPTShape  # noqa: E402
+from lightning_dynatrain.strategy import AdamSettings, MegatronRecipe, vocab_divisor_for, warmup_cosine_lr  # noqa: E402
+from lightning_dynatrain.strategy.report import dumps  # noqa: E402
+
+
+def add_run_args(p: argparse.ArgumentParser, *, out: str) -> None:
+    """The flags of a run: steps, layout, schedule, output, checkpoints, and the model (as train_gpt.py)."""
+    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--layout", default=None, help="starting layout, e.g. dp2-tp2-pp1 (default $DYNATRAIN_LAYOUT, "
+                   "else auto: pure data parallel)")
+    p.add_argument("--schedule", default=None, help="STEP:LAYOUT[,STEP:LAYOUT...] or a YAML file "
+                   "(default $DYNATRAIN_SCHEDULE)")
+    p.add_argument("--staging-budget", default=None, help="bytes a switch may stage at once (default 256MiB)")
+    p.add_argument("--out", type=Path, default=Path(out), help="output directory")
+    p.add_argument("--log-every", type=int, default=0, help="print the loss every N steps (0: never)")
+    m = p.add_argument_group("model and batch (as examples/train_gpt.py)")
+    m.add_argument("--hidden", type=int, default=128)
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--ffn", type=int, default=512)
+    m.add_argument("--seq-length", type=int, default=128)
+    m.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (all ranks)")
+    m.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
+    m.add_argument("--lr", type=float, default=3e-3)
+    m.add_argument("--warmup", type=int, default=30)
+    m.add_argument("--weight-decay", type=float, default=0.01)
+    m.add_argument("--seed", type=int, default=1234)
+
+
+def plugin_of(args: argparse.Namespace) -> DynaTrainPlugin:
+    return DynaTrainPlugin(layout=args.layout, schedule=args.schedule, staging_budget=args.staging_budget,
+                           seed=args.seed)
+
+
+def model_of(args: argparse.Namespace, plugin: DynaTrainPlugin, world_size: int) -> dict:
+    """``DynaTrainEngine``'s keyword arguments for the Lightning demo's model (``GPTLightningModule``'s
+    defaults): ``recipe``, ``adam`` and ``lr_at``; the vocabulary is padded for every tensor-parallel
+    size the run will use."""
+    start = plugin.start_layout(world_size)
+    tps = sorted({start.tp, *(layout.tp for _, layout in plugin.schedule)})
+    shape = GPTShape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn_hidden=args.ffn,
+                     vocab_size=VOCAB_SIZE, seq_length=args.seq_length,
+                     make_vocab_size_divisible_by=vocab_divisor_for(VOCAB_SIZE, tps))
+    recipe = MegatronRecipe(shape=shape, seed=args.seed, global_batch_size=args.global_batch,
+                            micro_batch_size=args.micro_batch)
+    return dict(recipe=recipe, adam=AdamSettings(lr=args.lr, weight_decay=args.weight_decay),
+                lr_at=partial(warmup_cosine_lr, peak=args.lr, warmup_steps=args.warmup, max_steps=args.max_steps))
+
+
+def write(out: Path, rows: list[tuple[int, float, str]], history: list) -> None:
+    """``metrics.csv`` as the Lightning demo writes it, and ``switches.jsonl``."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "metrics.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "loss", "layout"])
+        writer.writerows([step, f"{loss:.6f}", layout] for step, loss, layout in rows)
+    (out / "switches.jsonl").write_text("".join(dumps(report) + "\n" for report in history))
+
+
+def summary(rows: list[tuple[int, float, str]], seconds: float, processes: int, how: str, switches: int,
+            same: bool) -> str:
+    """The run's last line."""
+    last = sum(r[1] for r in rows[-10:]) / max(1, min(10, len(rows)))
+    return (f"{len(rows)} steps in {seconds:.1f} s on {processes} processes ({how}): loss {rows[0][1]:.3f} -> "
+            f"{last:.3f} (mean of last 10), {switches} switches, losses {'identical' if same else 'DIFFERENT'} "
+            "on every process")

@@ -1,0 +1,98 @@
+"""``examples/fabric_gpt.py`` under the real ``fabric run`` (4 processes, torchelastic, gloo), switching
+layout twice, against the Lightning demo of the same model, data and seed; resumed from its own
+``fabric.save`` under Fabric's own launcher (``python ... --devices N``: ``Fabric.launch()`` starts
+the other processes), at the layout that wrote it (the same losses, exactly) and on 2 processes;
+and in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with fp32 main params),
+saved and resumed.
+
+Each run is a real job under its own timeout; the Lightning run is the session's (``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist import fabric_executable
+from tests.loops.jobs import LAYOUT_OF_STEP, MODEL, SAVE_AT, SCHEDULE, START, STEPS, metrics, run_job
+
+pytestmark = pytest.mark.slow
+
+FABRIC_RUN = [fabric_executable(), "run", "--accelerator", "cpu", "--devices", "4"]
+
+def own_launcher(devices: int) -> list[str]:
+    return [sys.executable, "examples/fabric_gpt.py", "--accelerator", "cpu", "--devices", str(devices)]
+
+
+def _fabric(launch: list[str], out: Path, *extra: str, layout: str = START, schedule: str = SCHEDULE, **env: str):
+    script = ["examples/fabric_gpt.py"] if launch is FABRIC_RUN else []
+    return run_job([*launch, *script, "--max-steps", str(STEPS), "--layout", layout, "--schedule", schedule, *MODEL,
+                    "--out", str(out), *extra], out.parent, **env)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("fabric_example")
+    straight = _fabric(FABRIC_RUN, tmp / "fabric", "--save-at", str(SAVE_AT))
+    state = str(tmp / "fabric" / "state")
+    resumed = _fabric(own_launcher(4), tmp / "resumed", "--resume", state, layout=LAYOUT_OF_STEP[SAVE_AT],
+                      DYNATRAIN_SCHEDULE_AHEAD="false")
+    on_two = _fabric(own_launcher(2), tmp / "on_two", "--resume", state, layout="dp1-tp2-pp1", schedule="")
+    return dict(tmp=tmp, straight=straight, resumed=resumed, on_two=on_two)
+
+
+def test_fabric_run_trains_and_switches_like_the_lightning_run(runs: dict, lightning_run: list) -> None:
+    fabric = metrics(runs["tmp"] / "fabric")
+    assert [(step, layout) for step, _, layout in fabric] == sorted(LAYOUT_OF_STEP.items())
+    assert [loss for _, loss, _ in fabric] == pytest.approx([loss for _, loss, _ in lightning_run], rel=1e-4)
+    assert fabric[-1][1] < fabric[0][1]
+    out = runs["straight"].stdout
+    assert "on 4 processes (gloo, Fabric under TorchElasticEnvironment)" in out
+    switches = [line for line in out.splitlines() if line.startswith("[dynatrain] step ")]
+    assert [line.split(" in ")[0] for line in switches] == [
+        "[dynatrain] step 2: dp2-tp2-pp1 -> dp1-tp2-pp2", "[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-zero1"]
+    assert all("built ahead in" in line for line in switches), switches
+    assert "2 switches, losses identical on every process" in out
+    # fabric run sets OMP_NUM_THREADS to every core in each process: the strategy lowers it (threads.py)
+    assert "Warning" not in runs["straight"].stderr, runs["straight"].stderr[-4000:]
+
+
+def test_fabric_save_and_load_resume_exactly_at_the_same_layout(runs: dict) -> None:
+    state = runs["tmp"] / "fabric" / "state"
+    assert sorted(p.name for p in state.iterdir()) == ["dynatrain", "fabric.ckpt"]
+    assert (state / "dynatrain" / ".metadata").is_file() and len(list((state / "dynatrain").glob("*.distcp"))) == 4
+    out = runs["resumed"].stdout
+    assert "on 4 processes (gloo, Fabric under LightningEnvironment)" in out
+    assert f"loaded {state} (step 3, written at dp1-tp2-pp2 on 4 processes) into dp1-tp2-pp2 on 4" in out
+    assert f"resumed from {state} at step 3, dp1-tp2-pp2" in out
+    resumed, straight = metrics(runs["tmp"] / "resumed"), metrics(runs["tmp"] / "fabric")
+    assert [(step, layout) for step, _, layout in resumed] == [(s, LAYOUT_OF_STEP[s]) for s in (4, 5, 6)]
+    assert [loss for _, loss, _ in resumed] == [loss for _, loss, _ in straight[SAVE_AT:]]  # bit for bit
+    step4 = next(line for line in out.splitlines() if line.startswith("[dynatrain] step 4: dp1-tp2-pp2 -> "))
+    assert "built ahead" not in step4, step4  # DYNATRAIN_SCHEDULE_AHEAD=false, read by the strategy's plugin
+
+
+def test_fabric_load_resumes_on_another_number_of_processes(runs: dict) -> None:
+    state = runs["tmp"] / "fabric" / "state"
+    out = runs["on_two"].stdout
+    assert f"loaded {state} (step 3, written at dp1-tp2-pp2 on 4 processes) into dp1-tp2-pp1 on 2" in out
+    on_two, straight = metrics(runs["tmp"] / "on_two"), metrics(runs["tmp"] / "fabric")
+    assert [(step, layout) for step, _, layout in on_two] == [(4, "dp1-tp2-pp1"), (5, "dp1-tp2-pp1"), (6, "dp1-tp2-pp1")]
+    assert [loss for _, loss, _ in on_two] == pytest.approx([loss for _, loss, _ in straight[SAVE_AT:]], rel=1e-4)
+
+
+def test_bf16_true_trains_megatron_bf16_params_switches_and_resumes(tmp_path: Path) -> None:
+    bf16 = ["--precision", "bf16-true", "--max-steps", "4", "--schedule", "2:dp1-tp2-pp1", *MODEL]
+    first = run_job([*own_launcher(2), *bf16, "--layout", "dp2-tp1-pp1", "--save-at", "2", "--out",
+                     str(tmp_path / "first")], tmp_path)
+    rows = metrics(tmp_path / "first")
+    assert [layout for _, _, layout in rows] == ["dp2-tp1-pp1"] * 2 + ["dp1-tp2-pp1"] * 2
+    assert all(4.0 < loss < 6.0 for _, loss, _ in rows), rows
+    assert "[dynatrain] step 2: dp2-tp1-pp1 -> dp1-tp2-pp1" in first.stdout
+    assert "params bfloat16" in first.stdout
+    resumed = run_job([*own_launcher(2), *bf16, "--layout", "dp1-tp2-pp1", "--resume", str(tmp_path / "first" / "state"),
+                       "--out", str(tmp_path / "resumed")], tmp_path)
+    assert "written at dp1-tp2-pp1 on 2 processes) into dp1-tp2-pp1 on 2" in resumed.stdout
+    assert metrics(tmp_path / "resumed") == rows[2:]  # bf16 params, fp32 main params and moments: bit for bit
