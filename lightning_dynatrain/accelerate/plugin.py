@@ -10,7 +10,7 @@ Where the settings come from, first match wins:
 2. environment variables ``DYNATRAIN_LAYOUT``, ``DYNATRAIN_SCHEDULE``, ``DYNATRAIN_STAGING_BUDGET``,
    ``DYNATRAIN_SWITCH_MEMORY_LIMIT``, ``DYNATRAIN_VERIFY``, ``DYNATRAIN_PROMOTE_BROADCASTS``,
    ``DYNATRAIN_SEED``, ``DYNATRAIN_SWITCH_TIMEOUT``, ``DYNATRAIN_SWITCH_SAFETY``,
-   ``DYNATRAIN_SCHEDULE_AHEAD`` (as Accelerate's
+   ``DYNATRAIN_SCHEDULE_AHEAD``, ``DYNATRAIN_ON_REFUSED`` (as Accelerate's
    plugins read ``MEGATRON_LM_TP_DEGREE``, ``FSDP_*``, ...), so
    ``DYNATRAIN_LAYOUT=dp2-tp2-pp1 accelerate launch ...`` works with an unchanged script;
 3. the defaults below.
@@ -52,7 +52,7 @@ ENV_PREFIX = "DYNATRAIN_"
 #: the YAML block ``from_yaml`` reads, and the prefix of its keys
 YAML_BLOCK = "dynatrain_config"
 _FIELDS = ("layout", "schedule", "staging_budget", "switch_memory_limit", "verify", "promote_broadcasts", "seed",
-           "switch_timeout", "switch_safety", "schedule_ahead")
+           "switch_timeout", "switch_safety", "schedule_ahead", "on_refused")
 
 
 class AccelerateConfigError(DynaTrainError):
@@ -84,6 +84,11 @@ class DynaTrainPlugin:
             switch rolls back to the old layout (and the memory check counts both).
         schedule_ahead: build each schedule entry's switch in a background thread during the steps
             before it (``megatron.ahead``), so its pause is the transfer (default ``True``).
+        on_refused: what a schedule entry's switch refused before anything moved does (memory,
+            staging budget; or rolled back by ``switch_safety="keep_old"`` with the old state whole
+            on every rank): ``"continue"`` (default, as ``ScheduledReconfig``) prints why, records it
+            (``DynaTrainEngine.refusals``) and training goes on at the old layout; ``"raise"``: the
+            error leaves ``optimizer.step()``.
 
     After construction the fields hold the parsed values: ``layout`` a ``ParallelConfig`` or ``"auto"``,
     ``schedule`` a tuple of ``(step, ParallelConfig)`` sorted by step, the budgets whole bytes,
@@ -112,6 +117,7 @@ class DynaTrainPlugin:
     switch_timeout: float | str | SwitchDeadline | None = None
     switch_safety: Literal["fast", "keep_old"] | str | None = None
     schedule_ahead: bool | None = None
+    on_refused: Literal["continue", "raise"] | str | None = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -137,7 +143,8 @@ class DynaTrainPlugin:
                       seed=_whole("seed", given["seed"], default=1234),
                       switch_timeout=parse_switch_timeout(given["switch_timeout"]),
                       switch_safety=parse_switch_safety(given["switch_safety"]),
-                      schedule_ahead=_flag("schedule_ahead", given["schedule_ahead"], default=True))
+                      schedule_ahead=_flag("schedule_ahead", given["schedule_ahead"], default=True),
+                      on_refused=_choice("on_refused", given["on_refused"], ("continue", "raise")))
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -204,6 +211,7 @@ class DynaTrainPlugin:
         faults = "" if self.switch_timeout is None else f", switch_timeout {self.switch_timeout.seconds:g} s"
         faults += "" if self.switch_safety == "fast" else f", switch_safety {self.switch_safety}"
         faults += "" if self.schedule_ahead or not self.schedule else ", switches built on demand"
+        faults += "" if self.on_refused == "continue" else ", refused switches raise"
         return f"DynaTrainPlugin({self.layout}, {schedule}, staging {format_bytes(self.staging_budget)}{faults})"
 
 
@@ -219,6 +227,17 @@ def _flag(name: str, value: Any, *, default: bool) -> bool:
         return False
     raise AccelerateConfigError(f"{name}={value!r} is not a yes/no value",
                                 hint=f"write {ENV_PREFIX}{name.upper()}=true or false")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` (default the first of ``choices``), one of ``choices``."""
+    if value is None:
+        return choices[0]
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise AccelerateConfigError(f"{name}={value!r} is not one of {', '.join(choices)}",
+                                    hint=f"write {ENV_PREFIX}{name.upper()}={choices[0]}")
+    return text
 
 
 def _whole(name: str, value: Any, *, default: int) -> int:

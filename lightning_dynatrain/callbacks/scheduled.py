@@ -236,11 +236,7 @@ class ScheduledReconfig(Callback):
             if self.on_refused == "raise" or not was_refused(err):
                 raise
             self.refusals.append((step, str(self.schedule[step]), type(err).__name__, str(err)))
-            how = ("failed and was rolled back" if isinstance(err, SwitchFailedError)
-                   else "was refused before anything moved")
-            rank_zero_warn(f"ScheduledReconfig: the switch to {self.schedule[step]} at step {step} {how} "
-                           f"({type(err).__name__}: {err}); the old state is whole and training goes on at "
-                           f"{strategy.layout}")
+            rank_zero_warn(f"ScheduledReconfig: {refusal_message(step, self.schedule[step], err, strategy.layout)}")
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -251,6 +247,13 @@ class ScheduledReconfig(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.done = {int(s) for s in state_dict.get("done", [])}
         self.refusals = [tuple(r) for r in state_dict.get("refusals", [])]
+
+
+def refusal_message(step: int, layout: ParallelConfig, err: Exception, now: ParallelConfig) -> str:
+    """What a schedule says when its switch at ``step`` to ``layout`` was refused (``was_refused``)."""
+    how = "failed and was rolled back" if isinstance(err, SwitchFailedError) else "was refused before anything moved"
+    return (f"the switch to {layout} at step {step} {how} ({type(err).__name__}: {err}); the old state is whole "
+            f"and training goes on at {now}")
 
 
 def next_to_prepare(schedule: Iterable[tuple[int, ParallelConfig]], *, after: int, skip: Set[int],
@@ -293,4 +296,5 @@ def validate_schedule(schedule: Mapping[int, ParallelConfig], *, world_size: int
                 "lightning_dynatrain.strategy.vocab_divisor_for(vocab_size, tp_sizes)")
 
 
-__all__ = ["ScheduleError", "ScheduledReconfig", "next_to_prepare", "parse_schedule", "validate_schedule"]
+__all__ = ["ScheduleError", "ScheduledReconfig", "next_to_prepare", "parse_schedule", "refusal_message",
+           "validate_schedule"]

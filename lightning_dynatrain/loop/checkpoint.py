@@ -56,6 +56,7 @@ def save_engine_state(engine: "DynaTrainEngine", output_dir: str | Path) -> Path
     checkpointing.save(checkpoint, path, writer=CheckpointWriter(), model=state.model, state=state,
                        spec=checkpointing.spec_of(engine.recipe.shape), layout=state.layout, rank=engine.rank,
                        world_size=engine.world_size)
+    engine.last_checkpoint = str(output_dir)
     return path
 
 
@@ -81,7 +82,7 @@ def load_engine_state(engine: "DynaTrainEngine", input_dir: str | Path) -> None:
     checkpointing.load_params(checkpoint, state.model, spec, state.layout, engine.rank)
     checkpointing.load_optimizer(checkpoint, state, spec, engine.rank)
     info = checkpointing.source_of(checkpoint).info
-    engine.loaded_step = checkpoint.get("dynatrain_step")
+    engine.loaded_step, engine.last_checkpoint = checkpoint.get("dynatrain_step"), str(input_dir)
     engine.host.print(f"[dynatrain] loaded {input_dir} (step {checkpoint.get('dynatrain_step')}, written at "
                       f"{info.layout} on {info.world_size} processes) into {state.layout} on {engine.world_size}")
 
@@ -106,7 +107,7 @@ def _load_per_rank(engine: "DynaTrainEngine", input_dir: str | Path) -> None:
                           "checkpoint written by one save call (save_state or fabric.save)") from err
     engine.state.model.load_state_dict(checkpoint["model"])
     load_optimizer_state_dict(engine.state, checkpoint["optimizer"])
-    engine.loaded_step = int(meta["step"])
+    engine.loaded_step, engine.last_checkpoint = int(meta["step"]), str(input_dir)
 
 
 def _agreed_kind(path: Path) -> str:

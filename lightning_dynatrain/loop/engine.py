@@ -123,6 +123,7 @@ class DynaTrainEngine:
                                        memory_limit=settings.switch_memory_limit, verify=settings.verify,
                                        promote_broadcasts=settings.promote_broadcasts,
                                        switch_timeout=settings.switch_timeout,
+                                       resume_from=lambda: self.last_checkpoint,
                                        keep_old=settings.switch_safety == "keep_old")
         # the same order as DynaTrainStrategy: groups, node map, model shard, DDP + optimizer
         groups = init_groups(layout, seed=settings.seed, groups=self.switcher.groups)
@@ -134,7 +135,11 @@ class DynaTrainEngine:
         self.step = 0
         #: the step of the checkpoint last loaded into the state (``loop.checkpoint``), else None
         self.loaded_step: int | None = None
+        #: the checkpoint folder last saved or loaded (a failed switch names it to resume from), else None
+        self.last_checkpoint: str | None = None
         self.history: list[ReconfigReport] = []
+        #: schedule entries whose switch was refused: (step, layout, error type, message)
+        self.refusals: list[tuple[int, str, str, str]] = []
         self._done: set[int] = set()
         self._not_ahead: set[int] = set()  # schedule entries whose build could not start
         self._samplers: list[GlobalBatchSampler] = []
@@ -210,14 +215,31 @@ class DynaTrainEngine:
 
     def step_boundary(self) -> ReconfigReport | None:
         """Run the schedule's switch due now (entries at or before ``step`` not run yet: the latest
-        wins), then start building the next one ahead (``plugin.schedule_ahead``)."""
+        wins), then start building the next one ahead (``plugin.schedule_ahead``). A switch refused
+        before anything moved (or rolled back with the old state whole) is printed and recorded in
+        ``refusals``, and training goes on at the old layout, unless ``plugin.on_refused="raise"``."""
         due = [s for s, _ in self.plugin.schedule if s <= self.step and s not in self._done]
         report = None
         if due:
             self._done.update(due)
-            report = self.reconfigure(self.plugin.schedule_map[max(due)])
+            report = self._scheduled_switch(max(due))
         self._prepare_next()
         return report
+
+    def _scheduled_switch(self, step: int) -> ReconfigReport | None:
+        """The schedule's switch of entry ``step``; a refusal goes by under ``on_refused="continue"``."""
+        from lightning_dynatrain.callbacks.scheduled import refusal_message
+        from lightning_dynatrain.engine.errors import was_refused
+
+        layout = self.plugin.schedule_map[step]
+        try:
+            return self.reconfigure(layout)
+        except DynaTrainError as err:  # the same on every rank
+            if self.plugin.on_refused == "raise" or not was_refused(err):
+                raise
+            self.refusals.append((step, str(layout), type(err).__name__, str(err)))
+            self.host.print(f"[dynatrain] {refusal_message(step, layout, err, self.layout)}")
+            return None
 
     def _prepare_next(self) -> None:
         """The next entry that changes the layout, built in the background (once per entry)."""
@@ -264,6 +286,7 @@ class DynaTrainEngine:
         checkpoint, Fabric in ``fabric.ckpt``; the training state goes to the engine's layout-free
         checkpoint, ``checkpoint.py``)."""
         return {"step": self.step, "layout": str(self.layout), "schedule_done": sorted(self._done),
+                "refusals": [list(r) for r in self.refusals],
                 "history": [report.to_json() for report in self.history]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -281,6 +304,7 @@ class DynaTrainEngine:
                                   hint="load a checkpoint written by one save_state or fabric.save call")
         self.step = int(state["step"])
         self._done = {int(s) for s in state.get("schedule_done", ())}
+        self.refusals = [tuple(r) for r in state.get("refusals", ())]
         self.history = [ReconfigReport(**row) for row in state.get("history", ())]
         for sampler in self._samplers:
             sampler.set_step(self.step)

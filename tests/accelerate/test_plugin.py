@@ -100,6 +100,8 @@ def test_layouts_that_do_not_fit_the_world_the_model_or_the_batch_are_refused_be
     ("switch_timeout", "soon", DynaTrainError, ["switch_timeout='soon'", "seconds"]),
     ("switch_timeout", -5, DynaTrainError, ["switch_timeout"]),
     ("switch_safety", "careful", DynaTrainError, ["switch_safety='careful'", "keep_old"]),
+    ("on_refused", "ignore", AccelerateConfigError, ["on_refused='ignore' is not one of continue, raise",
+                                                     "DYNATRAIN_ON_REFUSED=continue"]),
 ])
 def test_bad_budgets_and_flags_are_refused(field: str, value, kind: type[Exception], words: list[str]) -> None:
     refused(kind, *words, call=lambda: DynaTrainPlugin(**{field: value}))
@@ -120,6 +122,9 @@ def test_environment_variables_are_the_defaults_and_arguments_win(monkeypatch) -
     monkeypatch.setenv("DYNATRAIN_SCHEDULE_AHEAD", "false")
     assert DynaTrainPlugin().schedule_ahead is False and str(DynaTrainPlugin()).endswith(", switches built on demand)")
     assert DynaTrainPlugin(schedule_ahead=True).schedule_ahead is True  # an argument wins
+    assert DynaTrainPlugin().on_refused == "continue" and "refused switches raise" not in str(DynaTrainPlugin())
+    monkeypatch.setenv("DYNATRAIN_ON_REFUSED", "Raise")
+    assert DynaTrainPlugin().on_refused == "raise" and "refused switches raise" in str(DynaTrainPlugin())
     assert str(DynaTrainPlugin(layout="dp4", schedule={}).layout) == "dp4-tp1-pp1"
     monkeypatch.setenv("DYNATRAIN_LAYOUT", "dp2-xx2")
     refused(LayoutError, "unknown part 'xx2'", call=DynaTrainPlugin)

@@ -2,21 +2,34 @@
 layout twice, against the Lightning demo of the same model, data and seed; resumed from its own
 ``fabric.save`` under Fabric's own launcher (``python ... --devices N``: ``Fabric.launch()`` starts
 the other processes), at the layout that wrote it (the same losses, exactly) and on 2 processes;
-and in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with fp32 main params),
-saved and resumed.
+in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with fp32 main params), saved
+and resumed; with a scheduled switch refused (training goes on, or the error leaves the loop); and
+with a rank killed in a switch (every survivor fails naming it and the checkpoint to resume from).
 
 Each run is a real job under its own timeout; the Lightning run is the session's (``conftest.py``).
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.dist import fabric_executable
-from tests.loops.jobs import LAYOUT_OF_STEP, MODEL, SAVE_AT, SCHEDULE, START, STEPS, metrics, run_job
+from tests.dist import fabric_executable, free_port
+from tests.loops.jobs import (
+    LAYOUT_OF_STEP,
+    MODEL,
+    ROOT,
+    SAVE_AT,
+    SCHEDULE,
+    START,
+    STEPS,
+    job_env,
+    metrics,
+    run_job,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +109,44 @@ def test_bf16_true_trains_megatron_bf16_params_switches_and_resumes(tmp_path: Pa
                        "--out", str(tmp_path / "resumed")], tmp_path)
     assert "written at dp1-tp2-pp1 on 2 processes) into dp1-tp2-pp1 on 2" in resumed.stdout
     assert metrics(tmp_path / "resumed") == rows[2:]  # bf16 params, fp32 main params and moments: bit for bit
+
+
+def test_a_refused_scheduled_switch_goes_by_and_training_goes_on(tmp_path: Path) -> None:
+    args = [*own_launcher(2), "--max-steps", "4", "--layout", "dp2-tp1-pp1", "--schedule", "2:dp1-tp2-pp1", *MODEL]
+    proc = run_job([*args, "--out", str(tmp_path / "continue")], tmp_path, DYNATRAIN_SWITCH_MEMORY_LIMIT="1KiB")
+    assert "[dynatrain] the switch to dp1-tp2-pp1 at step 2 was refused before anything moved (SwitchMemoryError: " \
+           in proc.stdout
+    assert "the old state is whole and training goes on at dp2-tp1-pp1" in proc.stdout
+    assert [layout for _, _, layout in metrics(tmp_path / "continue")] == ["dp2-tp1-pp1"] * 4
+    with pytest.raises(AssertionError, match="SwitchMemoryError"):  # run_job asserts exit 0
+        run_job([*args, "--out", str(tmp_path / "raise")], tmp_path, DYNATRAIN_SWITCH_MEMORY_LIMIT="1KiB",
+                DYNATRAIN_ON_REFUSED="raise")
+
+
+def test_a_rank_killed_in_a_switch_stops_every_survivor_naming_it_and_the_checkpoint(tmp_path: Path) -> None:
+    """Four processes started by hand (Fabric's own launcher and ``fabric run`` stop every process
+    when one dies): Fabric sees ``LOCAL_RANK`` and starts none; rank 2 is killed as it enters the
+    transfer of the switch at step 2, after ``fabric.save`` at step 1."""
+    port = free_port()
+    env = {**job_env(tmp_path), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL", "DYNATRAIN_SWITCH_TIMEOUT": "20"}
+    cmd = [*own_launcher(4), "--max-steps", "4", "--layout", START, "--schedule", "2:dp1-tp2-pp2", *MODEL,
+           "--save-at", "1", "--out", str(tmp_path / "run")]
+    logs = [open(tmp_path / f"rank{rank}.log", "w+") for rank in range(4)]
+    procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT,
+                              cwd=ROOT) for rank, log in enumerate(logs)]
+    try:
+        codes = [proc.wait(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    assert codes[2] == -9 and all(codes[r] == 1 for r in (0, 1, 3)), codes
+    for rank in (0, 1, 3):
+        assert "SwitchFailedError: layout switch dp2-tp2-pp1 -> dp1-tp2-pp2 failed: rank 2 stopped answering in " \
+               "phase 'transfer'" in texts[rank], texts[rank][-3000:]
+        assert f"resume the job from the last checkpoint, {tmp_path / 'run' / 'state'}" in texts[rank]
