@@ -12,7 +12,10 @@ starts 4 processes in Accelerate's MULTI_CPU mode (gloo); ``accelerate launch --
 ``--layout`` and ``--schedule`` default to ``$DYNATRAIN_LAYOUT`` and ``$DYNATRAIN_SCHEDULE``.
 
 Writes (rank 0) ``OUT/metrics.csv`` (step, loss, layout, as the Lightning demo) and
-``OUT/switches.jsonl`` (one JSON object per switch); rank 0 prints one line per switch.
+``OUT/switches.jsonl`` (one JSON object per switch); rank 0 prints one line per switch. With
+``--val-root DIR --val-every N`` it validates (``model.eval()``: forward only, at whatever layout runs)
+on the ``.py`` files under ``DIR`` whenever the step count is a multiple of ``N`` and writes
+``OUT/val.csv``.
 ``--save-state-at K`` saves the whole state after step K with ``accelerator.save_state(OUT/state)``;
 ``--resume DIR`` loads one with ``accelerator.load_state(DIR)`` (written at any layout and number of
 processes: it loads into this run's layout) and trains on to ``--max-steps``.
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from loop_common import add_run_args, model_of, plugin_of, summary, write
+from loop_common import Validation, add_run_args, model_of, plugin_of, summary, write
 
 from lightning_dynatrain.accelerate import DynaTrainEngine
 from lightning_dynatrain.data import StdlibBytes
@@ -56,9 +59,14 @@ def main(argv: list[str] | None = None) -> None:
         loader = engine.dataloader(StdlibBytes(args.seq_length), shuffle=True, seed=args.seed)
         model, optimizer, loader, scheduler = accelerator.prepare(engine.model, engine.optimizer, loader,
                                                                   engine.scheduler)
+        validation = Validation(args, engine)
+        val_loader = None if validation.dataset is None else accelerator.prepare(
+            engine.eval_dataloader(validation.dataset))
         if args.resume is not None:
             accelerator.load_state(str(args.resume))
             accelerator.print(f"[accelerate_gpt] resumed from {args.resume} at step {engine.step}, {engine.layout}")
+        if line := validation(model, val_loader):
+            accelerator.print(f"[accelerate_gpt] {line}")
         start = time.perf_counter()
         while engine.step < args.max_steps:
             for batch in loader:
@@ -71,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append((engine.step, loss.item(), layout))
                 if args.log_every and engine.step % args.log_every == 0:
                     accelerator.print(f"[accelerate_gpt] step {engine.step} loss {loss.item():.4f} ({layout})")
+                if line := validation(model, val_loader):
+                    accelerator.print(f"[accelerate_gpt] {line}")
                 if engine.step == args.save_state_at:
                     accelerator.save_state(str(args.out / "state"))
                 if engine.step >= args.max_steps:
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         everyone = accelerator.gather_for_metrics(mine)
         same = bool((everyone == everyone[0]).all())
         if accelerator.is_main_process:
-            write(args.out, rows, engine.history)
+            write(args.out, rows, engine.history, validation.rows)
         if rows:
             line = summary(rows, seconds, accelerator.num_processes, str(accelerator.distributed_type),
                            len(engine.history), same)

@@ -14,7 +14,10 @@ trains bf16 params with fp32 main params (megatron's own mixed precision). ``--l
 ``--schedule`` default to ``$DYNATRAIN_LAYOUT`` and ``$DYNATRAIN_SCHEDULE``.
 
 Writes (rank 0) ``OUT/metrics.csv`` (step, loss, layout, as the Lightning demo) and
-``OUT/switches.jsonl`` (one JSON object per switch); rank 0 prints one line per switch.
+``OUT/switches.jsonl`` (one JSON object per switch); rank 0 prints one line per switch. With
+``--val-root DIR --val-every N`` it validates (``model.eval()``: forward only, at whatever layout runs)
+on the ``.py`` files under ``DIR`` whenever the step count is a multiple of ``N`` and writes
+``OUT/val.csv``.
 ``--save-at K`` saves the whole state after step K with ``fabric.save(OUT/state, ...)``;
 ``--resume DIR`` loads one with ``fabric.load(DIR, ...)`` (written at any layout and number of
 processes: it loads into this run's layout) and trains on to ``--max-steps``.
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 from lightning.fabric import Fabric
-from loop_common import add_run_args, model_of, plugin_of, summary, write
+from loop_common import Validation, add_run_args, model_of, plugin_of, summary, write
 
 from lightning_dynatrain.data import StdlibBytes
 from lightning_dynatrain.fabric import DynaTrainEngine, DynaTrainFabricStrategy
@@ -58,10 +61,15 @@ def main(argv: list[str] | None = None) -> None:
     with DynaTrainEngine(fabric, **model_of(args, plugin, fabric.world_size)) as engine:
         model, optimizer = fabric.setup(engine.model, engine.optimizer)
         loader = fabric.setup_dataloaders(engine.dataloader(StdlibBytes(args.seq_length), shuffle=True, seed=args.seed))
+        validation = Validation(args, engine)
+        val_loader = None if validation.dataset is None else fabric.setup_dataloaders(
+            engine.eval_dataloader(validation.dataset))
         state = {"model": model, "optimizer": optimizer, "engine": engine}
         if args.resume is not None:
             fabric.load(args.resume, state)
             fabric.print(f"[fabric_gpt] resumed from {args.resume} at step {engine.step}, {engine.layout}")
+        if line := validation(model, val_loader):
+            fabric.print(f"[fabric_gpt] {line}")
         start = time.perf_counter()
         while engine.step < args.max_steps:
             for batch in loader:
@@ -73,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append((engine.step, loss.item(), layout))
                 if args.log_every and engine.step % args.log_every == 0:
                     fabric.print(f"[fabric_gpt] step {engine.step} loss {loss.item():.4f} ({layout})")
+                if line := validation(model, val_loader):
+                    fabric.print(f"[fabric_gpt] {line}")
                 if engine.step == args.save_at:
                     fabric.save(args.out / "state", state)
                 if engine.step >= args.max_steps:
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         everyone = fabric.all_gather(torch.tensor([loss for _, loss, _ in rows], dtype=torch.float64))
         same = bool((everyone == everyone[0]).all())
         if fabric.global_rank == 0:
-            write(args.out, rows, engine.history)
+            write(args.out, rows, engine.history, validation.rows)
         if rows:
             launcher = type(fabric.strategy.cluster_environment).__name__
             line = summary(rows, seconds, fabric.world_size, f"Fabric, {launcher}", len(engine.history), same)

@@ -1,6 +1,6 @@
 """What ``accelerate_gpt.py`` and ``fabric_gpt.py`` share: the Lightning demo's model, optimizer and LR
-schedule as command-line flags, and the files a run writes (``metrics.csv`` as the Lightning demo,
-``switches.jsonl``)."""
+schedule as command-line flags, validation on held-out sources, and the files a run writes
+(``metrics.csv`` as the Lightning demo, ``switches.jsonl``, ``val.csv``)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 # modules below import megatron-core
 quiet_third_party_warnings(on_cpu=not torch.cuda.is_available())
 
-from lightning_dynatrain.accelerate import DynaTrainPlugin  # noqa: E402
-from lightning_dynatrain.data import VOCAB_SIZE  # noqa: E402
+from lightning_dynatrain.accelerate import DynaTrainEngine, DynaTrainPlugin  # noqa: E402
+from lightning_dynatrain.data import VOCAB_SIZE, StdlibBytes  # noqa: E402
 from lightning_dynatrain.megatron.gpt import GPTShape  # noqa: E402
 from lightning_dynatrain.strategy import AdamSettings, MegatronRecipe, vocab_divisor_for, warmup_cosine_lr  # noqa: E402
 from lightning_dynatrain.strategy.report import dumps  # noqa: E402
@@ -34,6 +34,11 @@ def add_run_args(p: argparse.ArgumentParser, *, out: str) -> None:
     p.add_argument("--staging-budget", default=None, help="bytes a switch may stage at once (default 256MiB)")
     p.add_argument("--out", type=Path, default=Path(out), help="output directory")
     p.add_argument("--log-every", type=int, default=0, help="print the loss every N steps (0: never)")
+    p.add_argument("--val-root", type=Path, default=None, help="validate on the .py files under this directory "
+                   "(held out: not the stdlib the model trains on), e.g. lightning_dynatrain")
+    p.add_argument("--val-every", type=int, default=0, help="validate when the step count is a multiple of N, "
+                   "the run's first step count included (0: never)")
+    p.add_argument("--val-batches", type=int, default=2, help="global batches per validation")
     m = p.add_argument_group("model and batch (as examples/train_gpt.py)")
     m.add_argument("--hidden", type=int, default=128)
     m.add_argument("--layers", type=int, default=4)
@@ -68,13 +73,42 @@ def model_of(args: argparse.Namespace, plugin: DynaTrainPlugin, world_size: int)
                 lr_at=partial(warmup_cosine_lr, peak=args.lr, warmup_steps=args.warmup, max_steps=args.max_steps))
 
 
-def write(out: Path, rows: list[tuple[int, float, str]], history: list) -> None:
-    """``metrics.csv`` as the Lightning demo writes it, and ``switches.jsonl``."""
+class Validation:
+    """Validation of a run: the mean forward-only loss of the first ``--val-batches`` global batches
+    of ``--val-root``'s sources, whenever the step count is a multiple of ``--val-every``.
+
+    ``loader`` is the engine's ``eval_dataloader`` (as the library's loop set it up); ``model`` the
+    engine's model as the library wrapped it: ``model.eval()`` makes ``model(batch)`` forward only.
+    """
+
+    def __init__(self, args: argparse.Namespace, engine: DynaTrainEngine) -> None:
+        self.every, self.batches, self.engine = args.val_every, args.val_batches, engine
+        self.dataset = None if args.val_root is None or not args.val_every else StdlibBytes(args.seq_length,
+                                                                                            root=args.val_root)
+        self.rows: list[tuple[int, float, str]] = []
+
+    def __call__(self, model, loader) -> str | None:
+        """Validate if due now; the line to print, else ``None``."""
+        if self.dataset is None or self.engine.step % self.every:
+            return None
+        model.eval()
+        losses = [model(batch).item() for batch, _ in zip(loader, range(self.batches))]
+        model.train()
+        loss = sum(losses) / len(losses)
+        self.rows.append((self.engine.step, loss, str(self.engine.layout)))
+        return f"step {self.engine.step} val_loss {loss:.4f} ({self.engine.layout})"
+
+
+def write(out: Path, rows: list[tuple[int, float, str]], history: list,
+          val_rows: list[tuple[int, float, str]] = ()) -> None:
+    """``metrics.csv`` as the Lightning demo writes it, ``switches.jsonl``, and ``val.csv`` if validated."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "metrics.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["step", "loss", "layout"])
-        writer.writerows([step, f"{loss:.6f}", layout] for step, loss, layout in rows)
+    for name, header, table in (("metrics.csv", "loss", rows), ("val.csv", "val_loss", val_rows)):
+        if table or name == "metrics.csv":
+            with open(out / name, "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(["step", header, "layout"])
+                writer.writerows([step, f"{loss:.6f}", layout] for step, loss, layout in table)
     (out / "switches.jsonl").write_text("".join(dumps(report) + "\n" for report in history))
 
 

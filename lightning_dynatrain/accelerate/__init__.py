@@ -36,6 +36,8 @@ gloo; on GPUs the same script runs on nccl)::
     accelerator.end_training()
 
 ``loss = engine.train_step(batch)`` is the same step without the Accelerate objects (a float);
+after ``model.eval()``, ``model(batch)`` is the forward-only loss of a global batch at the current
+layout (``engine.eval_step``; validation batches from ``engine.eval_dataloader(dataset)``);
 ``engine.reconfigure("dp4-tp1-pp1")`` switches at once (every rank, between steps). Rank 0 prints
 one line per switch.
 
@@ -67,7 +69,6 @@ from lightning_dynatrain.loop.prepared import (
     DynaTrainModel,
     DynaTrainOptimizer,
     DynaTrainScheduler,
-    EvaluationNotSupportedError,
 )
 
 __all__ = [
@@ -80,6 +81,5 @@ __all__ = [
     "DynaTrainOptimizer",
     "DynaTrainPlugin",
     "DynaTrainScheduler",
-    "EvaluationNotSupportedError",
     "global_batch_loader",
 ]

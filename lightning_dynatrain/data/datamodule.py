@@ -14,7 +14,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from lightning_dynatrain.data.sampler import GlobalBatchSampler
+from lightning_dynatrain.data.sampler import EvalBatchSampler, GlobalBatchSampler
 from lightning_dynatrain.data.stdlib_text import StdlibBytes
 
 
@@ -86,7 +86,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
         (Lightning runs no validation) without ``val_samples``."""
         if self.val_dataset is None:
             return []
-        sampler = GlobalBatchSampler(self.val_dataset, global_batch_size=self.global_batch_size, shuffle=False)
+        sampler = EvalBatchSampler(self.val_dataset, global_batch_size=self.global_batch_size)
         return GlobalBatchDataLoader(self.val_dataset, batch_sampler=sampler, num_workers=self.num_workers)
 
 

@@ -116,6 +116,26 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.set_step(int(state["next_step"]))
 
 
+class EvalBatchSampler(GlobalBatchSampler):
+    """The global batches of a dataset in order, from the first on every pass (validation).
+
+    A validation that reads only some batches (``limit_val_batches``, a loop that stops early)
+    would leave a ``GlobalBatchSampler`` part-way, and the next validation would start there: two
+    validations would score different data. This one has no position: every ``iter`` starts at
+    step 0 and ends with the pass (``max(1, N // G)`` batches).
+
+    >>> [batch for batch in EvalBatchSampler(6, global_batch_size=2)]
+    [[0, 1], [2, 3], [4, 5]]
+    """
+
+    def __init__(self, data: Sized | int, *, global_batch_size: int) -> None:
+        super().__init__(data, global_batch_size=global_batch_size, shuffle=False)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.steps_per_epoch):
+            yield self.indices(step)
+
+
 def dp_share_bounds(global_batch_size: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
     """Rows ``[start, end)`` of a global batch that data-parallel rank ``dp_rank`` of ``dp_size`` trains on.
 
@@ -128,4 +148,4 @@ def dp_share_bounds(global_batch_size: int, dp_rank: int, dp_size: int) -> tuple
     return dp_rank * per_rank, (dp_rank + 1) * per_rank
 
 
-__all__ = ["GlobalBatchSampler", "dp_share_bounds"]
+__all__ = ["EvalBatchSampler", "GlobalBatchSampler", "dp_share_bounds"]

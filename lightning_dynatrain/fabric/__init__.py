@@ -32,6 +32,8 @@ What a user writes (every rank runs it; ``fabric run --accelerator cpu --devices
     fabric.save("checkpoint", {"model": model, "optimizer": optimizer, "engine": engine})
     engine.close()
 
+Validation: ``model.eval()`` makes ``model(batch)`` the forward-only loss of a global batch at the
+current layout (``engine.eval_step``), over ``fabric.setup_dataloaders(engine.eval_dataloader(dataset))``.
 ``fabric.save`` writes the engine's layout-free checkpoint and Fabric's own file of the rest;
 ``fabric.load`` of it resumes at any layout and number of processes. ``DynaTrainEngine`` is the one the
 Accelerate integration uses (``lightning_dynatrain.loop``): the same step, switches and messages.

@@ -21,19 +21,21 @@ from __future__ import annotations
 from torch.utils.data import Dataset
 
 from lightning_dynatrain.data.datamodule import GlobalBatchDataLoader
-from lightning_dynatrain.data.sampler import GlobalBatchSampler
+from lightning_dynatrain.data.sampler import EvalBatchSampler, GlobalBatchSampler
 
 
 def global_batch_loader(dataset: Dataset, *, global_batch_size: int, shuffle: bool = True, seed: int = 0,
-                        num_workers: int = 0) -> GlobalBatchDataLoader:
+                        num_workers: int = 0, for_eval: bool = False) -> GlobalBatchDataLoader:
     """A ``DataLoader`` of whole global batches (the same on every rank) that ``accelerator.prepare``
     and ``fabric.setup_dataloaders`` return unsharded; ``DynaTrainEngine.dataloader`` makes one at
-    the engine's data position.
+    the engine's data position. ``for_eval``: the batches in order, from the first on every pass
+    (``EvalBatchSampler``; ``shuffle`` and ``seed`` are ignored).
 
     Raises:
         ValueError: an empty dataset or a non-positive batch size (``GlobalBatchSampler``).
     """
-    sampler = GlobalBatchSampler(dataset, global_batch_size=global_batch_size, shuffle=shuffle, seed=seed)
+    sampler = (EvalBatchSampler(dataset, global_batch_size=global_batch_size) if for_eval else
+               GlobalBatchSampler(dataset, global_batch_size=global_batch_size, shuffle=shuffle, seed=seed))
     loader = GlobalBatchDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
     loader._is_accelerate_prepared = True
     return loader

@@ -191,6 +191,14 @@ class DynaTrainEngine:
         self._samplers.append(loader.batch_sampler)
         return loader
 
+    def eval_dataloader(self, dataset: "Dataset", *, num_workers: int = 0) -> "GlobalBatchDataLoader":
+        """A loader of GLOBAL batches of ``dataset`` in order, for ``eval_step``: every pass reads it
+        from the start (the training position does not move it)."""
+        from lightning_dynatrain.loop.data import global_batch_loader
+
+        return global_batch_loader(dataset, global_batch_size=self.recipe.global_batch_size, num_workers=num_workers,
+                                   for_eval=True)
+
     # ------------------------------------------------------------------------------ steps
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """One optimizer step over the global ``batch`` (the fused megatron step); the global mean loss.
@@ -212,6 +220,15 @@ class DynaTrainEngine:
         self.switcher.step_ran(time.perf_counter() - start, beside_build=beside_build)
         self.step += 1
         return loss
+
+    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """The global mean loss of the global ``batch`` at the current layout, forward only (megatron's
+        forward-only schedule across pipeline stages); the same float on every rank, and the same at
+        every layout for the same weights. Nothing trains and no switch runs."""
+        from lightning_dynatrain.strategy.megatron_step import eval_step
+
+        state = self.state
+        return eval_step(state.ddp, state.groups, state.layout, batch, self.recipe)
 
     def step_boundary(self) -> ReconfigReport | None:
         """Run the schedule's switch due now (entries at or before ``step`` not run yet: the latest

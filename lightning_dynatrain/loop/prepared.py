@@ -25,7 +25,8 @@ megatron step (forward and backward over the micro-batches through the pipeline 
 finalize grads, optimizer step) and returns the loss; ``accelerator.backward(loss)`` /
 ``fabric.backward(loss)`` and ``optimizer.zero_grad()`` have nothing left to do; ``optimizer.step()``
 is the step boundary, where a scheduled layout switch runs; ``scheduler.step()`` has nothing to do
-(the step's LR is ``lr_at(step)``, set inside the fused step).
+(the step's LR is ``lr_at(step)``, set inside the fused step). After ``model.eval()``, ``model(batch)``
+is the batch's forward-only loss (megatron's forward-only schedule across pipeline stages).
 """
 
 from __future__ import annotations
@@ -39,16 +40,9 @@ if TYPE_CHECKING:
     from lightning_dynatrain.strategy.report import ReconfigReport
 
 
-class EvaluationNotSupportedError(RuntimeError):
-    """``DynaTrainModel`` was called in eval mode: only the training step is offered."""
-
-    def __init__(self) -> None:
-        super().__init__("DynaTrainModel runs training steps only (model.eval() was called). HINT: call model.train() "
-                         "before model(batch); a forward-only schedule across pipeline stages is not offered yet")
-
-
 class DynaTrainModel(torch.nn.Module):
-    """The model a loop calls: ``loss = model(batch)`` runs one whole optimizer step.
+    """The model a loop calls: ``loss = model(batch)`` runs one whole optimizer step in training
+    mode; after ``model.eval()`` it is the forward-only loss of the batch (``engine.eval_step``).
 
     It registers no parameters of its own (the shard changes at every switch; ``shard`` is the
     current one), so ``state_dict()`` is empty: checkpoints go through ``save_state``, whose hook
@@ -71,19 +65,18 @@ class DynaTrainModel(torch.nn.Module):
         return self._engine.state.model
 
     def forward(self, batch: dict[str, torch.Tensor] | None = None, **tensors: torch.Tensor) -> torch.Tensor:
-        """One optimizer step over the global batch (``model(batch)`` or ``model(**batch)``).
+        """One optimizer step over the global batch (``model(batch)`` or ``model(**batch)``) in
+        training mode; in eval mode the batch's loss, forward only (nothing trains).
 
         Returns:
-            The global mean loss as a 0-dim tensor on the accelerator's device. It is a leaf that
-            requires grad, so ``accelerator.backward(loss)`` (``fabric.backward``) runs and changes
-            nothing: the step ran.
-
-        Raises:
-            EvaluationNotSupportedError: the model is in eval mode.
+            The global mean loss as a 0-dim tensor on the host's device. In training mode it is a
+            leaf that requires grad, so ``accelerator.backward(loss)`` (``fabric.backward``) runs
+            and changes nothing: the step ran.
         """
+        batch = batch if batch is not None else tensors
         if not self.training:
-            raise EvaluationNotSupportedError()
-        loss = self._engine.train_step(batch if batch is not None else tensors)
+            return torch.tensor(self._engine.eval_step(batch), dtype=torch.float32, device=self._engine.host.device)
+        loss = self._engine.train_step(batch)
         return torch.tensor(loss, dtype=torch.float32, device=self._engine.host.device, requires_grad=True)
 
     def extra_repr(self) -> str:
@@ -173,4 +166,4 @@ class DynaTrainScheduler:
         pass
 
 
-__all__ = ["DynaTrainModel", "DynaTrainOptimizer", "DynaTrainScheduler", "EvaluationNotSupportedError"]
+__all__ = ["DynaTrainModel", "DynaTrainOptimizer", "DynaTrainScheduler"]

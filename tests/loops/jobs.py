@@ -15,6 +15,8 @@ MODEL = ["--hidden", "32", "--layers", "2", "--heads", "4", "--ffn", "64", "--se
 STEPS, START, SCHEDULE, SAVE_AT = 6, "dp2-tp2-pp1", "2:dp1-tp2-pp2,4:dp2-tp1-pp2-zero1", 3
 LAYOUT_OF_STEP = {1: START, 2: START, 3: "dp1-tp2-pp2", 4: "dp1-tp2-pp2", 5: "dp2-tp1-pp2-zero1", 6: "dp2-tp1-pp2-zero1"}
 TIMEOUT_S = 300
+#: validation on the project's own sources (held out: the model trains on the stdlib), at steps 0, 3 and 6
+VALIDATE = ["--val-root", "lightning_dynatrain", "--val-every", "3", "--val-batches", "1"]
 
 
 def job_env(tmp: Path) -> dict[str, str]:
@@ -35,7 +37,7 @@ def run_job(cmd: list[str], tmp: Path, **env: str) -> subprocess.CompletedProces
     return proc
 
 
-def metrics(out: Path) -> list[tuple[int, float, str]]:
-    """A run's ``metrics.csv``: (step, loss, layout) rows."""
-    with open(out / "metrics.csv", newline="") as f:
-        return [(int(r["step"]), float(r["loss"]), r["layout"]) for r in csv.DictReader(f)]
+def metrics(out: Path, name: str = "metrics.csv") -> list[tuple[int, float, str]]:
+    """A run's ``metrics.csv`` (or ``val.csv``): (step, loss, layout) rows."""
+    with open(out / name, newline="") as f:
+        return [(int(r["step"]), float(r.get("loss") or r["val_loss"]), r["layout"]) for r in csv.DictReader(f)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist import free_port
-from tests.loops.jobs import LAYOUT_OF_STEP, MODEL, SAVE_AT, SCHEDULE, START, STEPS, metrics, run_job
+from tests.loops.jobs import LAYOUT_OF_STEP, MODEL, SAVE_AT, SCHEDULE, START, STEPS, VALIDATE, metrics, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def _accelerate(out: Path, *extra: str, **env: str) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("accelerate_example")
-    accel = _accelerate(tmp / "accelerate", "--save-state-at", str(SAVE_AT))
+    accel = _accelerate(tmp / "accelerate", "--save-state-at", str(SAVE_AT), *VALIDATE)
     # the resumed run's switches hold the old state until every rank has its new one (the plugin
     # reads its fault settings from the environment, as the strategy takes them as arguments)
     # (and builds its switches on demand, where the straight run builds each ahead)
@@ -56,6 +56,9 @@ def test_accelerate_launch_trains_and_switches_like_the_lightning_run(runs: dict
     assert all("built ahead in" in line for line in switches), switches  # the plugin's schedule_ahead default
     assert "2 switches, losses identical on every process" in out
     assert len((runs["tmp"] / "accelerate" / "switches.jsonl").read_text().splitlines()) == 2
+    # validation (model.eval(): forward only) at every layout it met, and it did not change training
+    assert [(step, layout) for step, _, layout in metrics(runs["tmp"] / "accelerate", "val.csv")] == [
+        (0, START), (3, LAYOUT_OF_STEP[3]), (6, LAYOUT_OF_STEP[6])]
 
 
 def test_save_state_writes_a_layout_free_checkpoint_and_load_state_resumes_at_another_layout(runs: dict) -> None:

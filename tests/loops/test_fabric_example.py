@@ -1,5 +1,6 @@
 """``examples/fabric_gpt.py`` under the real ``fabric run`` (4 processes, torchelastic, gloo), switching
-layout twice, against the Lightning demo of the same model, data and seed; resumed from its own
+layout twice and validating at every layout, against the Lightning demo of the same model, data and
+seed; resumed from its own
 ``fabric.save`` under Fabric's own launcher (``python ... --devices N``: ``Fabric.launch()`` starts
 the other processes), at the layout that wrote it (the same losses, exactly) and on 2 processes;
 in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with fp32 main params), saved
@@ -26,6 +27,7 @@ from tests.loops.jobs import (
     SCHEDULE,
     START,
     STEPS,
+    VALIDATE,
     job_env,
     metrics,
     run_job,
@@ -42,7 +44,7 @@ def own_launcher(devices: int) -> list[str]:
 def _fabric(launch: list[str], out: Path, *extra: str, layout: str = START, schedule: str = SCHEDULE, **env: str):
     script = ["examples/fabric_gpt.py"] if launch is FABRIC_RUN else []
     return run_job([*launch, *script, "--max-steps", str(STEPS), "--layout", layout, "--schedule", schedule, *MODEL,
-                    "--out", str(out), *extra], out.parent, **env)
+                    *VALIDATE, "--out", str(out), *extra], out.parent, **env)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,9 @@ def test_fabric_run_trains_and_switches_like_the_lightning_run(runs: dict, light
         "[dynatrain] step 2: dp2-tp2-pp1 -> dp1-tp2-pp2", "[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-zero1"]
     assert all("built ahead in" in line for line in switches), switches
     assert "2 switches, losses identical on every process" in out
+    # validation (forward only) at every layout it met, and it did not change training (the losses above)
+    assert [(step, layout) for step, _, layout in metrics(runs["tmp"] / "fabric", "val.csv")] == [
+        (0, START), (3, LAYOUT_OF_STEP[3]), (6, LAYOUT_OF_STEP[6])]
     # fabric run sets OMP_NUM_THREADS to every core in each process: the strategy lowers it (threads.py)
     assert "Warning" not in runs["straight"].stderr, runs["straight"].stderr[-4000:]
 
@@ -83,6 +88,7 @@ def test_fabric_save_and_load_resume_exactly_at_the_same_layout(runs: dict) -> N
     resumed, straight = metrics(runs["tmp"] / "resumed"), metrics(runs["tmp"] / "fabric")
     assert [(step, layout) for step, _, layout in resumed] == [(s, LAYOUT_OF_STEP[s]) for s in (4, 5, 6)]
     assert [loss for _, loss, _ in resumed] == [loss for _, loss, _ in straight[SAVE_AT:]]  # bit for bit
+    assert metrics(runs["tmp"] / "resumed", "val.csv") == metrics(runs["tmp"] / "fabric", "val.csv")[1:]
     step4 = next(line for line in out.splitlines() if line.startswith("[dynatrain] step 4: dp1-tp2-pp2 -> "))
     assert "built ahead" not in step4, step4  # DYNATRAIN_SCHEDULE_AHEAD=false, read by the strategy's plugin
 
@@ -94,6 +100,10 @@ def test_fabric_load_resumes_on_another_number_of_processes(runs: dict) -> None:
     on_two, straight = metrics(runs["tmp"] / "on_two"), metrics(runs["tmp"] / "fabric")
     assert [(step, layout) for step, _, layout in on_two] == [(4, "dp1-tp2-pp1"), (5, "dp1-tp2-pp1"), (6, "dp1-tp2-pp1")]
     assert [loss for _, loss, _ in on_two] == pytest.approx([loss for _, loss, _ in straight[SAVE_AT:]], rel=1e-4)
+    # the same weights give the same validation loss at another layout on another number of processes
+    (step, val, layout), *_ = metrics(runs["tmp"] / "on_two", "val.csv")
+    straight_val = dict((s, v) for s, v, _ in metrics(runs["tmp"] / "fabric", "val.csv"))
+    assert (step, layout) == (3, "dp1-tp2-pp1") and val == pytest.approx(straight_val[3], rel=1e-5)
 
 
 def test_bf16_true_trains_megatron_bf16_params_switches_and_resumes(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_dynatrain.data import GlobalBatchSampler, StdlibBytes, dp_share_bounds, stdlib_sources
-from lightning_dynatrain.data.datamodule import GlobalBatchDataLoader
+from lightning_dynatrain.data.datamodule import GlobalBatchDataLoader, StdlibTextDataModule
+from lightning_dynatrain.data.sampler import EvalBatchSampler
 
 
 def test_global_batches_without_shuffle_wrap_around() -> None:
@@ -47,6 +48,20 @@ def test_iteration_resumes_at_the_step_and_ends_at_the_epoch_boundary() -> None:
     assert other.next_step == 20 and next(iter(other)) == sampler.indices(20)
     with pytest.raises(ValueError, match="saved global_batch_size=4, now 8"):
         GlobalBatchSampler(40, global_batch_size=8, shuffle=True, seed=3).load_state_dict(state)
+
+
+def test_validation_batches_start_from_the_first_on_every_pass_however_far_the_last_one_read() -> None:
+    sampler = EvalBatchSampler(10, global_batch_size=4)
+    assert list(sampler) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    partial = iter(sampler)
+    assert next(partial) == [0, 1, 2, 3]  # a validation that stops after one batch (limit_val_batches)
+    assert list(sampler) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the next one scores the same data
+    data = StdlibTextDataModule(seq_length=8, global_batch_size=2, max_bytes=4000, val_samples=4)
+    data.setup("fit")
+    val = data.val_dataloader()
+    assert isinstance(val.batch_sampler, EvalBatchSampler)
+    first = next(iter(val))["tokens"]
+    assert torch.equal(next(iter(val))["tokens"], first)
 
 
 def test_dp_shares_tile_the_global_batch() -> None:
