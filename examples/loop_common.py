@@ -9,19 +9,11 @@ import csv
 from functools import partial
 from pathlib import Path
 
-import torch
-
-from lightning_dynatrain.warning_filters import quiet_third_party_warnings
-
-# megatron-core's import-time notices (no Transformer Engine, no Apex) are named there; the model's
-# modules below import megatron-core
-quiet_third_party_warnings(on_cpu=not torch.cuda.is_available())
-
-from lightning_dynatrain.accelerate import DynaTrainEngine, DynaTrainPlugin  # noqa: E402
-from lightning_dynatrain.data import VOCAB_SIZE, StdlibBytes  # noqa: E402
-from lightning_dynatrain.megatron.gpt import GPTShape  # noqa: E402
-from lightning_dynatrain.strategy import AdamSettings, MegatronRecipe, vocab_divisor_for, warmup_cosine_lr  # noqa: E402
-from lightning_dynatrain.strategy.report import dumps  # noqa: E402
+from lightning_dynatrain.accelerate import DynaTrainEngine, DynaTrainPlugin
+from lightning_dynatrain.data import VOCAB_SIZE, StdlibBytes
+from lightning_dynatrain.megatron.gpt import GPTShape
+from lightning_dynatrain.strategy import AdamSettings, MegatronRecipe, vocab_divisor_for, warmup_cosine_lr
+from lightning_dynatrain.strategy.report import dumps
 
 
 def add_run_args(p: argparse.ArgumentParser, *, out: str) -> None:

@@ -4,7 +4,8 @@
 as ``"dynatrain"`` (``Trainer(strategy="dynatrain")`` = pure data parallelism, layout ``auto``):
 at once if ``lightning.pytorch`` is already imported, else right after it is. So importing this
 package (or its ``vps``/``megatron`` layers, e.g. in the dry-run CLI or a spawned test worker)
-imports neither Lightning nor megatron-core; the public classes load on first use::
+imports neither Lightning nor megatron-core; the public classes load on first use. Importing it
+installs the filters of the third-party warnings its runs cannot change (``warning_filters``)::
 
     from lightning_dynatrain import DynaTrainStrategy, GPTLightningModule, ScheduledReconfig
 """
@@ -16,6 +17,13 @@ import importlib.abc
 import importlib.util
 import sys
 from typing import Any
+
+from lightning_dynatrain.warning_filters import quiet_third_party_warnings
+
+# megatron-core announces at import that it runs without Transformer Engine and Apex (each notice is
+# named, with why it is safe to hide, in warning_filters.THIRD_PARTY): hidden before any module of this
+# package imports it. Those that are advice only on CPU wait until a strategy knows the device.
+quiet_third_party_warnings(on_cpu=False)
 
 _EXPORTS = {
     "DynaTrainStrategy": "lightning_dynatrain.strategy.dynatrain",

@@ -7,10 +7,10 @@ filter below names its category, the module the warning is attributed to and the
 message, and says why it is safe to hide; nothing is filtered by category or module alone.
 
 ``quiet_third_party_warnings`` installs them (idempotent; ``warnings.filterwarnings`` drops a
-duplicate before inserting). ``DynaTrainStrategy.setup_environment`` calls it before megatron-core
-is first imported (so does ``DynaTrainFabricStrategy``'s), and the demo's command line calls it before parsing (jsonargparse resolves type
-hints, which imports megatron-core). Filters marked ``cpu_only`` are about GPU kernels or CUDA
-settings: on a GPU they are real advice and stay.
+duplicate before inserting). Importing ``lightning_dynatrain`` installs those that hold on every
+device, before any of its modules imports megatron-core; ``DynaTrainStrategy.setup_environment``
+(``DynaTrainFabricStrategy``'s, ``AccelerateHost``) adds the ones marked ``cpu_only`` once it knows
+the run has no GPU: they are about GPU kernels or CUDA settings, real advice on a GPU.
 """
 
 from __future__ import annotations

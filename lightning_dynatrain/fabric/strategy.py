@@ -127,7 +127,7 @@ class DynaTrainFabricStrategy(DDPStrategy):
         from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 
         self.params_dtype  # a bad precision stops here, before any process group exists
-        quiet_third_party_warnings(on_cpu=self.root_device.type == "cpu")  # before megatron-core is imported
+        quiet_third_party_warnings(on_cpu=self.root_device.type == "cpu")  # the CPU-only ones too
         threads = fit_intra_op_threads(local_processes=max(1, self.num_processes))
         if threads.message:
             rank_zero_info(threads.message)

@@ -36,7 +36,7 @@ from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-from lightning_dynatrain.warning_filters import QuietWarning, quiet_third_party_warnings
+from lightning_dynatrain.warning_filters import QuietWarning
 
 DEMO_DEFAULTS: dict[str, Any] = {
     "trainer.accelerator": "cpu",
@@ -156,7 +156,6 @@ def _seed(seed: bool | int) -> int:
 
 def main(argv: list[str] | None = None) -> DynaTrainCLI:
     """Run the demo's command line (``argv``: default ``sys.argv[1:]``); old-style flags are rewritten first."""
-    quiet_third_party_warnings(on_cpu=False)  # before jsonargparse imports megatron-core for its type hints
     SRUN_NOT_USED.install()
     from lightning_dynatrain.data.datamodule import StdlibTextDataModule
     from lightning_dynatrain.lightning_cli.legacy import FlagError, from_flags, is_legacy
