@@ -1,9 +1,8 @@
 """``examples/fabric_gpt.py`` under the real ``fabric run`` (4 processes, torchelastic, gloo), switching
 layout twice and validating at every layout, against the Lightning demo of the same model, data and
-seed; resumed from its own
-``fabric.save`` under Fabric's own launcher (``python ... --devices N``: ``Fabric.launch()`` starts
-the other processes), at the layout that wrote it (the same losses, exactly) and on 2 processes;
-in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with fp32 main params), saved
+seed; resumed from its own ``fabric.save`` under Fabric's own launcher (``python ... --devices N``:
+``Fabric.launch()`` starts the other processes), at the layout that wrote it (the same losses,
+exactly) and on 2 processes; in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with fp32 main params), saved
 and resumed; with a scheduled switch refused (training goes on, or the error leaves the loop); and
 with a rank killed in a switch (every survivor fails naming it and the checkpoint to resume from).
 
@@ -36,6 +35,7 @@ from tests.loops.jobs import (
 pytestmark = pytest.mark.slow
 
 FABRIC_RUN = [fabric_executable(), "run", "--accelerator", "cpu", "--devices", "4"]
+
 
 def own_launcher(devices: int) -> list[str]:
     return [sys.executable, "examples/fabric_gpt.py", "--accelerator", "cpu", "--devices", str(devices)]
@@ -73,7 +73,7 @@ def test_fabric_run_trains_and_switches_like_the_lightning_run(runs: dict, light
     # validation (forward only) at every layout it met, and it did not change training (the losses above)
     assert [(step, layout) for step, _, layout in metrics(runs["tmp"] / "fabric", "val.csv")] == [
         (0, START), (3, LAYOUT_OF_STEP[3]), (6, LAYOUT_OF_STEP[6])]
-    # fabric run sets OMP_NUM_THREADS to every core in each process: the strategy lowers it (threads.py)
+    # nothing to act on: megatron's import notices and the like are filtered (warning_filters.py)
     assert "Warning" not in runs["straight"].stderr, runs["straight"].stderr[-4000:]
 
 
