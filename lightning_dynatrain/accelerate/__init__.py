@@ -49,9 +49,9 @@ object twice: ``prepare`` records them and returns them unchanged (no DDP, no de
 autocast, no sharding); the scheduler is no torch ``LRScheduler``, so ``prepare`` passes it through.
 Megatron's own DDP (over the layout's data-parallel group) and the engine's slicing of the global
 batch do the work instead. Passing them through ``prepare`` is optional: the loop works the same
-without it. ``accelerator.save_state``/``load_state`` write and read the engine's layout-free checkpoint through
-Accelerate's save/load pre-hooks (``checkpoint.py``), because Accelerate writes rank 0's state
-dicts only; the run's progress joins them through ``register_for_checkpointing``.
+without it. ``accelerator.save_state``/``load_state`` write and read the engine's layout-free
+checkpoint through Accelerate's save/load pre-hooks (``checkpoint.py``), because Accelerate writes
+rank 0's state dicts only; the run's progress joins them through ``register_for_checkpointing``.
 
 The pieces, one per file: ``plugin`` (the settings: layout, schedule, budgets; ``DYNATRAIN_*``
 environment variables; a ``dynatrain_config:`` YAML block), ``environment`` (what is taken from the

@@ -50,5 +50,4 @@ def _position(items: list, target: Any) -> int | None:
     return next((i for i, item in enumerate(items) if item is target), None)
 
 
-
 __all__ = ["CheckpointError", "register_checkpoint_hooks"]
