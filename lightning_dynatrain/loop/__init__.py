@@ -6,7 +6,8 @@
 - ``prepared``: the model, optimizer and scheduler the loop hands to ``accelerator.prepare`` or
   ``fabric.setup``, views of one engine that those leave unwrapped;
 - ``data``: the loader of whole global batches;
-- ``checkpoint``: the engine's layout-free checkpoint, for ``accelerator.save_state`` and ``fabric.save``.
+- ``checkpoint``: the engine's layout-free checkpoint, for ``accelerator.save_state`` and ``fabric.save``;
+- ``gather``: what every rank holds of one small value (the engine's agreement checks).
 """
 
 from lightning_dynatrain.loop.engine import DataMismatchError, DynaTrainEngine, LoopSetupError

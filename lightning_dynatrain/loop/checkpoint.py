@@ -29,10 +29,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from lightning_dynatrain.checkpoint.identity import CheckpointError
 from lightning_dynatrain.checkpoint.reader import is_layout_free
+from lightning_dynatrain.loop.gather import every_rank
 from lightning_dynatrain.strategy.checkpoint import load_rank_checkpoint
 from lightning_dynatrain.strategy.validation import WorldSizeError
 from lightning_dynatrain.vps.errors import LayoutError
@@ -114,9 +113,7 @@ def _agreed_kind(path: Path) -> str:
     """``"logical"`` or ``"per_rank"``: what every rank sees at ``path`` (one all-gather, so a
     folder that is missing or different on some rank stops every rank, never one)."""
     mine = "logical" if is_layout_free(path) else "per_rank" if (path / _META).is_file() else "none"
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return agreed_kind(everyone, where=path)
+    return agreed_kind(every_rank(mine), where=path)
 
 
 def agreed_kind(everyone: list[str], *, where: Path) -> str:
@@ -139,9 +136,7 @@ def _gathered(path: Path) -> list[dict[str, Any] | str]:
         mine: dict[str, Any] | str = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         mine = f"{type(err).__name__}: {err}"
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return every_rank(mine)
 
 
 def agreed_meta(everyone: list[dict[str, Any] | str], *, where: Path, world_size: int) -> dict[str, Any]:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.callbacks.scheduled import next_to_prepare
+from lightning_dynatrain.loop.gather import every_rank
 from lightning_dynatrain.loop.host import LoopHost, as_host
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.report import ReconfigReport
@@ -359,7 +360,7 @@ def _plugin_of(host: LoopHost, given: "DynaTrainPlugin | None") -> "DynaTrainPlu
     """
     from lightning_dynatrain.accelerate.plugin import DynaTrainPlugin
 
-    held = getattr(host, "plugin", None)
+    held = host.plugin
     if held is not None and given is not None and given != held:
         raise LoopSetupError(f"a plugin was given ({given}) but the {host.name} strategy holds the settings ({held})",
                              hint=f"pass the layout, schedule and budgets to the {host.name} strategy only")
@@ -383,9 +384,7 @@ def _check_same_batch(batch: Mapping[str, torch.Tensor], *, step: int) -> None:
     tokens = batch["tokens"]
     flat = tokens.detach().reshape(-1).to("cpu", torch.int64)
     weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64)
-    mine = (tuple(tokens.shape), int((flat * weights).sum()))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = every_rank((tuple(tokens.shape), int((flat * weights).sum())))
     if len(set(everyone)) > 1:
         raise DataMismatchError(
             f"the ranks were handed different batches for step {step + 1} (shapes and checksums {everyone})",
