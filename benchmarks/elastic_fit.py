@@ -16,7 +16,9 @@ the job's store names under ``bench/stop_at`` (every rank reads it: they stop at
 ``--switch-while-building`` asks for a layout switch while a world change is
 built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; ``--save`` writes one at the end; ``--log-dir`` adds a
 ``CSVLogger`` there (every step logged: its metrics file must continue whoever is rank 0);
-``--on-demand`` builds each change's target in its pause (``OnNodeChange(ahead=False)``).
+``--on-demand`` builds each change's target in its pause (``OnNodeChange(ahead=False)``);
+``--switch-safety keep_old`` holds the old state through each switch (a failed grow goes back);
+``--switch-timeout`` sets every switch's deadline.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main() -> None:
     parser.add_argument("--save", default=None)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--on-demand", action="store_true", help="build each change's target in its pause")
+    parser.add_argument("--switch-safety", default="fast", choices=["fast", "keep_old"])
+    parser.add_argument("--switch-timeout", type=float, default=None, help="every switch's deadline (seconds)")
     parser.add_argument("--switch-while-building", action="store_true",
                         help="ask for a layout switch at the first boundary where a world change is built ahead")
     args = parser.parse_args()
@@ -148,7 +152,9 @@ def main() -> None:
         callbacks.append(SwitchWhileBuilding())  # after OnNodeChange: sees the change it started building
     logger = CSVLogger(args.log_dir, name="metrics") if args.log_dir else False
     trainer = Trainer(accelerator="cpu", devices=devices,
-                      strategy=DynaTrainStrategy(model["policy"][world]), max_steps=args.max_steps,
+                      strategy=DynaTrainStrategy(model["policy"][world], switch_safety=args.switch_safety,
+                                                 switch_timeout=args.switch_timeout),
+                      max_steps=args.max_steps,
                       callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
                       enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
@@ -157,7 +163,8 @@ def main() -> None:
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     node_change = next((c for c in callbacks if isinstance(c, OnNodeChange)), None)
     result = {"pid": os.getpid(), "losses": module.losses, "global_step": trainer.global_step, "left": record.left,
-              **record.result, "changes": node_change.changes if node_change else [], "started_at": STARTED_AT,
+              **record.result, "changes": node_change.changes if node_change else [],
+              "rolled_back": node_change.rolled_back if node_change else [], "started_at": STARTED_AT,
               "ready_at": record.ready_at,
               "switch_while_building": next((c.answer for c in callbacks if isinstance(c, SwitchWhileBuilding)), None)}
     args.out.mkdir(parents=True, exist_ok=True)

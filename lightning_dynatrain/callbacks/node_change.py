@@ -69,6 +69,10 @@ class OnNodeChange(Callback):
             layout for the new world.
         LauncherError, AdmissionError: (at start) the launcher or the store cannot carry the job.
         MemberFailedError: a member stopped without leaving; the message names it.
+        SwitchFailedError: a world change's switch lost a process and the state of the step (a
+            shrink, or a grow under ``switch_safety="fast"`` once state moved). A grow that fails
+            with the old state whole goes back to the old world instead, with a warning, and
+            training goes on (``rolled_back``).
     """
 
     def __init__(self, policy: Policy = "auto", *, memory_per_rank: int | None = None,
@@ -83,6 +87,9 @@ class OnNodeChange(Callback):
         self.heartbeat, self.exit_after, self.ahead, self.keep_worlds = heartbeat, exit_after, ahead, keep_worlds
         #: every world change this process saw, in order (rank 0's copy reaches joiners)
         self.changes: list[dict[str, Any]] = []
+        #: the world changes that failed with the old state whole and were rolled back: a grow whose
+        #: joiner went missing (under ``switch_safety="keep_old"``, or before anything moved)
+        self.rolled_back: list[dict[str, Any]] = []
         self._driver: ElasticDriver | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._signal_connector: Any = None  # Lightning's, while its handler registration is wrapped
@@ -137,7 +144,9 @@ class OnNodeChange(Callback):
         if self._leave_noticed:
             self._leave_noticed = False
             self._driver.leave(trainer.global_step)
+        seen = len(self._driver.rolled_back)
         report = self._driver.at_boundary(trainer)
+        self.rolled_back += self._driver.rolled_back[seen:]
         if report is not None:
             self.changes.append(asdict(report))
             metrics = {"dynatrain/world_size": float(trainer.world_size),
@@ -175,11 +184,12 @@ class OnNodeChange(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"changes": list(self.changes)}
+        return {"changes": list(self.changes), "rolled_back": list(self.rolled_back)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.changes = list(state_dict.get("changes", []))
+        self.rolled_back = list(state_dict.get("rolled_back", []))
 
 
 __all__ = ["LEAVE_SIGNALS", "OnNodeChange"]

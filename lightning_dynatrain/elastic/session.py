@@ -37,7 +37,7 @@ import torch.distributed as dist
 from lightning_dynatrain.elastic.client import JobStore
 from lightning_dynatrain.elastic.records import AdmissionError, JoinRequest, LeaveRequest, Membership
 from lightning_dynatrain.elastic.world import BorrowedWorld, NextWorld, install, retire
-from lightning_dynatrain.elastic.world_cache import KeptWorld, WorldCache
+from lightning_dynatrain.elastic.world_cache import KeptWorld, WorldCache, WorldGroups
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.members import Members
 
@@ -278,8 +278,10 @@ class ElasticSession:
 
     def swap(self, change: WorldChange, *, borrowed: BorrowedWorld | None = None) -> KeptWorld | None:
         """Install ``change.new``'s world (its members; a leaver keeps the old one). Returns the old
-        world, to ``retire`` after the new world's first collective. ``borrowed``: that world's
-        group, borrowed before (``borrow``; the groups made on it stay)."""
+        world, to ``retire`` after the new world's first collective (a grow's: after its switch,
+        ``swap_back`` may need it). ``borrowed``: that world's group, borrowed before (``borrow``;
+        the groups made on it stay). The store learns of a shrink's world now, of a grow's once
+        its state arrived (``confirm``): until then a joiner that dies only cancels the change."""
         old = None
         if not change.leaving:
             assert self._next is not None and self.world is not None
@@ -289,10 +291,27 @@ class ElasticSession:
                              kept=kept.groups if kept is not None else None, keep=self.kept.groups())
             old = KeptWorld(members=self.world.members, generation=self.world.generation, groups=groups)
             self.world = change.new
-            if self.rank == 0:
-                self.store.mark_installed(change.new.generation)
+            if not change.grows:
+                self.confirm(change)
         self._pending, self._next = None, None
         return old
+
+    def confirm(self, change: WorldChange) -> None:
+        """``change.new``'s world runs with its state (its rank 0 tells the store: the next change may
+        come, and its members' liveness now counts as the running world's)."""
+        if self.rank == 0:
+            self.store.mark_installed(change.new.generation)
+
+    def swap_back(self, change: WorldChange, old: KeptWorld) -> WorldGroups:
+        """A grow whose switch failed with the old state whole: the old world (``swap`` returned it)
+        is the default group again, with its groups and its ``group_count``; the store was not told
+        of the new one (``confirm``), so a joiner that went missing only cancels the change there.
+        Returns the new world's groups, to ``retire``."""
+        assert change.grows and old.groups.default is not None
+        replaced = install(old.groups.default, self.store.raw, generation=old.generation, kept=old.groups,
+                           keep=self.kept.groups())
+        self.world = change.old
+        return replaced
 
     def retire(self, old: KeptWorld | None, *, extra: object = None) -> None:
         """After the new world's first collective: keep the world ``swap`` replaced, with ``extra``

@@ -221,15 +221,18 @@ class SwitchWatch:
         return _Beat.parse(self.store.get(key)) if self.store.check([key]) else None
 
     # ----------------------------------------------------------------------------- switches
-    def begin(self, program: SwitchProgram, costs: LinkCosts | None, what: str) -> "SwitchAttempt":
-        """A switch starts on every rank: its deadline on every group (see the module docstring)."""
+    def begin(self, program: SwitchProgram, costs: LinkCosts | None, what: str, *,
+              holders: frozenset[int] | None = None) -> "SwitchAttempt":
+        """A switch starts on every rank: its deadline on every group (see the module docstring).
+        ``holders``: the ranks of the watch's group that hold the old state (default all; a grow's
+        joiners hold none, so losing one loses no state)."""
         if self.broken:
             raise RuntimeError("a failed switch broke this SwitchWatch's group: make a new watch")
         deadline = self.timeout or SwitchDeadline.derive(program, costs)
         self.switch += 1
         self._abort_seen.clear()
         set_timeouts(deadline.timedelta)
-        attempt = SwitchAttempt(self, deadline, what)  # its first phase is stamped at once
+        attempt = SwitchAttempt(self, deadline, what, holders)  # its first phase is stamped at once
         self._active.set()
         return attempt
 
@@ -258,8 +261,11 @@ class SwitchPeerFailedError(RuntimeError):
 class SwitchAttempt:
     """One switch on one rank under a ``SwitchWatch``: its phases, the final agreement, its failure."""
 
-    def __init__(self, watch: SwitchWatch, deadline: SwitchDeadline, what: str) -> None:
+    def __init__(self, watch: SwitchWatch, deadline: SwitchDeadline, what: str,
+                 holders: frozenset[int] | None = None) -> None:
         self.watch, self.deadline, self.what = watch, deadline, what
+        self.holders = holders if holders is not None else frozenset(range(watch.size))
+        """The ranks that hold the old state: a missing one takes its part with it."""
         self.started = time.monotonic()
         self.phase("plan")
 
@@ -319,7 +325,10 @@ class SwitchAttempt:
         """This rank's switch failed with ``err``: tell the others (abort flag), find the rank(s) that
         went missing (heartbeats; the first rank's verdict is shared), wait until every other
         survivor has its verdict too (rank 0 may host the store: it must not end before the others
-        have read it), and the error to raise. Takes about ``stale_after`` seconds."""
+        have read it), and the error to raise. Takes about ``stale_after`` seconds.
+
+        ``lost_state``: this rank freed some of its old state. The state counts as lost on every
+        rank when one of them did, or when a rank holding a part of it (``holders``) is missing."""
         watch, key = self.watch, self._key
         phase, elapsed = watch.phase, time.monotonic() - self.started
         cause = " ".join(f"{type(err).__name__}: {err}".split())[:300]
@@ -342,7 +351,8 @@ class SwitchAttempt:
             lost_state = lost_state or watch.store.check([f"{key}/lost"])
         except Exception:  # noqa: BLE001
             lost_state = True
-        error = self._error(missing, phase, elapsed, cause, lost_state=lost_state or bool(missing))
+        error = self._error(missing, phase, elapsed, cause,
+                            lost_state=lost_state or any(r in self.holders for r in missing))
         if not error.lost_state:
             mark_refused(error)  # training can go on at the old layout
         return error
@@ -415,7 +425,7 @@ class SwitchAttempt:
         resume = watch.resume_from()
         if lost_state:
             message += (". The training state of this step is lost (the switch frees the old state as it moves it"
-                        + (", and a missing rank's part is gone)" if missing else ")"))
+                        + (", and a missing rank's part is gone)" if self.holders & set(missing) else ")"))
             hint = (f"resume the job from the last checkpoint, {resume}" if resume else
                     "no checkpoint of this run is known: restart it from the beginning (a ModelCheckpoint bounds "
                     "what a failed switch costs)")

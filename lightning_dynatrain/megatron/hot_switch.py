@@ -154,7 +154,8 @@ class _Phases:
 def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetup, *,
                groups: ProcessGroupCache | None = None, subgroups: SubgroupCache | None = None,
                group: dist.ProcessGroup | None = None, members: Members | None = None,
-               watch: SwitchWatch | None = None, prepared: PreparedSwitch | None = None) -> HotSwitchResult:
+               watch: SwitchWatch | None = None, prepared: PreparedSwitch | None = None,
+               restore_source_groups: bool = True) -> HotSwitchResult:
     """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over ``group``
     (default the world). Python's automatic garbage collection is paused meanwhile.
 
@@ -171,6 +172,10 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     change): the program and the target's objects, built ahead for this pair of layouts and
     ``members``; the switch then only binds their memory (no plan, no build). Needs ``groups``, the
     cache the target's groups were made into.
+
+    A switch that fails with the old state whole (refused, or rolled back under ``keep_old``)
+    makes megatron's groups of the source current again from ``groups``; with
+    ``restore_source_groups=False`` the caller does (a world change's: they are the old world's).
 
     Raises:
         PreparedSwitchError: ``prepared`` was made for another switch, or used already.
@@ -201,7 +206,8 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     attempt = None
     if watch is not None:  # the watch's group spans ``group`` (or the world) rank for rank: a world change's too
         assert watch.group.size() == (group or dist.GroupMember.WORLD).size(), "the watch is another world's"
-        attempt, group = watch.begin(program, setup.link_costs, f"{src} -> {target}"), watch.group
+        attempt = watch.begin(program, setup.link_costs, f"{src} -> {target}", holders=frozenset(members.src))
+        group = watch.group
     try:
         if attempt is not None:
             attempt.phase("memory_check")
@@ -225,10 +231,10 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         except BaseException as err:
             if isinstance(memory, KeepOldMemory) and memory.started:  # the old state is whole: back to it
                 memory.rollback()
-                _back_to(src, setup, groups, cached_groups)
+                _back_to(src, setup, groups, cached_groups, restore_source_groups)
             elif not memory.started:  # refused before anything moved: training can go on at ``src``
                 memory.restore_old_buffers()
-                _back_to(src, setup, groups, cached_groups)
+                _back_to(src, setup, groups, cached_groups, restore_source_groups)
                 if isinstance(err, DynaTrainError):  # every rank agreed on it (the engine's preflight)
                     mark_refused(err)
             raise
@@ -274,7 +280,7 @@ def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, sr
     attempt = None
     if watch is not None:
         assert group is None, "a watched switch runs over the world, on the watch's group"
-        attempt = watch().begin(program, setup.link_costs, f"joining at {target}")
+        attempt = watch().begin(program, setup.link_costs, f"joining at {target}", holders=frozenset(members.src))
     memory = PlainMemory()
 
     def fill(group: dist.ProcessGroup | None) -> tuple[MegatronState, int | None, SwitchReport]:
@@ -293,7 +299,7 @@ def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, sr
             _, report = _execute_watched(program, {}, memory, group, attempt)
         return state, need, report
 
-    new, need, report = _watched(attempt, group, fill)  # a joiner has no old state to go back to: lost
+    new, need, report = _watched(attempt, group, fill, holds_source=False)  # a joiner has no old state to lose
     return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
                            memory=memory.figures(), need_bytes=need)
 
@@ -311,14 +317,15 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         materialize_adam_state(current.optimizer, 0)
     source = megatron_store(current.ddp, current.optimizer, setup.spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
-    attempt = watch.begin(program, setup.link_costs, f"leaving {src}") if watch is not None else None
+    attempt = watch.begin(program, setup.link_costs, f"leaving {src}", holders=frozenset(members.src)) \
+        if watch is not None else None
 
     def hand_off(group: dist.ProcessGroup | None) -> SwitchReport:
         _phase(attempt, "memory_check")
         _check_memory(program, setup, device, f"leaving {src}", group, 0, 0)
         return _execute_watched(program, source, PlainMemory(), group, attempt)[1]
 
-    report = _watched(attempt, group, hand_off)
+    report = _watched(attempt, group, hand_off, holds_source=True)
     release_rope_caches()
     return report
 
@@ -341,11 +348,12 @@ def _execute_watched(program: SwitchProgram, source: Mapping, memory: PlainMemor
 
 
 def _watched(attempt: SwitchAttempt | None, group: dist.ProcessGroup | None,
-             body: Callable[[dist.ProcessGroup | None], T]) -> T:
+             body: Callable[[dist.ProcessGroup | None], T], *, holds_source: bool) -> T:
     """``body(group)``; under ``attempt`` (a joiner's or leaver's side of a world change), on its
-    watch's group instead, a failure raised as the attempt's ``SwitchFailedError`` (this side's
-    state counts as lost; a refusal passes as it is), and the watch's switch ended. Nothing here
-    holds the watch's group past ``body`` (the watch drops it when a switch fails)."""
+    watch's group instead, a failure raised as the attempt's ``SwitchFailedError`` (a leaver's
+    state counts as lost, ``holds_source``; a joiner holds none; a refusal passes as it is), and the
+    watch's switch ended. Nothing here holds the watch's group past ``body`` (the watch drops it
+    when a switch fails)."""
     if attempt is None:
         return body(group)
     try:
@@ -354,7 +362,7 @@ def _watched(attempt: SwitchAttempt | None, group: dist.ProcessGroup | None,
         if was_refused(err):
             raise
         traceback.clear_frames(err.__traceback__)
-        raise attempt.failure(err, lost_state=True) from err
+        raise attempt.failure(err, lost_state=holds_source) from err
     finally:
         attempt.watch.end()
 
@@ -373,12 +381,14 @@ def _check_memory(program: SwitchProgram, setup: SwitchSetup, device: torch.devi
     return need
 
 
-def _back_to(src: ParallelConfig, setup: SwitchSetup, groups: ProcessGroupCache | None, cached: frozenset) -> None:
-    """Megatron's groups of ``src`` again (cached: creates nothing), after dropping the groups the
-    failed switch made for its target (ranks may hold different shares of them)."""
+def _back_to(src: ParallelConfig, setup: SwitchSetup, groups: ProcessGroupCache | None, cached: frozenset,
+             restore: bool = True) -> None:
+    """Megatron's groups of ``src`` again (cached: creates nothing; with ``restore``), after dropping
+    the groups the failed switch made for its target (ranks may hold different shares of them)."""
     if groups is not None:
         groups.drop_since(cached)
-    initialize_for_layout(src, seed=setup.seed, groups=groups)
+    if restore:
+        initialize_for_layout(src, seed=setup.seed, groups=groups)
 
 
 def _bind(current: MegatronState, prepared: PreparedSwitch, setup: SwitchSetup, step: int, memory: PlainMemory,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -46,11 +47,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, moved_bytes, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
 from lightning_dynatrain.elastic.session import JOIN_FAULT_ENV, ElasticSession, WorldChange
+from lightning_dynatrain.elastic.world_cache import KeptWorld
+from lightning_dynatrain.engine.errors import was_refused
 from lightning_dynatrain.strategy.change_report import ChangeReport
 from lightning_dynatrain.strategy.elastic_environment import ElasticEnvironment, LauncherError, launch_id, set_rank_zero
 from lightning_dynatrain.strategy.loggers import continue_loggers, flush_loggers, logger_versions, pin_logger_versions
 from lightning_dynatrain.strategy.elastic_ahead import AheadChange
 from lightning_dynatrain.strategy.step_clock import OverlapClock
+from lightning_dynatrain.strategy.switching import WorldGroupCaches
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
 
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+    from lightning_dynatrain.vps.topology import Topology
 
 
 class ElasticDriver:
@@ -82,6 +87,8 @@ class ElasticDriver:
         self._last_boundary: float | None = None
         self._clock = OverlapClock()  # step seconds, with and without a change pending
         self._ahead: AheadChange | None = None  # the pending change, built ahead (strategy/elastic_ahead.py)
+        self.rolled_back: list[dict[str, Any]] = []
+        """World changes that failed with the old state whole and went back to the old world (``_go_back``)."""
 
     @property
     def local_collectives(self) -> bool:
@@ -325,9 +332,9 @@ class ElasticDriver:
         groups = strategy.switcher.new_world_groups(ahead.groups if ahead is not None else None,
                                                     kept=kept.extra if kept is not None else None)
         if change.grows:  # the joiners wait for (1)-(4) in this order (see the module docstring)
+            old_topology = strategy.switcher.topology
             if ahead is None:
                 _broadcast_object(self._header(trainer, target) if self.session.rank == 0 else None)  # (1)
-                self.session.retire(left_world, extra=old_caches)
                 initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (2)
                 strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
             else:  # (1), (2) and the switch watch came at the prepare boundary; the joiners wait for the Adam step
@@ -336,12 +343,20 @@ class ElasticDriver:
                     strategy.switcher.adopt_watch(ahead.watch)
                 _broadcast_object({"adam_step": adam_step(strategy.megatron.optimizer) or 0}
                                   if self.session.rank == 0 else None)
-                self.session.retire(left_world, extra=old_caches)
             setup = ahead.setup if ahead is not None else \
-                strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
+                strategy.switcher.world_change_setup(strategy.recipe, strategy.adam, grows=True)
             # (3) under the new world's switch watch (its deadline; a joiner that dies or stalls is named)
-            result = hot_switch(strategy.megatron, target, setup, groups=groups, members=change.members,
-                                prepared=prepared, watch=strategy.switcher.world_watch())
+            try:
+                result = hot_switch(strategy.megatron, target, setup, groups=groups, members=change.members,
+                                    prepared=prepared, watch=strategy.switcher.world_watch(),
+                                    restore_source_groups=False)
+            except Exception as err:
+                if not was_refused(err):  # the state of this step is lost (or a rank holding it is gone)
+                    raise
+                self._go_back(change, step, err, RetainedWorld(left_world, old_caches, old_topology))
+                return None
+            self.session.confirm(change)
+            self.session.retire(left_world, extra=old_caches)  # (kept until here: a failed switch goes back to it)
             strategy._install(result.state)
             _broadcast_object(self._trainer_state(trainer) if self.session.rank == 0 else None)  # (4)
         else:  # the leavers send over the old world; the survivors build the target on the new one
@@ -371,6 +386,32 @@ class ElasticDriver:
                             rebuild_seconds=result.rebuild_seconds, moved_bytes=moved,
                             ahead_build_seconds=result.ahead_build_seconds, kept_world=kept is not None)
 
+    def _go_back(self, change: WorldChange, step: int, err: Exception, old: "RetainedWorld") -> None:
+        """A grow's switch failed with the old state whole on every old member (a joiner went
+        missing or stalled, under ``switch_safety="keep_old"`` or before anything moved; or the
+        switch was refused): the old world, its groups and its layout's megatron groups come back,
+        the new world's groups are destroyed, and training goes on. The joiners fail; the store,
+        which was not told of the new world, cancels the change once their heartbeats stop."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from lightning_dynatrain.elastic.world import retire
+        from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
+
+        assert self.session is not None and old.world is not None
+        strategy = self.strategy
+        new_world = self.session.swap_back(change, old.world)
+        strategy.switcher.new_world_groups(kept=old.caches)  # the new world's watch and subgroups go
+        retire(new_world.groups)
+        initialize_for_layout(strategy.layout, seed=strategy.seed, groups=old.caches.groups)  # cached: makes none
+        assert old.topology is not None
+        strategy.switcher.new_world(old.topology)
+        set_rank_zero(self.session.rank)
+        self.rolled_back.append({"step": step, "change": str(change), "layout": str(strategy.layout),
+                                 "error": f"{type(err).__name__}: {err}"})
+        rank_zero_warn(f"[dynatrain] step {step}: {change} failed with the old state whole, so it was rolled back: "
+                       f"training goes on at {strategy.layout} on the world of {len(change.old.members)} "
+                       f"({type(err).__name__}: {err})")
+
     def _trainer_state(self, trainer: "pl.Trainer") -> dict:
         """Lightning's checkpoint dict: loops, callbacks, data module, schedulers; no tensors (the
         strategy's holds the optimizer's scalars only, the weights go under logical keys)."""
@@ -385,6 +426,17 @@ class ElasticDriver:
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
+
+
+@dataclass(frozen=True)
+class RetainedWorld:
+    """What a grow's old members keep of their world until its switch succeeded (``_go_back``)."""
+
+    world: KeptWorld | None
+    """Its default group and groups (``ElasticSession.swap`` returned them)."""
+    caches: WorldGroupCaches
+    """The strategy's caches of its megatron and switch groups."""
+    topology: "Topology | None"
 
 
 def _broadcast_object(obj: Any) -> Any:

@@ -91,7 +91,7 @@ class AheadChange:
             watch = strategy.switcher.make_watch() if change.grows else None
         # a grow's switch runs over the new world, a shrink's over the old one (the leavers send)
         setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam,
-                                                     topology=topology if change.grows else None)
+                                                     topology=topology if change.grows else None, grows=change.grows)
         over = change.new if change.grows else change.old
         process = over.rank_of(change.me)
         assert process is not None

@@ -183,15 +183,18 @@ class LayoutSwitcher:
             self.watch = watch
 
     def world_change_setup(self, recipe: "MegatronRecipe", adam: "AdamSettings",
-                           topology: Topology | None = None) -> "SwitchSetup":
+                           topology: Topology | None = None, *, grows: bool = False) -> "SwitchSetup":
         """What a world change's switch uses: this world's topology (or ``topology``: the world the
-        switch will run over), no broadcasts (their groups would span two worlds)."""
+        switch will run over), no broadcasts (their groups would span two worlds). ``keep_old``
+        holds for a grow only: its old members hold the whole state, so a failed grow can go back
+        to the old world; a shrink cannot (the old world has leavers)."""
         from lightning_dynatrain.megatron.hot_switch import SwitchSetup
         from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
 
         return SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
                            staging_budget=self.staging_budget, memory_limit=self.memory_limit,
-                           topology=topology or self.topology, execution=recipe.execution)
+                           topology=topology or self.topology, keep_old=self.keep_old and grows,
+                           execution=recipe.execution)
 
     def close(self) -> None:
         """Destroy the groups this run made (collective use ends: call at teardown)."""
