@@ -42,11 +42,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, moved_bytes, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
 from lightning_dynatrain.elastic.session import JOIN_FAULT_ENV, ElasticSession, WorldChange
+from lightning_dynatrain.elastic.world import retire
 from lightning_dynatrain.elastic.world_cache import KeptWorld
 from lightning_dynatrain.engine.errors import was_refused
 from lightning_dynatrain.strategy.change_report import ChangeReport
@@ -392,9 +393,6 @@ class ElasticDriver:
         switch was refused): the old world, its groups and its layout's megatron groups come back,
         the new world's groups are destroyed, and training goes on. The joiners fail; the store,
         which was not told of the new world, cancels the change once their heartbeats stop."""
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        from lightning_dynatrain.elastic.world import retire
         from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
 
         assert self.session is not None and old.world is not None
