@@ -48,7 +48,8 @@ from lightning_dynatrain.engine.errors import mark_refused, was_refused
 from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.engine.report import SwitchReport
 from lightning_dynatrain.engine.walker import execute_switch
-from lightning_dynatrain.engine.watch import SwitchAttempt, SwitchWatch
+from lightning_dynatrain.engine.switch_attempt import SwitchAttempt
+from lightning_dynatrain.engine.watch import SwitchWatch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.ahead import PreparedSwitch, process_program
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
