@@ -140,6 +140,7 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
         kept = cache.keys()
         initialize_for_layout(other, seed=SEED, groups=cache)
         grown = len(cache)
+        dist.barrier()  # no rank destroys a group another rank is still connecting (gloo's full mesh)
         out["dropped"] = (len(kept), grown, cache.drop_since(kept), len(cache), cache.keys() == kept)
     destroy()
     cache.close()
