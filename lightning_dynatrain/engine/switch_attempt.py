@@ -34,6 +34,11 @@ class SwitchAttempt:
         self.phase("plan")
 
     @property
+    def holds_old_state(self) -> bool:
+        """This rank holds a part of the old state (a grow's joiner does not)."""
+        return self.watch.rank in self.holders
+
+    @property
     def _key(self) -> str:
         return str(self.watch.switch)
 
@@ -116,7 +121,7 @@ class SwitchAttempt:
         except Exception:  # noqa: BLE001
             lost_state = True
         error = self._error(missing, phase, elapsed, cause,
-                            lost_state=lost_state or any(r in self.holders for r in missing))
+                            lost_state=lost_state or bool(self.holders & missing.keys()))
         if not error.lost_state:
             mark_refused(error)  # training can go on at the old layout
         return error
@@ -189,7 +194,7 @@ class SwitchAttempt:
         resume = watch.resume_from()
         if lost_state:
             message += (". The training state of this step is lost (the switch frees the old state as it moves it"
-                        + (", and a missing rank's part is gone)" if self.holders & set(missing) else ")"))
+                        + (", and a missing rank's part is gone)" if self.holders & missing.keys() else ")"))
             hint = (f"resume the job from the last checkpoint, {resume}" if resume else
                     "no checkpoint of this run is known: restart it from the beginning (a ModelCheckpoint bounds "
                     "what a failed switch costs)")

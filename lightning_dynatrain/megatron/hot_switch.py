@@ -300,7 +300,7 @@ def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, sr
             _, report = _execute_watched(program, {}, memory, group, attempt)
         return state, need, report
 
-    new, need, report = _watched(attempt, group, fill, holds_source=False)  # a joiner has no old state to lose
+    new, need, report = _watched(attempt, group, fill)
     return HotSwitchResult(state=new, report=report, phases=dict(phase.seconds), seconds=time.perf_counter() - start,
                            memory=memory.figures(), need_bytes=need)
 
@@ -326,7 +326,7 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         _check_memory(program, setup, device, f"leaving {src}", group, 0, 0)
         return _execute_watched(program, source, PlainMemory(), group, attempt)[1]
 
-    report = _watched(attempt, group, hand_off, holds_source=True)
+    report = _watched(attempt, group, hand_off)
     release_rope_caches()
     return report
 
@@ -349,11 +349,11 @@ def _execute_watched(program: SwitchProgram, source: Mapping, memory: PlainMemor
 
 
 def _watched(attempt: SwitchAttempt | None, group: dist.ProcessGroup | None,
-             body: Callable[[dist.ProcessGroup | None], T], *, holds_source: bool) -> T:
+             body: Callable[[dist.ProcessGroup | None], T]) -> T:
     """``body(group)``; under ``attempt`` (a joiner's or leaver's side of a world change), on its
     watch's group instead, a failure raised as the attempt's ``SwitchFailedError`` (a leaver's
-    state counts as lost, ``holds_source``; a joiner holds none; a refusal passes as it is), and the
-    watch's switch ended. Nothing here holds the watch's group past ``body`` (the watch drops it
+    state counts as lost, ``SwitchAttempt.holds_old_state``; a joiner holds none; a refusal passes
+    as it is), and the watch's switch ended. Nothing here holds the watch's group past ``body`` (the watch drops it
     when a switch fails)."""
     if attempt is None:
         return body(group)
@@ -363,7 +363,7 @@ def _watched(attempt: SwitchAttempt | None, group: dist.ProcessGroup | None,
         if was_refused(err):
             raise
         traceback.clear_frames(err.__traceback__)
-        raise attempt.failure(err, lost_state=holds_source) from err
+        raise attempt.failure(err, lost_state=attempt.holds_old_state) from err
     finally:
         attempt.watch.end()
 
