@@ -6,8 +6,11 @@ writes ``OUT/<pid>.json``: its losses by step, its last global step, its world a
 end, the changes it saw, a hash of its shard of the parameters (replicas compare equal), and when
 it was ready to train (``ready_at``, wall-clock, at ``on_train_start``).
 
-Models: ``tiny`` (worlds 1-4: ``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``; global batch 12)
-and ``270m`` (the switch benchmark's GPT; worlds 2 and 4: ``dp1-tp2-pp1``, ``dp2-tp2-pp1``).
+Models: ``tiny`` (worlds 1-4: ``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``; global batch 12),
+``own`` (``examples/own_model.py``'s model of the user's at the tiny size, with megatron's
+scheduler; worlds 2-4: ``dp1-tp1-pp2``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``) and ``270m`` (the switch
+benchmark's GPT; worlds 2 and 4: ``dp1-tp2-pp1``, ``dp2-tp2-pp1``). Every process records the
+learning rate each step used (``lrs``).
 
 Options for tests and benchmarks: ``--step-seconds`` stretches each step (the compute of a bigger
 model) so that processes started later find the fit still running; ``--fingerprint-salt`` changes
@@ -37,6 +40,9 @@ MODELS = {
                             make_vocab_size_divisible_by=128),
                  global_batch=12, seq_length=32,
                  policy={1: "dp1-tp1-pp1", 2: "dp2-tp1-pp1", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"}),
+    # examples/own_model.py's model of the user's (a ModelProvider, megatron's OptimizerParamScheduler)
+    "own": dict(own=dict(layers=6, hidden=32, heads=4, ffn=64, seq=32), global_batch=12, seq_length=32,
+                policy={1: "dp1-tp1-pp1", 2: "dp1-tp1-pp2", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"}),
     "270m": dict(shape=dict(hidden=1024, layers=16, heads=16, ffn_hidden=4096, vocab_size=32000, seq_length=1024,
                             make_vocab_size_divisible_by=128),
                  global_batch=4, seq_length=128,
@@ -111,9 +117,16 @@ def main() -> None:
                     self.answer = [type(err).__name__, str(err), was_refused(err)]
 
     class Record(Callback):
-        """What this process ends with (read before teardown releases megatron's state)."""
+        """What this process ends with (read before teardown releases megatron's state), and the
+        learning rate each of its steps used."""
 
         ready_at: float | None = None
+
+        def __init__(self) -> None:
+            self.lrs: list[tuple[int, float]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.lrs.append((trainer.global_step, float(trainer.callback_metrics["train/lr"])))
 
         def on_train_start(self, trainer, pl_module):
             self.ready_at = time.time()
@@ -132,9 +145,15 @@ def main() -> None:
                            "rank": None if self.left else strategy.global_rank, "layout": str(strategy.layout),
                            "tp_pp": None if self.left else [coord.tp, coord.pp], "shard": shard.hexdigest()}
 
-    module = GPTLightningModule(GPTShape(**model["shape"]), lr=3e-3, weight_decay=0.01,
-                                global_batch_size=model["global_batch"], micro_batch_size=1, warmup_steps=2,
-                                max_steps=args.max_steps, seed=SEED, eps=1e-6)
+    if "own" in model:
+        from examples.own_model import OwnGPT, own_provider
+
+        module = OwnGPT(own_provider(**model["own"]), max_steps=args.max_steps, global_batch_size=model["global_batch"],
+                        micro_batch_size=1, seed=SEED)
+    else:
+        module = GPTLightningModule(GPTShape(**model["shape"]), lr=3e-3, weight_decay=0.01,
+                                    global_batch_size=model["global_batch"], micro_batch_size=1, warmup_steps=2,
+                                    max_steps=args.max_steps, seed=SEED, eps=1e-6)
     if args.fingerprint_salt:
         module.hparams["salt"] = args.fingerprint_salt
     # this launch's processes: torchrun's variables, else srun's (one node), else one process
@@ -162,7 +181,8 @@ def main() -> None:
                                 seed=0, max_bytes=300_000)
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     node_change = next((c for c in callbacks if isinstance(c, OnNodeChange)), None)
-    result = {"pid": os.getpid(), "losses": module.losses, "global_step": trainer.global_step, "left": record.left,
+    result = {"pid": os.getpid(), "losses": module.losses, "lrs": record.lrs, "global_step": trainer.global_step,
+              "left": record.left,
               **record.result, "changes": node_change.changes if node_change else [],
               "rolled_back": node_change.rolled_back if node_change else [], "started_at": STARTED_AT,
               "ready_at": record.ready_at,

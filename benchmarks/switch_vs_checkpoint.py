@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"small model {QUICK_SHAPE}, pairs {QUICK_PAIRS}")
     p.add_argument("--methods", default="hot_switch,hot_switch_ahead,allgather,dcp,megatron,restart")
     p.add_argument("--staging-budget", default="256MiB", help="the hot switch's staging budget")
+    p.add_argument("--spec", choices=("hand", "derived"), default="hand",
+                   help="the hot switch's model description: the hand-written GPT spec, or read from megatron's "
+                        "sharded_state_dict (what a ModelProvider uses)")
     p.add_argument("--no-recycle", action="store_true",
                    help="the hot switch writes new state into fresh memory, not into old storages")
     p.add_argument("--mem-margin-gb", type=float, default=1.5, help="memory kept free beyond a method's need")
@@ -123,7 +126,8 @@ def build_setup(args: argparse.Namespace, pairs: list[tuple[str, str]]):
     shape = GPTShape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn_hidden=args.ffn or 4 * args.hidden,
                      vocab_size=args.vocab, seq_length=args.seq, tied_embeddings=False,
                      make_vocab_size_divisible_by=vocab_divisor(args.vocab, tps))
-    return BenchSetup(shape=shape, staging_budget=parse_bytes(args.staging_budget), recycle=not args.no_recycle)
+    return BenchSetup(shape=shape, staging_budget=parse_bytes(args.staging_budget), recycle=not args.no_recycle,
+                      derived=args.spec == "derived")
 
 
 def run_pair(setup, src: str, dst: str, methods: tuple[str, ...], margin: int, workdir: str) -> dict:
@@ -169,7 +173,8 @@ def config_record(setup, args: argparse.Namespace) -> dict:
                                                              "tied_embeddings")},
                 padded_vocab=padded_vocab_size(setup.shape, 1), parameters=spec.parameters,
                 state_bytes_one_copy=spec.parameters * 12, world=WORLD, dtype="fp32",
-                staging_budget=setup.staging_budget, recycle=setup.recycle, train_step=dict(global_batch=setup.global_batch,
+                staging_budget=setup.staging_budget, recycle=setup.recycle, spec="derived" if setup.derived else "hand",
+                train_step=dict(global_batch=setup.global_batch,
                                                                      seq=setup.train_seq),
                 mem_margin_gb=args.mem_margin_gb, thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE"))
 

@@ -59,7 +59,7 @@ def model_of(args: argparse.Namespace, plugin: DynaTrainPlugin, world_size: int)
     shape = GPTShape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn_hidden=args.ffn,
                      vocab_size=VOCAB_SIZE, seq_length=args.seq_length,
                      make_vocab_size_divisible_by=vocab_divisor_for(VOCAB_SIZE, tps))
-    recipe = MegatronRecipe(shape=shape, seed=args.seed, global_batch_size=args.global_batch,
+    recipe = MegatronRecipe(model=shape, seed=args.seed, global_batch_size=args.global_batch,
                             micro_batch_size=args.micro_batch)
     return dict(recipe=recipe, adam=AdamSettings(lr=args.lr, weight_decay=args.weight_decay),
                 lr_at=partial(warmup_cosine_lr, peak=args.lr, warmup_steps=args.warmup, max_steps=args.max_steps))

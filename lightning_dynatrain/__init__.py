@@ -28,6 +28,10 @@ quiet_third_party_warnings(on_cpu=False)
 _EXPORTS = {
     "DynaTrainStrategy": "lightning_dynatrain.strategy.dynatrain",
     "GPTLightningModule": "lightning_dynatrain.strategy.module",
+    "MegatronLightningModule": "lightning_dynatrain.strategy.lightning_module",
+    "DynaTrainOptimizer": "lightning_dynatrain.strategy.optimizer_handle",
+    "ModelProvider": "lightning_dynatrain.megatron.provider",
+    "padded_vocab_size": "lightning_dynatrain.megatron.provider",
     "AdamSettings": "lightning_dynatrain.strategy.config",
     "MegatronRecipe": "lightning_dynatrain.strategy.config",
     "ReconfigReport": "lightning_dynatrain.strategy.report",

@@ -48,7 +48,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=int, default=None, help="plan and report this one rank only")
     p.add_argument("--precision", choices=[x.value for x in Precision], default=Precision.BF16.value,
                    help="bf16: bf16 params + fp32 main params and Adam moments (default, as large runs train); "
-                   "fp32: fp32 params + Adam moments (as this project trains on CPU)")
+                   "fp32: fp32 params + Adam moments (as this project trains on CPU); +sgd: SGD's momentum "
+                   "in place of Adam's moments")
     p.add_argument("--intra-node-gbps", type=float, default=_DEFAULTS.intra_node / GB,
                    help="GB/s per rank and direction inside a node (default %(default)s, NVLink class)")
     p.add_argument("--inter-node-gbps", type=float, default=_DEFAULTS.inter_node / GB,

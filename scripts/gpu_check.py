@@ -16,7 +16,11 @@ Checks, in order:
    the free memory) against the device memory the switch really took
    (``torch.cuda.max_memory_allocated`` over the switch, above what was allocated before it);
 5. the shard a switch builds lives on the device (no host copy);
-6. the engine's own GPU test (``tests/engine/test_switch_gpu.py``, world 1), where pytest is installed.
+6. the engine's own GPU test (``tests/engine/test_switch_gpu.py``, world 1), where pytest is installed;
+7. a model of the user's built from Transformer Engine's layer spec
+   (``get_gpt_layer_with_transformer_engine_spec``) through ``ModelProvider``, unchanged: its spec
+   read from megatron's description, two bf16 steps, zero1 on and off bit for bit (skipped without
+   a device or without Transformer Engine, saying which).
 
 Unchecked with one GPU: NCCL across ranks (NCCL puts no two ranks on one device), tensor and
 pipeline parallel layouts, world changes.
@@ -81,7 +85,7 @@ def _init_world(device: torch.device) -> str:
 class Run:
     """The world-1 training state the checks share: bf16 GPT, megatron DDP and optimizer."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, model=None) -> None:
         from lightning_dynatrain.megatron.shapes import model_shape
         from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
         from lightning_dynatrain.strategy.switching import LayoutSwitcher
@@ -89,8 +93,9 @@ class Run:
         from lightning_dynatrain.vps.topology import Topology
 
         self.device = device
-        shape = model_shape("llama", hidden=256, layers=4, heads=8, ffn_hidden=1024, vocab_size=256, seq_length=128)
-        self.recipe = MegatronRecipe(shape=shape, seed=1234, global_batch_size=8, micro_batch_size=2,
+        if model is None:
+            model = model_shape("llama", hidden=256, layers=4, heads=8, ffn_hidden=1024, vocab_size=256, seq_length=128)
+        self.recipe = MegatronRecipe(model=model, seed=1234, global_batch_size=8, micro_batch_size=2,
                                      params_dtype=torch.bfloat16)
         self.adam = AdamSettings(lr=1e-3, weight_decay=0.01)
         self.layout = ParallelConfig.parse("dp1-tp1-pp1")
@@ -119,7 +124,7 @@ class Run:
         from lightning_dynatrain.strategy.megatron_step import train_step
 
         generator = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, 256, (self.recipe.global_batch_size, self.recipe.shape.seq_length + 1),
+        tokens = torch.randint(0, 256, (self.recipe.global_batch_size, self.recipe.model.seq_length + 1),
                                generator=generator)
         batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
         losses = [train_step(self.state, batch, self.recipe, lr=self.adam.lr, weight_decay=self.adam.weight_decay)
@@ -165,7 +170,7 @@ class Run:
         from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 
         host_before = _host_rss()
-        model = build_gpt_model(self.recipe.shape, self.layout, seed=self.recipe.seed,
+        model = build_gpt_model(self.recipe.model, self.layout, seed=self.recipe.seed,
                                 params_dtype=self.recipe.params_dtype, initialize=False,
                                 pg_collection=current_process_groups(), device=self.device)
         devices = sorted({p.device.type for p in model.parameters()})
@@ -174,6 +179,39 @@ class Run:
         grown = _host_rss() - host_before
         del model
         return f"allocated on the device; host memory grew {grown / 2**20:.1f} MiB meanwhile"
+
+
+def _te_provider():
+    """A GPT of the user's on Transformer Engine's layer spec, as ``examples/own_model.py --te`` builds it."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from lightning_dynatrain import ModelProvider, padded_vocab_size
+    from lightning_dynatrain.megatron.gpt import gpt_forward_step
+
+    def provider(config, pg_collection, pre_process, post_process):
+        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+                        vocab_size=padded_vocab_size(256, config), max_sequence_length=128, pre_process=pre_process,
+                        post_process=post_process, pg_collection=pg_collection)
+
+    config = TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    return ModelProvider(config=config, model_provider=provider, forward_step=gpt_forward_step,
+                         vocab_size=256, seq_length=128, name="te-gpt")
+
+
+def _te_case(device: torch.device) -> str:
+    from lightning_dynatrain.megatron.parallel_state_adapter import destroy
+
+    destroy()
+    run = Run(device, _te_provider())
+    built = run.build()
+    tensors = len(run.recipe.model.spec().tensors)
+    steps = run.step()
+    run.switch("dp1-tp1-pp1-zero1")
+    run.switch("dp1-tp1-pp1")
+    return f"{built}; {tensors} tensors read from its description; {steps}; zero1 on and off bit for bit"
 
 
 def _host_rss() -> int:
@@ -220,6 +258,9 @@ def main() -> None:
 
     checks.run("engine GPU test (world 1)", _engine_gpu_test,
                skip=no_device or (None if importlib.util.find_spec("pytest") else "pytest is not installed"))
+    no_te = None if importlib.util.find_spec("transformer_engine") else \
+        "Transformer Engine is not installed (pip install --no-build-isolation transformer_engine[pytorch])"
+    checks.run("own model on Transformer Engine's layer spec", lambda: _te_case(device), skip=no_device or no_te)
     dist.destroy_process_group()
     proved = [r["check"] for r in checks.rows if r["verdict"] == "PASS"]
     print(f"[gpu_check] proved: {', '.join(proved) or 'nothing'}")

@@ -27,6 +27,6 @@ def test_gpu_check_runs_its_cpu_part_and_names_what_it_skipped() -> None:
     assert "bit for bit" in verdicts["switch dp1 -> dp1-zero1"][1]
     assert "bfloat16" in verdicts["bf16 model built (CPU)"][1]
     for name in ("memory bound vs torch.cuda.max_memory_allocated", "a switch's shard allocated on the device",
-                 "engine GPU test (world 1)"):
+                 "engine GPU test (world 1)", "own model on Transformer Engine's layer spec"):
         assert verdicts[name] == ("SKIP", "no CUDA device on this machine"), name
     assert any("NCCL across ranks" in line for line in result["unchecked"])

@@ -20,12 +20,12 @@ from functools import cached_property
 
 import torch
 
-from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec
+from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, gpt_provider, logical_spec
 from lightning_dynatrain.megatron.hot_switch import SwitchSetup
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
-from lightning_dynatrain.megatron.state_bridge import adam_step, materialize_adam_state, megatron_store
+from lightning_dynatrain.megatron.state_bridge import adam_step, materialize_optimizer_state, megatron_store
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec
 
@@ -48,6 +48,10 @@ class BenchSetup:
     """The hot switch's staging budget (bytes)."""
     recycle: bool = True
     """Whether the hot switch writes new state into old storages (``memory.RecyclingMemory``)."""
+    derived: bool = False
+    """The hot switch reads the model's description from megatron (``gpt_provider``: the spec
+    derived at its first use, in the job) instead of the hand-written GPT spec. The other methods and
+    the parent's estimates use the hand-written one (equal: ``tests/megatron/test_derived_spec.py``)."""
 
     @cached_property
     def spec(self) -> ModelSpec:
@@ -56,7 +60,8 @@ class BenchSetup:
     def switch_setup(self, topology) -> SwitchSetup:
         """What the hot switch of this run is given (no broadcast promotion: the default pairs
         have none that pays here, and every method then moves the same bytes point to point)."""
-        return SwitchSetup(shape=self.shape, seed=self.seed, optimizer=self.optimizer,
+        model = gpt_provider(self.shape) if self.derived else self.shape
+        return SwitchSetup(model=model, seed=self.seed, optimizer=self.optimizer,
                            staging_budget=self.staging_budget, recycle=self.recycle, topology=topology)
 
 
@@ -98,7 +103,7 @@ def build_empty_state(setup: BenchSetup, layout: ParallelConfig, step: int,
     seconds["model"], t0 = time.perf_counter() - t0, time.perf_counter()
     ddp, optimizer = build_ddp_and_optimizer(model, layout, pg_collection=pgs, **setup.optimizer)
     seconds["ddp_optimizer"], t0 = time.perf_counter() - t0, time.perf_counter()
-    materialize_adam_state(optimizer, step)
+    materialize_optimizer_state(optimizer, step)
     seconds["optimizer_state"] = time.perf_counter() - t0
     return MegatronState(layout=layout, groups=pgs, ddp=ddp, optimizer=optimizer), seconds
 

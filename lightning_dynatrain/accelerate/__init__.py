@@ -18,7 +18,7 @@ gloo; on GPUs the same script runs on nccl)::
     shape = GPTShape(hidden=128, layers=4, heads=4, ffn_hidden=512, vocab_size=256, seq_length=128,
                      make_vocab_size_divisible_by=64)
     engine = DynaTrainEngine(accelerator, plugin,
-                             recipe=MegatronRecipe(shape=shape, seed=1234, global_batch_size=16, micro_batch_size=2),
+                             recipe=MegatronRecipe(model=shape, seed=1234, global_batch_size=16, micro_batch_size=2),
                              adam=AdamSettings(lr=3e-3, weight_decay=0.01),
                              lr_at=lambda step: warmup_cosine_lr(step, peak=3e-3, warmup_steps=30, max_steps=300))
     loader = engine.dataloader(StdlibBytes(128), shuffle=True, seed=1234)

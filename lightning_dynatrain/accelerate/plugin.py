@@ -189,7 +189,7 @@ class DynaTrainPlugin:
         """The layout training starts at on ``world_size`` processes (``auto``: ``dp{world_size}``)."""
         return ParallelConfig(dp=world_size) if self.layout == "auto" else self.layout
 
-    def validate(self, *, world_size: int, shape: Any = None, global_batch_size: int | None = None,
+    def validate(self, *, world_size: int, model: Any = None, global_batch_size: int | None = None,
                  micro_batch_size: int | None = None) -> ParallelConfig:
         """Check the starting layout and every schedule entry against the world, the model and the
         batch; the starting layout.
@@ -198,9 +198,9 @@ class DynaTrainPlugin:
             LayoutError / WorldSizeError / BatchSizeError: the starting layout does not fit.
             ScheduleError: an entry does not fit (the message names its step and the rule).
         """
-        start = validate_target(self.start_layout(world_size), world_size=world_size, shape=shape,
+        start = validate_target(self.start_layout(world_size), world_size=world_size, model=model,
                                 global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
-        validate_schedule(self.schedule_map, world_size=world_size, start=start, shape=shape,
+        validate_schedule(self.schedule_map, world_size=world_size, start=start, model=model,
                           global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
         return start
 

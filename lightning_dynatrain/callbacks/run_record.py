@@ -117,7 +117,7 @@ class RunRecorder(Callback):
 
         strategy = trainer.strategy
         spec = logical_spec(shape)
-        precision = precision_of(strategy.megatron.ddp.module)
+        precision = precision_of(strategy.megatron.model, strategy.megatron.optimizer)
         for s in self.switches:
             matrix = transfer_matrix(spec, ParallelConfig.parse(s.src), ParallelConfig.parse(s.dst),
                                      precision=precision, gpus_per_node=max(1, strategy.num_processes))

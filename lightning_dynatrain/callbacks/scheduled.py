@@ -184,10 +184,11 @@ class ScheduledReconfig(Callback):
         if stage != "fit" or not self.schedule:
             return
         strategy = self._strategy(trainer)
+        recipe = getattr(pl_module, "recipe", None)  # the module's: callbacks' setup runs before configure_model
         validate_schedule(self.schedule, world_size=trainer.world_size, start=strategy.layout,
-                          shape=getattr(pl_module, "shape", None),
-                          global_batch_size=getattr(pl_module, "global_batch_size", None),
-                          micro_batch_size=getattr(pl_module, "micro_batch_size", None))
+                          model=recipe.model if recipe is not None else None,
+                          global_batch_size=recipe.global_batch_size if recipe is not None else None,
+                          micro_batch_size=recipe.micro_batch_size if recipe is not None else None)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -268,7 +269,7 @@ def next_to_prepare(schedule: Iterable[tuple[int, ParallelConfig]], *, after: in
 
 
 def validate_schedule(schedule: Mapping[int, ParallelConfig], *, world_size: int, start: ParallelConfig | None = None,
-                      shape: Any = None, global_batch_size: int | None = None,
+                      model: Any = None, global_batch_size: int | None = None,
                       micro_batch_size: int | None = None) -> None:
     """Check every entry (world size, model rules, batch split); the first bad one raises, naming its step.
 
@@ -282,13 +283,13 @@ def validate_schedule(schedule: Mapping[int, ParallelConfig], *, world_size: int
 
     for step, layout in schedule.items():
         try:
-            validate_target(layout, world_size=world_size, shape=shape, global_batch_size=global_batch_size,
+            validate_target(layout, world_size=world_size, model=model, global_batch_size=global_batch_size,
                             micro_batch_size=micro_batch_size, current=start)
         except DynaTrainError as err:
             raise ScheduleError(f"schedule entry at step {step} ({layout}): {err.message}", hint=err.hint) from err
-    if shape is not None and hasattr(shape, "make_vocab_size_divisible_by"):
+    if model is not None and model.spec().vocab_size:
         layouts = ([start] if start is not None else []) + list(schedule.values())
-        padded = padded_vocab_sizes(shape, layouts)
+        padded = padded_vocab_sizes(model.spec(), layouts)
         if len(set(padded.values())) > 1:
             rank_zero_warn(
                 f"the padded vocabulary differs across the schedule's layouts ({padded} by tp): padded rows take "

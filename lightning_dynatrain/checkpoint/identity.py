@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
@@ -66,15 +66,27 @@ class CheckpointInfo:
     """State kinds held: ``param`` only for ``save_weights_only``; plus the optimizer's otherwise."""
     layout: str
     world_size: int
+    config: dict = field(default_factory=dict)
+    """The model's configuration, field by field (``ModelSource.config_record``: a provider's
+    ``TransformerConfig``, its functions by name): a run resuming with other values is warned,
+    naming them (the state's structure, what must match, is the digest's)."""
 
     @staticmethod
     def of(spec: ModelSpec, *, layout: object, world_size: int, precision: Precision,
-           kinds: tuple[str, ...]) -> "CheckpointInfo":
+           kinds: tuple[str, ...], config: dict | None = None) -> "CheckpointInfo":
         return CheckpointInfo(format=FORMAT, spec_digest=spec_digest(spec), model=spec_summary(spec),
-                              precision=precision.value, kinds=tuple(kinds), layout=str(layout), world_size=world_size)
+                              precision=precision.value, kinds=tuple(kinds), layout=str(layout), world_size=world_size,
+                              config=dict(config or {}))
 
     def to_dict(self) -> dict:
         return {**asdict(self), "kinds": list(self.kinds)}
+
+    def config_differences(self, config: dict) -> list[str]:
+        """The configuration fields whose values differ from ``config``'s (``field: saved -> now``)."""
+        if not self.config or not config:
+            return []
+        return [f"{k}: {self.config.get(k)} -> {config.get(k)}" for k in sorted(self.config.keys() | config.keys())
+                if self.config.get(k) != config.get(k)]
 
     @staticmethod
     def from_dict(data: dict, *, path: object) -> "CheckpointInfo":
@@ -84,7 +96,7 @@ class CheckpointInfo:
                                   f"expected {FORMAT!r})",
                                   hint="pass a directory written by trainer.save_checkpoint under DynaTrainStrategy")
         fields = {k: data[k] for k in ("format", "spec_digest", "model", "precision", "layout", "world_size")}
-        return CheckpointInfo(**fields, kinds=tuple(data["kinds"]))
+        return CheckpointInfo(**fields, kinds=tuple(data["kinds"]), config=dict(data.get("config") or {}))
 
     def check(self, spec: ModelSpec, *, precision: Precision, path: object) -> None:
         """Raise ``CheckpointMismatchError`` unless this checkpoint holds ``spec``'s state at ``precision``."""
@@ -96,10 +108,11 @@ class CheckpointInfo:
                 f"checkpoint {path} holds another model than this run builds: {what}",
                 hint="resume with the GPTShape the checkpoint was trained with, or start this model from scratch "
                      "(no ckpt_path)")
-        if self.precision != precision.value:
+        saved = self.precision.split("+")[0]  # the params' dtype (the optimizer's kinds: checked at its load)
+        if saved != precision.params:
             raise CheckpointMismatchError(
-                f"checkpoint {path} was written with {self.precision} parameters, this run trains {precision.value}",
-                hint=f"resume with Trainer(precision={'bf16-mixed' if self.precision == 'bf16' else '32-true'!r})")
+                f"checkpoint {path} was written with {saved} parameters, this run trains {precision.params}",
+                hint=f"resume with Trainer(precision={'bf16-mixed' if saved == 'bf16' else '32-true'!r})")
 
 
 __all__ = ["FORMAT", "CheckpointError", "CheckpointInfo", "CheckpointMismatchError", "spec_digest", "spec_summary"]

@@ -164,7 +164,7 @@ def load_megatron_checkpoint(path: str | Path, *, model: torch.nn.Module, state:
         CheckpointMismatchError: it holds another model (keys, shapes or dtypes differ).
     """
     from lightning_dynatrain.megatron.optimizer import set_group_settings
-    from lightning_dynatrain.megatron.state_bridge import materialize_adam_state
+    from lightning_dynatrain.megatron.state_bridge import materialize_optimizer_state
 
     path = str(path)
     saved = _check_is_megatron(path)
@@ -184,7 +184,7 @@ def load_megatron_checkpoint(path: str | Path, *, model: torch.nn.Module, state:
         loaded = dist_checkpointing.load(request, path)
     model.load_state_dict(loaded["model"])
     if state is not None:
-        materialize_adam_state(state.optimizer, int(step))
+        materialize_optimizer_state(state.optimizer, int(step))
         set_group_settings(state.optimizer, settings)
         _fill_optimizer(state, loaded["optimizer"])
     return None if step is None else int(step)

@@ -2,7 +2,7 @@
 
 ``GlobalBatchSampler`` yields the indices of step ``k``'s whole global batch; ``StdlibBytes`` is a
 byte-level corpus present on every machine (the Python stdlib's sources); ``StdlibTextDataModule``
-puts the two together for a ``Trainer``. ``IndexedDataModule`` serves megatron's ``GPTDataset``
+puts the two together for a ``Trainer``, ``GlobalBatchDataModule`` any dataset. ``IndexedDataModule`` serves megatron's ``GPTDataset``
 over an indexed corpus (``.bin``/``.idx``, written by ``write_indexed_corpus`` with the
 ``ByteTokenizer`` or by Megatron-LM's tools) the same way.
 """
@@ -15,6 +15,7 @@ from lightning_dynatrain.data.stdlib_text import VOCAB_SIZE, StdlibBytes, stdlib
 _LAZY = {
     "StdlibTextDataModule": "datamodule",
     "GlobalBatchDataLoader": "datamodule",
+    "GlobalBatchDataModule": "datamodule",
     "IndexedDataModule": "indexed_datamodule",
     "ByteTokenizer": "byte_tokenizer",
     "IndexedSamples": "indexed",
@@ -31,6 +32,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ByteTokenizer", "GlobalBatchDataLoader", "GlobalBatchSampler", "IndexedDataModule", "IndexedSamples",
+__all__ = ["ByteTokenizer", "GlobalBatchDataLoader", "GlobalBatchDataModule", "GlobalBatchSampler", "IndexedDataModule", "IndexedSamples",
            "StdlibBytes", "StdlibTextDataModule", "VOCAB_SIZE", "dp_share_bounds", "gpt_dataset", "stdlib_corpus",
            "stdlib_sources", "write_indexed_corpus"]

@@ -34,6 +34,37 @@ class GlobalBatchDataLoader(DataLoader):
             self.batch_sampler.load_state_dict(state)
 
 
+class GlobalBatchDataModule(pl.LightningDataModule):
+    """Any map-style dataset in global batches: the same ``G`` samples on every rank at each
+    optimizer step (``GlobalBatchSampler``), the strategy slicing the data-parallel share.
+
+    Args:
+        dataset: training samples (each a dict of tensors; the default collation stacks them).
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        val_dataset: validation samples, served in order in global batches (``None``: no validation).
+        shuffle, seed: seeded shuffling, a new order per pass over the data (same on every rank).
+        num_workers: DataLoader workers; 0 keeps the sampler in the training process.
+    """
+
+    def __init__(self, dataset: Dataset, *, global_batch_size: int, val_dataset: Dataset | None = None,
+                 shuffle: bool = True, seed: int = 0, num_workers: int = 0) -> None:
+        super().__init__()
+        self.dataset, self.val_dataset = dataset, val_dataset
+        self.global_batch_size, self.shuffle, self.seed, self.num_workers = global_batch_size, shuffle, seed, num_workers
+        self.sampler: GlobalBatchSampler | None = None
+
+    def train_dataloader(self) -> GlobalBatchDataLoader:
+        self.sampler = GlobalBatchSampler(self.dataset, global_batch_size=self.global_batch_size,
+                                          shuffle=self.shuffle, seed=self.seed)
+        return GlobalBatchDataLoader(self.dataset, batch_sampler=self.sampler, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> GlobalBatchDataLoader | list:
+        if self.val_dataset is None:
+            return []
+        sampler = EvalBatchSampler(self.val_dataset, global_batch_size=self.global_batch_size)
+        return GlobalBatchDataLoader(self.val_dataset, batch_sampler=sampler, num_workers=self.num_workers)
+
+
 class StdlibTextDataModule(pl.LightningDataModule):
     """Byte-level stdlib text, in global batches.
 
@@ -90,4 +121,4 @@ class StdlibTextDataModule(pl.LightningDataModule):
         return GlobalBatchDataLoader(self.val_dataset, batch_sampler=sampler, num_workers=self.num_workers)
 
 
-__all__ = ["GlobalBatchDataLoader", "StdlibTextDataModule"]
+__all__ = ["GlobalBatchDataLoader", "GlobalBatchDataModule", "StdlibTextDataModule"]

@@ -22,7 +22,7 @@ policy refuses with the reason (``LayoutError``); it never changes the global ba
 
 Example::
 
-    choice = choose_layout("auto", world=4, shape=shape, global_batch_size=16, micro_batch_size=2,
+    choice = choose_layout("auto", world=4, source=shape, global_batch_size=16, micro_batch_size=2,
                            current=ParallelConfig.parse("dp2-tp1-pp1"))
     choice.layout, choice.reason
 """
@@ -41,7 +41,7 @@ from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
 
 if TYPE_CHECKING:
-    from lightning_dynatrain.megatron.gpt import GPTShape
+    from lightning_dynatrain.megatron.model_source import ModelSource
 
 Policy = Union[str, Mapping[int, "str | ParallelConfig"], Path]
 """``"auto"``, a map from world size to layout, or the path of a YAML file holding such a map."""
@@ -94,7 +94,7 @@ def parse_policy(policy: Policy) -> "str | dict[int, ParallelConfig]":
     return parsed
 
 
-def choose_layout(policy: "str | dict[int, ParallelConfig]", *, world: int, shape: "GPTShape", global_batch_size: int,
+def choose_layout(policy: "str | dict[int, ParallelConfig]", *, world: int, source: "ModelSource", global_batch_size: int,
                   micro_batch_size: int, current: ParallelConfig, precision: Precision = Precision.FP32,
                   members: Members | None = None, memory_per_rank: int | None = None,
                   model: StepModel = StepModel()) -> LayoutChoice:
@@ -107,7 +107,7 @@ def choose_layout(policy: "str | dict[int, ParallelConfig]", *, world: int, shap
     from lightning_dynatrain.strategy.validation import validate_target
 
     def check(layout: ParallelConfig) -> ParallelConfig:
-        return validate_target(layout, world_size=world, shape=shape, global_batch_size=global_batch_size,
+        return validate_target(layout, world_size=world, model=source, global_batch_size=global_batch_size,
                                micro_batch_size=micro_batch_size)
 
     if policy != "auto":
@@ -116,7 +116,7 @@ def choose_layout(policy: "str | dict[int, ParallelConfig]", *, world: int, shap
             raise LayoutError(f"the layout policy has no layout for a world of {world} processes "
                               f"(it has {sorted(policy)})", hint=f"add {world}: <layout> to OnNodeChange's map")
         return LayoutChoice(check(policy[world]), f"the policy's map gives {policy[world]} for {world} processes")
-    return _auto(world, shape, global_batch_size, micro_batch_size, current, precision, members, memory_per_rank,
+    return _auto(world, source, global_batch_size, micro_batch_size, current, precision, members, memory_per_rank,
                  model, check)
 
 
@@ -131,14 +131,14 @@ def candidate_layouts(world: int, current: ParallelConfig) -> list[ParallelConfi
     return out
 
 
-def step_seconds(layout: ParallelConfig, spec: ModelSpec, shape: "GPTShape", *, global_batch_size: int,
+def step_seconds(layout: ParallelConfig, spec: ModelSpec, shape: "ModelSource", *, global_batch_size: int,
                  micro_batch_size: int, precision: Precision, model: StepModel) -> float:
     """The modelled step time of ``layout`` (see the module docstring): for ranking only."""
     tokens = global_batch_size * shape.seq_length
     microbatches = global_batch_size // (layout.dp * micro_batch_size)
     compute = 6 * spec.parameters * tokens / (layout.world_size * model.peak_flops)
     bubble = (layout.pp - 1) / microbatches
-    act_bytes = 2 if precision is Precision.BF16 else 4
+    act_bytes = 2 if precision.params == "bf16" else 4
     tp_bytes = (shape.layers / layout.pp) * 4 * 2 * (layout.tp - 1) / layout.tp * \
         (global_batch_size / layout.dp) * shape.seq_length * shape.hidden * act_bytes
     pp_bytes = 2 * microbatches * micro_batch_size * shape.seq_length * shape.hidden * act_bytes if layout.pp > 1 else 0
@@ -169,9 +169,10 @@ def moved_bytes(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, preci
 
 def _auto(world, shape, global_batch_size, micro_batch_size, current, precision, members, memory_per_rank, model,
           check) -> LayoutChoice:
-    from lightning_dynatrain.megatron.gpt import logical_spec
-
-    spec = logical_spec(shape)
+    if shape.seq_length is None:
+        raise LayoutError("policy='auto' models each layout's step from the sequence length, which the model does "
+                          "not give", hint="pass ModelProvider(seq_length=...), or a {world_size: layout} map")
+    spec = shape.spec()
     valid, refused = [], []
     for layout in candidate_layouts(world, current):
         try:

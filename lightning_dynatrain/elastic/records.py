@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -123,10 +124,11 @@ class Membership:
 
 def job_fingerprint(*parts: Any) -> str:
     """A hash of what a process would train (model spec, recipe, optimizer settings, package
-    version, ...): a joiner must present the job's (``repr`` of each part, in order)."""
+    version, ...): a joiner must present the job's (``repr`` of each part, in order, without the
+    memory addresses some reprs hold: an object's, a scheduler's, a function's)."""
     digest = hashlib.sha256()
     for part in parts:
-        digest.update(repr(part).encode())
+        digest.update(re.sub(r" at 0x[0-9a-fA-F]+", "", repr(part)).encode())
         digest.update(b"\0")
     return digest.hexdigest()[:32]
 

@@ -124,7 +124,7 @@ def check_config(cfg: Any) -> None:
     batch = dict(global_batch_size=model.global_batch_size, micro_batch_size=model.micro_batch_size)
     if start is not None:
         _at(LAYOUT_KEY, raw_layout, lambda: validate_target(start, world_size=world or start.world_size,
-                                                             shape=shape, **batch))
+                                                             model=shape, **batch))
 
     raw_policy = _get(cfg, ELASTIC_KEY)
     if raw_policy:
@@ -136,7 +136,7 @@ def check_config(cfg: Any) -> None:
     schedule = _at(SCHEDULE_KEY, raw_schedule, lambda: parse_schedule(raw_schedule or None))
     if schedule and (world or start is not None):
         _at(SCHEDULE_KEY, raw_schedule,
-            lambda: validate_schedule(schedule, world_size=world or start.world_size, start=start, shape=shape,
+            lambda: validate_schedule(schedule, world_size=world or start.world_size, start=start, model=shape,
                                       **batch))
 
 

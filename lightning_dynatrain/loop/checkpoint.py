@@ -53,8 +53,8 @@ def save_engine_state(engine: "DynaTrainEngine", output_dir: str | Path) -> Path
     state, path = engine.state, Path(output_dir) / SHARDS
     checkpoint = {"optimizer_states": [checkpointing.optimizer_scalars(state)], "dynatrain_step": engine.step}
     checkpointing.save(checkpoint, path, writer=CheckpointWriter(), model=state.model, state=state,
-                       spec=checkpointing.spec_of(engine.recipe.shape), layout=state.layout, rank=engine.rank,
-                       world_size=engine.world_size)
+                       spec=engine.recipe.model.spec(), layout=state.layout, rank=engine.rank,
+                       world_size=engine.world_size, config=engine.recipe.model.config_record())
     engine.last_checkpoint = str(output_dir)
     return path
 
@@ -75,9 +75,10 @@ def load_engine_state(engine: "DynaTrainEngine", input_dir: str | Path) -> None:
     if _agreed_kind(path) == "per_rank":
         _load_per_rank(engine, input_dir)
         return
-    state, spec = engine.state, checkpointing.spec_of(engine.recipe.shape)
+    state, spec = engine.state, engine.recipe.model.spec()
     checkpoint = checkpointing.read(path, spec=spec, precision=precision_of(state.model), layout=state.layout,
-                                    rank=engine.rank, world_size=engine.world_size)
+                                    rank=engine.rank, world_size=engine.world_size,
+                                    config=engine.recipe.model.config_record())
     checkpointing.load_params(checkpoint, state.model, spec, state.layout, engine.rank)
     checkpointing.load_optimizer(checkpoint, state, spec, engine.rank)
     info = checkpointing.source_of(checkpoint).info

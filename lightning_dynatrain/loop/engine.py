@@ -118,7 +118,7 @@ class DynaTrainEngine:
         self.lr_at: Callable[[int], float] = lr_at if lr_at is not None else _Constant(adam.lr)
         self.world_size = dist.get_world_size()
         settings = self.plugin
-        layout = settings.validate(world_size=self.world_size, shape=recipe.shape,
+        layout = settings.validate(world_size=self.world_size, model=recipe.model,
                                  global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size)
         self.switcher = LayoutSwitcher(staging_budget=settings.staging_budget,
                                        memory_limit=settings.switch_memory_limit, verify=settings.verify,
@@ -267,7 +267,7 @@ class DynaTrainEngine:
             return
         step, layout = entry
         try:
-            if not self.switcher.prepare(self.state, layout, recipe=self.recipe, adam=self.adam):
+            if not self.switcher.prepare(self.state, layout, recipe=self.recipe, optimizer=self.adam):
                 self._not_ahead.add(step)  # a build failed in this run: switches build on demand
         except DynaTrainError as err:  # the same on every rank: the switch builds when it runs
             self._not_ahead.add(step)
@@ -282,7 +282,7 @@ class DynaTrainEngine:
             SwitchMemoryError: it would not fit in memory (or exceed the plugin's limit); nothing
                 moved, training can go on at the current layout.
         """
-        layout = validate_target(target, world_size=self.world_size, current=self.layout, shape=self.recipe.shape,
+        layout = validate_target(target, world_size=self.world_size, current=self.layout, model=self.recipe.model,
                                  global_batch_size=self.recipe.global_batch_size,
                                  micro_batch_size=self.recipe.micro_batch_size, execution=self.recipe.execution)
         if layout == self.layout:
@@ -291,7 +291,7 @@ class DynaTrainEngine:
             from lightning_dynatrain.megatron.state import release_state
 
             old = self.state
-            self._state, report = self.switcher.switch(old, layout, recipe=self.recipe, adam=self.adam,
+            self._state, report = self.switcher.switch(old, layout, recipe=self.recipe, optimizer=self.adam,
                                                        step=self.step, deferred=False)
             release_state(old)  # taken apart: reference counting frees it (``megatron.state``)
             self.history.append(report)

@@ -55,7 +55,7 @@ from lightning_dynatrain.engine.compiler import switch_program
 from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.megatron.build_collectives import build_collectives
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
-from lightning_dynatrain.megatron.gpt import build_unfilled_model
+from lightning_dynatrain.megatron.model_source import build_unfilled
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, optimizer_state_views
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, prepare_groups
 from lightning_dynatrain.megatron.state import MegatronState
@@ -217,7 +217,7 @@ def prepare_world_switch(current: MegatronState, target: ParallelConfig, setup, 
 
 def _start(current: MegatronState, target: ParallelConfig, setup, pgs, route: dist.ProcessGroup, *,
            members: Members, process: int, next_world: bool, background: bool) -> PendingSwitch:
-    precision = precision_of(current.model)
+    precision = precision_of(current.model, current.optimizer)
     params_dtype = current.model.config.params_dtype
     device = next(current.model.parameters()).device
     src = current.layout
@@ -252,12 +252,12 @@ def process_program(setup, src: ParallelConfig, target: ParallelConfig, process:
 def build_unfilled_state(setup, target: ParallelConfig, pgs, *, params_dtype: torch.dtype,
                          device: torch.device) -> MegatronState:
     """The target's model, DDP and optimizer on ``pgs``, for a switch to fill: no weight init, no
-    construction-time collective but megatron optimizer's all-gather (``build_unfilled_model``)."""
-    model = build_unfilled_model(setup.shape, target, seed=setup.seed, params_dtype=params_dtype, pg_collection=pgs,
+    construction-time collective but megatron optimizer's all-gather (``model_source.build_unfilled``)."""
+    model = build_unfilled(setup.model, target, seed=setup.seed, params_dtype=params_dtype, pg_collection=pgs,
                                  execution=setup.execution, device=device)
     untouched = switch_buffers(StorageRecycler(idle_cap=0)) if device.type == "cpu" else None
-    ddp, optimizer = build_ddp_and_optimizer(model, target, pg_collection=pgs, torch_function_mode=untouched,
-                                             **setup.optimizer)
+    ddp, optimizer = build_ddp_and_optimizer(model, target, config=setup.optimizer, pg_collection=pgs,
+                                             torch_function_mode=untouched)
     return MegatronState(layout=target, groups=pgs, ddp=ddp, optimizer=optimizer)
 
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from functools import lru_cache, partial
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +36,15 @@ from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
 from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.init import init_layout_independent
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
+from lightning_dynatrain.megatron.tp_attributes import tag_tensor_parallel_weights
 from lightning_dynatrain.vps.errors import LayoutError, ModelSpecError
 from lightning_dynatrain.vps.gpt_spec import GPTDims, build_gpt_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec
 from lightning_dynatrain.vps.validate import validate_layout
+
+if TYPE_CHECKING:
+    from lightning_dynatrain.megatron.provider import ModelProvider
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,6 +138,62 @@ class GPTShape:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    # ------------------------------------------------- the model source protocol (model_source.py)
+    @property
+    def name(self) -> str:
+        return "gpt"
+
+    def spec(self) -> ModelSpec:
+        """The hand-written description (``vps.gpt_spec``; equal to the one megatron's own
+        description gives, ``tests/megatron/test_derived_spec.py``)."""
+        return _spec_of(self)
+
+    @property
+    def builds_beside_training(self) -> bool:
+        return True  # every module gets its groups from the pg_collection build_gpt_model passes
+
+    def config_record(self) -> dict[str, str]:
+        return {name: repr(getattr(self, name)) for name in self.__dataclass_fields__}
+
+    def validate(self, layout: ParallelConfig, execution: ExecutionOptions) -> None:
+        validate_layout_for_shape(self, layout, execution)
+
+    def build(self, layout: ParallelConfig, *, seed: int, params_dtype: torch.dtype,
+              pg_collection: ProcessGroupCollection, execution: ExecutionOptions, initialize: bool = True,
+              device: torch.device | None = None, reseed: bool = True) -> GPTModel:
+        return build_gpt_model(self, layout, seed=seed, params_dtype=params_dtype, pg_collection=pg_collection,
+                               initialize=initialize, execution=execution, device=device, reseed=reseed)
+
+    def forward_step(self, data_iterator: Iterator[Mapping[str, torch.Tensor]], model: torch.nn.Module):
+        return gpt_forward_step(data_iterator, model)
+
+
+@lru_cache(maxsize=16)
+def _spec_of(shape: GPTShape) -> ModelSpec:
+    return logical_spec(shape)
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's 3-tuple loss contract: (sum of token losses, token count, values to report)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss_sum = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def gpt_forward_step(data_iterator: Iterator[Mapping[str, torch.Tensor]], model: torch.nn.Module):
+    """Megatron's forward step for a GPT micro-batch (``tokens``, ``labels``, ``loss_mask``):
+    positions 0..seq-1, the masked token losses summed, reported as ``lm loss`` ``[sum, tokens]``."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    positions = torch.arange(tokens.shape[1], dtype=torch.long).unsqueeze(0).expand_as(tokens)
+    output = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=batch["labels"])
+    mask = batch.get("loss_mask")
+    if mask is None:
+        mask = torch.ones_like(tokens, dtype=torch.float)
+    return output, partial(_loss_func, mask)
 
 
 def padded_vocab_size(shape: GPTShape, tp: int) -> int:
@@ -324,52 +386,34 @@ def build_gpt_model(
     if initialize:
         init_layout_independent(model, shape, layout, seed=seed, pg_collection=pgs)
     else:
-        _set_tensor_parallel_attributes(model, shape)
+        gated = shape.gated_mlp  # megatron's mlp.py cuts a gated linear_fc1 with stride 2
+        tag_tensor_parallel_weights(model, lambda name: 2 if gated and name.endswith("linear_fc1") else 1)
     if device is not None and device.type != "cpu":  # what megatron keeps on the host (its torch norms)
         model = model.to(device)
     return model
 
 
-def build_unfilled_model(shape: GPTShape, layout: ParallelConfig, *, seed: int, params_dtype: torch.dtype,
-                         pg_collection: ProcessGroupCollection, execution: ExecutionOptions = ExecutionOptions(),
-                         device: torch.device | None = None) -> GPTModel:
-    """This rank's GPT shard for a switch to fill (``build_gpt_model(initialize=False)``), with no
-    collective at all: megatron's all-reduce of a tied embedding's last-stage copy over the embedding
-    group, as it builds the model, is left out (the switch writes that copy). For builds beside
-    training, and for joiners whose peers build so; torch's generator is left alone."""
-    quiet = copy.copy(pg_collection)
-    quiet.embd = None
-    model = build_gpt_model(shape, layout, seed=seed, params_dtype=params_dtype, initialize=False,
-                            pg_collection=quiet, execution=execution, device=device, reseed=False)
-    model.embd_group = pg_collection.embd  # as megatron's own build leaves it
-    return model
+def gpt_provider(shape: GPTShape) -> "ModelProvider":
+    """The preset as a ``ModelProvider``: the same megatron ``GPTModel`` and forward step, its
+    Virtual Parameter Space read from megatron's description instead of ``vps.gpt_spec`` (equal,
+    ``tests/megatron/test_derived_spec.py``), its weights megatron's own initialisation at the
+    layout the run starts at (``GPTShape`` draws them layout-independently)."""
+    from lightning_dynatrain.megatron.provider import ModelProvider
+
+    config = transformer_config(shape, ParallelConfig(), initialize=True)
+    return ModelProvider(config=config, model_provider=partial(_gpt_module, shape), forward_step=gpt_forward_step,
+                         vocab_size=shape.vocab_size, make_vocab_size_divisible_by=shape.make_vocab_size_divisible_by,
+                         seq_length=shape.seq_length, name="gpt")
 
 
-def _set_tensor_parallel_attributes(model: torch.nn.Module, shape: GPTShape) -> None:
-    """Tag weights as megatron's init would have (``tensor_model_parallel``, ``partition_dim``, ``stride``).
-
-    Megatron sets these inside its weight initialisers, so ``perform_initialization=False`` leaves
-    them unset, and then ``clip_grad_norm`` counts the TP-split weights of tp ranks > 0 as duplicates
-    and leaves them out of the gradient norm (a silently different clipping factor).
-    """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes,
-    )
-
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if weight is None or hasattr(weight, "tensor_model_parallel"):
-            continue
-        if isinstance(module, ColumnParallelLinear):
-            gated_fc1 = shape.gated_mlp and name.endswith("linear_fc1")  # megatron's mlp.py uses stride 2
-            set_tensor_model_parallel_attributes(weight, True, 0, 2 if gated_fc1 else 1)
-        elif isinstance(module, RowParallelLinear):
-            set_tensor_model_parallel_attributes(weight, True, 1, 1)
-        elif isinstance(module, VocabParallelEmbedding):
-            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+def _gpt_module(shape: GPTShape, config: TransformerConfig, pg_collection: ProcessGroupCollection, pre_process: bool,
+                post_process: bool) -> GPTModel:
+    return GPTModel(config=config, transformer_layer_spec=layer_spec(shape),
+                    vocab_size=padded_vocab_size(shape, config.tensor_model_parallel_size),
+                    max_sequence_length=shape.seq_length, pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=shape.tied_embeddings,
+                    position_embedding_type=shape.position_embedding, parallel_output=True,
+                    pg_collection=pg_collection)
 
 
 def release_rope_caches() -> None:
@@ -393,7 +437,8 @@ def release_rope_caches() -> None:
 __all__ = [
     "GPTShape",
     "build_gpt_model",
-    "build_unfilled_model",
+    "gpt_forward_step",
+    "gpt_provider",
     "release_rope_caches",
     "layer_spec",
     "logical_spec",

@@ -23,7 +23,7 @@ so a switch that fails later rolls back the same way (``memory.KeepOldMemory``).
 
 Example (every rank)::
 
-    setup = SwitchSetup(shape=shape, seed=1234, optimizer=dict(lr=1e-3), staging_budget=256 * 2**20)
+    setup = SwitchSetup(model=shape, seed=1234, optimizer=adam_config(lr=1e-3), staging_budget=256 * 2**20)
     result = hot_switch(state, ParallelConfig.parse("dp1-tp2-pp2"), setup, groups=ProcessGroupCache())
     state = result.state
 """
@@ -36,11 +36,11 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import MappingProxyType
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer import OptimizerConfig
 
 from lightning_dynatrain.engine.collectives import LinkCosts, SubgroupCache
 from lightning_dynatrain.engine.comm import group_rank
@@ -54,15 +54,16 @@ from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.ahead import PreparedSwitch, process_program
 from lightning_dynatrain.megatron.carve_buffers import switch_buffers
 from lightning_dynatrain.megatron.execution import ExecutionOptions
-from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, logical_spec, release_rope_caches
+from lightning_dynatrain.megatron.gpt import release_rope_caches
+from lightning_dynatrain.megatron.model_source import ModelSource
 from lightning_dynatrain.megatron.memory_check import SwitchMemoryError, check_switch_memory, switch_need_bytes
-from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, copy_group_settings
+from lightning_dynatrain.megatron.optimizer import adam_config, build_ddp_and_optimizer, copy_group_settings
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import (
     MegatronTarget,
     adam_step,
-    materialize_adam_state,
+    materialize_optimizer_state,
     megatron_store,
     precision_of,
 )
@@ -82,12 +83,13 @@ class SwitchSetup:
     """What every hot switch of a run shares: the model, its optimizer, the switch's budgets and the
     world's measured topology and links. Parsed and measured once, where the run starts."""
 
-    shape: GPTShape
-    """The layout-free model."""
+    model: ModelSource
+    """The layout-free model (``ModelProvider`` or ``GPTShape``)."""
     seed: int
     """Megatron's RNG seed (``initialize_for_layout``)."""
-    optimizer: Mapping[str, object]
-    """``build_ddp_and_optimizer``'s settings (lr, weight decay, betas, ...): as the old optimizer's."""
+    optimizer: OptimizerConfig
+    """Megatron's optimizer settings (``build_ddp_and_optimizer``): as the old optimizer's. A mapping
+    of ``build_ddp_and_optimizer``'s keyword arguments is read as Adam's (``adam_config``)."""
     staging_budget: int
     """Bytes of stage buffers alive at once."""
     memory_limit: int | None = None
@@ -109,8 +111,9 @@ class SwitchSetup:
     spec: ModelSpec = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "spec", logical_spec(self.shape))
-        object.__setattr__(self, "optimizer", MappingProxyType(dict(self.optimizer)))
+        object.__setattr__(self, "spec", self.model.spec())
+        if isinstance(self.optimizer, Mapping):
+            object.__setattr__(self, "optimizer", adam_config(**self.optimizer))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,13 +194,14 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     with phase("plan"):
         if prepared is not None:
             assert groups is not None, "a prepared switch runs on the groups its target's were made into"
-            prepared.check(src, target, precision_of(current.model), members)
+            prepared.check(src, target, precision_of(current.model, current.optimizer), members)
             program = prepared.program
         else:
-            program = process_program(setup, src, target, process, precision_of(current.model), members)
+            program = process_program(setup, src, target, process, precision_of(current.model, current.optimizer),
+                                      members)
         step = adam_step(current.optimizer) or 0
         if step == 0:
-            materialize_adam_state(current.optimizer, 0)
+            materialize_optimizer_state(current.optimizer, 0)
         source = megatron_store(current.ddp, current.optimizer, spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
     memory = switch_memory(device, recycle=setup.recycle, idle_cap=setup.staging_budget, buffer_mode=switch_buffers,
@@ -272,7 +276,7 @@ def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, sr
     assert members.src_rank(process) is None, f"process {process} holds a source rank: it switches, not joins"
     device = next(model.parameters()).device
     with phase("plan"):
-        program = process_program(setup, src, target, process, precision_of(model), members)
+        program = process_program(setup, src, target, process, precision_of(model, setup.optimizer), members)
     new = None
     if ahead:
         with phase("ddp_optimizer"):
@@ -294,7 +298,7 @@ def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, sr
             with phase("ddp_optimizer"):
                 state = build()
         with phase("optimizer_state"):
-            materialize_adam_state(state.optimizer, step, zero=False)
+            materialize_optimizer_state(state.optimizer, step, zero=False)
         memory.bind(MegatronTarget(state, setup.spec, members.dst_rank(process)))
         with phase("engine"):
             _, report = _execute_watched(program, {}, memory, group, attempt)
@@ -313,9 +317,9 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     process = group_rank(group)
     assert members.dst_rank(process) is None, f"process {process} holds a target rank: it switches, not leaves"
     src = current.layout
-    program = process_program(setup, src, target, process, precision_of(current.model), members)
+    program = process_program(setup, src, target, process, precision_of(current.model, current.optimizer), members)
     if adam_step(current.optimizer) is None:
-        materialize_adam_state(current.optimizer, 0)
+        materialize_optimizer_state(current.optimizer, 0)
     source = megatron_store(current.ddp, current.optimizer, setup.spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
     attempt = watch.begin(program, setup.link_costs, f"leaving {src}", holders=frozenset(members.src)) \
@@ -406,7 +410,7 @@ def _bind(current: MegatronState, prepared: PreparedSwitch, setup: SwitchSetup, 
         memory.buffers_built()
     with phase("optimizer_state"):
         copy_group_settings(current.optimizer, new.optimizer)
-        materialize_adam_state(new.optimizer, step, zero=False)
+        materialize_optimizer_state(new.optimizer, step, zero=False)
     return new
 
 
@@ -416,16 +420,16 @@ def _rebuild(current: MegatronState, target: ParallelConfig, setup: SwitchSetup,
     with phase("groups"):
         pgs = initialize_for_layout(target, seed=setup.seed, groups=groups, timeout=timeout)
     with phase("model"):
-        model = build_gpt_model(setup.shape, target, seed=setup.seed, params_dtype=current.model.config.params_dtype,
-                                initialize=False, pg_collection=pgs, execution=setup.execution,
-                                device=next(current.model.parameters()).device)  # where the old model trains
+        model = setup.model.build(target, seed=setup.seed, params_dtype=current.model.config.params_dtype,
+                                  initialize=False, pg_collection=pgs, execution=setup.execution,
+                                  device=next(current.model.parameters()).device)  # where the old model trains
     with phase("ddp_optimizer"):
-        ddp, optimizer = build_ddp_and_optimizer(model, target, pg_collection=pgs, torch_function_mode=memory.buffer_mode(),
-                                                 **setup.optimizer)
+        ddp, optimizer = build_ddp_and_optimizer(model, target, config=setup.optimizer, pg_collection=pgs,
+                                                 torch_function_mode=memory.buffer_mode())
         memory.buffers_built()
     with phase("optimizer_state"):
         copy_group_settings(current.optimizer, optimizer)
-        materialize_adam_state(optimizer, step, zero=False)
+        materialize_optimizer_state(optimizer, step, zero=False)
     return MegatronState(layout=target, groups=pgs, ddp=ddp, optimizer=optimizer)
 
 

@@ -18,9 +18,9 @@ Example (2 ranks, ``dp2-tp1-pp1-zero1``)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,8 @@ def build_ddp_and_optimizer(
     model: torch.nn.Module,
     layout: ParallelConfig,
     *,
-    lr: float,
+    config: OptimizerConfig | None = None,
+    lr: float | None = None,
     weight_decay: float = 0.0,
     adam_beta1: float = 0.9,
     adam_beta2: float = 0.999,
@@ -57,12 +58,15 @@ def build_ddp_and_optimizer(
     pg_collection: ProcessGroupCollection | None = None,
     torch_function_mode: TorchFunctionMode | None = None,
 ) -> tuple[DistributedDataParallel, MegatronOptimizer]:
-    """Wrap ``model`` in megatron DDP and build its Adam optimizer for ``layout``.
+    """Wrap ``model`` in megatron DDP and build its optimizer for ``layout``.
 
-    fp32 params (bf16 params get fp32 main params), grads reduced in fp32, no loss scaling, no overlap (one bucket per buffer, except
-    megatron's own split of a shared embedding), ``use_distributed_optimizer = layout.zero == 1``.
-    Weight decay skips biases and 1-D params (megatron's default overrides); Adam is megatron's
-    ``adam`` (decoupled weight decay, i.e. ``torch.optim.AdamW`` without Apex/TE).
+    ``config``: megatron's ``OptimizerConfig`` (any of its Adam or SGD fields); without it, an Adam
+    config from ``lr``, ``weight_decay``, ``adam_*`` and ``clip_grad``. The layout and the model
+    decide the rest (``optimizer_config_at``): the distributed optimizer under ``zero1``, bf16 with
+    fp32 main params when the model's params are bf16, no loss scaling. DDP: grads reduced in fp32,
+    no overlap (one bucket per buffer, except megatron's own split of a shared embedding). Weight
+    decay skips biases and 1-D params (megatron's default overrides); Adam is megatron's ``adam``
+    (decoupled weight decay, i.e. ``torch.optim.AdamW`` without Apex/TE).
     ``torch_function_mode``: a mode both are built under (``hot_switch`` passes ``CarveBuffers``);
     on CPU it runs inside the CPU adapter's mode (``megatron_on_cpu(inner=...)``).
 
@@ -71,34 +75,18 @@ def build_ddp_and_optimizer(
         dense params, one more for expert params when expert params are not all-reduced, ep > 1).
     """
     pgs = pg_collection if pg_collection is not None else current_process_groups()
-    params_dtype = model.config.params_dtype
-    if params_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"params_dtype {params_dtype} is not supported. HINT: build the model with "
-            "params_dtype=torch.float32 (or torch.bfloat16: fp32 main params, no loss scaling)"
-        )
-    distributed = layout.zero == 1
+    if config is None:
+        if lr is None:
+            raise ValueError("build_ddp_and_optimizer needs an OptimizerConfig or lr=")
+        config = adam_config(lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
+                             adam_eps=adam_eps, clip_grad=clip_grad)
+    opt_config = optimizer_config_at(config, layout, model.config.params_dtype)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         overlap_param_gather=False,
-        use_distributed_optimizer=distributed,
+        use_distributed_optimizer=opt_config.use_distributed_optimizer,
         bucket_size=None,
-    )
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=lr,
-        min_lr=lr,
-        weight_decay=weight_decay,
-        adam_beta1=adam_beta1,
-        adam_beta2=adam_beta2,
-        adam_eps=adam_eps,
-        clip_grad=clip_grad,
-        params_dtype=params_dtype,
-        fp16=False,
-        bf16=params_dtype == torch.bfloat16,
-        loss_scale=None,
-        use_distributed_optimizer=distributed,
     )
     with megatron_on_cpu(inner=torch_function_mode):
         ddp_model = DistributedDataParallel(
@@ -108,6 +96,43 @@ def build_ddp_and_optimizer(
             opt_config, [ddp_model], use_gloo_process_groups=False, pg_collection=pgs
         )
     return ddp_model, optimizer
+
+
+def adam_config(*, lr: float, weight_decay: float = 0.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999,
+                adam_eps: float = 1e-8, clip_grad: float = 0.0) -> OptimizerConfig:
+    """Megatron's Adam ``OptimizerConfig`` from ``build_ddp_and_optimizer``'s keyword arguments
+    (their defaults: no weight decay, no clipping)."""
+    return OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
+                           adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad)
+
+
+#: the optimizers a switch moves the state of (megatron's ``OptimizerConfig.optimizer``)
+SUPPORTED_OPTIMIZERS = ("adam", "sgd")
+
+
+def optimizer_config_at(config: OptimizerConfig, layout: ParallelConfig, params_dtype: torch.dtype) -> OptimizerConfig:
+    """``config`` as megatron builds it at ``layout`` for params of ``params_dtype``: the distributed
+    optimizer under ``zero1``, megatron's bf16 (fp32 main params) or fp32, no loss scaling.
+
+    Raises:
+        ValueError: an optimizer or precision a switch cannot carry, saying what to use.
+    """
+    if config.optimizer not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(f"OptimizerConfig(optimizer={config.optimizer!r}) is not supported. HINT: use "
+                         f"{' or '.join(repr(o) for o in SUPPORTED_OPTIMIZERS)}")
+    if params_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"params_dtype {params_dtype} is not supported. HINT: build the model with "
+            "params_dtype=torch.float32 (or torch.bfloat16: fp32 main params, no loss scaling)"
+        )
+    if config.fp16:
+        raise ValueError("OptimizerConfig(fp16=True): fp16 with loss scaling is not supported. HINT: train in bf16 "
+                         "(Trainer(precision='bf16-mixed')), which the strategy sets in the config itself")
+    if config.lr is None:
+        raise ValueError("OptimizerConfig(lr=None). HINT: give the (peak) learning rate; a scheduler scales it")
+    distributed = layout.zero == 1
+    return dataclasses.replace(config, params_dtype=params_dtype, fp16=False, bf16=params_dtype == torch.bfloat16,
+                               loss_scale=None, use_distributed_optimizer=distributed)
 
 
 #: what tells megatron's param groups apart (``_get_param_groups``): the same in every layout, but
@@ -308,34 +333,17 @@ def optimizer_state_views(
 
 
 # ----------------------------------------------------------------------------------- one train step
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron's 3-tuple loss contract: (sum of token losses, token count, values to report)."""
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.float().view(-1)
-    loss_sum = torch.sum(losses * mask)
-    tokens = mask.sum().to(torch.int)
-    return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
-
-
-def _forward_step(data_iterator: Iterator[Mapping[str, torch.Tensor]], model: torch.nn.Module):
-    batch = next(data_iterator)
-    tokens = batch["tokens"]
-    positions = torch.arange(tokens.shape[1], dtype=torch.long).unsqueeze(0).expand_as(tokens)
-    output = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"])
-
-
 def _microbatches(batch: Mapping[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:
-    tokens = batch["tokens"]
-    if tokens.dim() != 2 or tokens.shape[0] % num_microbatches:
+    """``batch`` cut into ``num_microbatches`` along dim 0, every tensor alike."""
+    rows = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    tokens = batch.get("tokens")
+    if not rows or any(n % num_microbatches for n in rows.values()) or (tokens is not None and tokens.dim() != 2):
         raise ValueError(
-            f"tokens of shape {tuple(tokens.shape)} cannot be split into {num_microbatches} micro-batches. "
-            "HINT: pass [local_batch, seq] tokens with local_batch a multiple of num_microbatches"
+            f"a batch of {rows} rows cannot be split into {num_microbatches} micro-batches. "
+            "HINT: pass [local_batch, ...] tensors with local_batch a multiple of num_microbatches "
+            "(tokens [local_batch, seq])"
         )
-    mask = batch.get("loss_mask")
-    if mask is None:
-        mask = torch.ones_like(tokens, dtype=torch.float)
-    parts = {k: v.chunk(num_microbatches) for k, v in (("tokens", tokens), ("labels", batch["labels"]), ("loss_mask", mask))}
+    parts = {k: batch[k].chunk(num_microbatches) for k in rows}
     return [{k: parts[k][i] for k in parts} for i in range(num_microbatches)]
 
 
@@ -346,26 +354,31 @@ def run_train_step(
     layout: ParallelConfig,
     num_microbatches: int,
     *,
+    forward_step: Callable | None = None,
+    seq_length: int | None = None,
     pg_collection: ProcessGroupCollection | None = None,
 ) -> float:
     """One optimizer step over this data-parallel rank's ``batch``; returns the global mean loss.
 
     Args:
-        batch: ``tokens`` and ``labels`` ``[local_batch, seq]`` (int64), optional ``loss_mask``
-            (same shape). Every TP/PP rank of a data-parallel replica passes the same batch.
+        batch: tensors cut along dim 0 into micro-batches (the GPT preset's: ``tokens`` and ``labels``
+            ``[local_batch, seq]``, optional ``loss_mask``). Every TP/PP rank of a data-parallel
+            replica passes the same batch.
         num_microbatches: micro-batches the local batch is split into (1F1B schedule when pp > 1).
+        forward_step: megatron's ``forward_step(data_iterator, model)`` (default: the GPT preset's).
+        seq_length: tokens per sequence for the pipeline's buffers (default: ``tokens``' dim 1).
 
     Returns:
-        Sum of masked token losses over all micro-batches and data-parallel ranks divided by their
-        token count (the quantity whose gradient is applied when micro-batches hold equal token
-        counts); the same float on every rank.
+        The loss reported over all micro-batches and data-parallel ranks: the sum over their
+        reported ``[sum, count]`` pairs' sums divided by their counts (the GPT preset: masked token
+        losses over tokens); the same float on every rank.
     """
     pgs, device, micro = _micro_batches(ddp_model, batch, layout, num_microbatches, pg_collection)
     ddp_model.train()
     with megatron_on_cpu():
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = _pipeline_schedule(ddp_model, micro, forward_only=False)
+        reports = _pipeline_schedule(ddp_model, micro, forward_step, seq_length, forward_only=False)
         finalize_model_grads([ddp_model], pg_collection=pgs)
         optimizer.step()
     return _global_mean_loss(reports, pgs, device)
@@ -377,20 +390,22 @@ def run_eval_step(
     layout: ParallelConfig,
     num_microbatches: int,
     *,
+    forward_step: Callable | None = None,
+    seq_length: int | None = None,
     pg_collection: ProcessGroupCollection | None = None,
 ) -> float:
     """``run_train_step``'s forward passes only (megatron's forward-only schedule across pipeline
     stages, no gradients, nothing updated); ``model`` is megatron's DDP or the bare model shard.
 
     Returns:
-        The global mean loss over this batch's tokens, the same float on every rank.
+        The global mean loss over this batch, the same float on every rank.
     """
     pgs, device, micro = _micro_batches(model, batch, layout, num_microbatches, pg_collection)
     was_training = model.training
     model.eval()
     try:
         with megatron_on_cpu(), torch.no_grad():
-            reports = _pipeline_schedule(model, micro, forward_only=True)
+            reports = _pipeline_schedule(model, micro, forward_step, seq_length, forward_only=True)
     finally:
         model.train(was_training)
     return _global_mean_loss(reports, pgs, device)
@@ -405,25 +420,43 @@ def _micro_batches(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], la
         raise LayoutError(f"pipeline group of size {pgs.pp.size()} does not match layout {layout}",
                           hint="build the model (and DDP, optimizer) after initialize_for_layout(layout, ...)")
     device = next(model.parameters()).device
-    return pgs, device, _microbatches({k: v.to(device) for k, v in batch.items()}, num_microbatches)
+    moved = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    return pgs, device, _microbatches(moved, num_microbatches)
 
 
-def _pipeline_schedule(model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], *, forward_only: bool) -> list:
+def _pipeline_schedule(model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], forward_step: Callable | None,
+                       seq_length: int | None, *, forward_only: bool) -> list:
     """Megatron's schedule for the current pipeline (1F1B, or no pipelining) over ``micro``."""
-    micro_batch_size, seq_length = micro[0]["tokens"].shape
-    return get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(micro), model=[model],
+    if forward_step is None:
+        from lightning_dynatrain.megatron.gpt import gpt_forward_step as forward_step
+    first = micro[0]
+    micro_batch_size = next(iter(first.values())).shape[0]
+    if seq_length is None:
+        if "tokens" not in first:
+            raise ValueError("the pipeline needs the sequence length: the batch has no `tokens` [batch, seq]. "
+                             "HINT: give the model's seq_length (ModelProvider(seq_length=...))")
+        seq_length = first["tokens"].shape[1]
+    return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
                                        num_microbatches=len(micro), seq_length=seq_length,
                                        micro_batch_size=micro_batch_size, forward_only=forward_only)
 
 
+def _loss_pair(report: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """One micro-batch's reported ``[sum, count]``: megatron's ``lm loss`` (or the first value
+    reported); a single value counts once."""
+    value = report["lm loss"] if "lm loss" in report else next(iter(report.values()))
+    value = torch.as_tensor(value).detach().to(torch.float64).view(-1)
+    return value[:2] if value.numel() >= 2 else torch.cat([value, value.new_ones(1)])
+
+
 def _global_mean_loss(reports: list, pgs: ProcessGroupCollection, device: torch.device) -> float:
-    """Sum the last stage's (loss sum, tokens) over the data-parallel ranks and hand the ratio to
+    """Sum the last stage's (loss sum, count) over the data-parallel ranks and hand the ratio to
     every pipeline stage: the same float on every rank."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     last_stage = pgs.pp.rank() == pgs.pp.size() - 1
     if last_stage:
         for report in reports:
-            total += report["lm loss"].to(torch.float64)
+            total += _loss_pair(report).to(device)
         dist.all_reduce(total, group=pgs.dp_cp)
     if pgs.pp.size() > 1:
         last_rank = dist.get_global_rank(pgs.pp, pgs.pp.size() - 1)
@@ -434,6 +467,7 @@ def _global_mean_loss(reports: list, pgs: ProcessGroupCollection, device: torch.
 __all__ = [
     "BufferInfo",
     "ParamStateView",
+    "adam_config",
     "build_ddp_and_optimizer",
     "copy_group_settings",
     "group_settings",

@@ -199,6 +199,45 @@ def _forget() -> None:
     parallel_state._global_process_group_list = None
 
 
+#: megatron's globals that hold a group, and the ``ProcessGroupCollection`` field each holds
+_GROUP_GLOBALS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp", "_PIPELINE_MODEL_PARALLEL_GROUP": "pp", "_MODEL_PARALLEL_GROUP": "mp",
+    "_CONTEXT_PARALLEL_GROUP": "cp", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp_cp", "_DATA_PARALLEL_GROUP": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp_cp", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "intra_dp_cp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp_dp_cp", "_EXPERT_MODEL_PARALLEL_GROUP": "ep",
+    "_EXPERT_TENSOR_PARALLEL_GROUP": "expt_tp", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp", "_EXPERT_DATA_PARALLEL_GROUP": "expt_dp",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "intra_expt_dp", "_EMBEDDING_GROUP": "embd",
+    "_POSITION_EMBEDDING_GROUP": "pos_embd",
+}
+#: megatron's rank and size overrides (its ``set_*_rank`` / ``set_*_world_size``), and the field each mirrors
+_RANK_GLOBALS = {"TENSOR_MODEL_PARALLEL": "tp", "PIPELINE_MODEL_PARALLEL": "pp", "DATA_PARALLEL": "dp",
+                 "EXPERT_MODEL_PARALLEL": "ep", "EXPERT_TENSOR_PARALLEL": "expt_tp"}
+
+
+@contextmanager
+def groups_as_globals(groups: ProcessGroupCollection) -> Iterator[None]:
+    """Inside: megatron's parallel-state globals answer with ``groups`` (their ranks and sizes too),
+    then they are put back. For a module built only to read its description (``megatron.probe``)
+    on groups that are not the current layout's: megatron's own modules mostly take the groups
+    they are given, but a few still read the globals (0.16's ``BertModel`` builds its encoder
+    without them), and a user's module may. Not for a module that trains: the globals are the
+    current layout's again after it."""
+    names = list(_GROUP_GLOBALS) + [f"_MPU_{k}_{what}" for k in _RANK_GLOBALS for what in ("RANK", "WORLD_SIZE")]
+    saved = {name: getattr(parallel_state, name) for name in names}
+    try:
+        for name, field in _GROUP_GLOBALS.items():
+            setattr(parallel_state, name, getattr(groups, field, None))
+        for key, field in _RANK_GLOBALS.items():
+            group = getattr(groups, field)
+            setattr(parallel_state, f"_MPU_{key}_RANK", group.rank())
+            setattr(parallel_state, f"_MPU_{key}_WORLD_SIZE", group.size())
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(parallel_state, name, value)
+
+
 def current_process_groups() -> ProcessGroupCollection:
     """This rank's megatron groups of the current layout (after ``initialize_for_layout``).
 
@@ -243,6 +282,7 @@ __all__ = [
     "ProcessGroupCache",
     "RANK_ORDER",
     "current_process_groups",
+    "groups_as_globals",
     "destroy",
     "initialize_for_layout",
     "is_initialized",

@@ -13,6 +13,7 @@ Adam's ``step`` is scalar state: identical on every rank, carried whole (``set_a
 from __future__ import annotations
 
 import torch
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from lightning_dynatrain.engine.adoption import owns_storage
@@ -25,11 +26,20 @@ from lightning_dynatrain.vps.names import local_parameters
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 
-def precision_of(model: torch.nn.Module) -> Precision:
+def precision_of(model: torch.nn.Module, optimizer: "MegatronOptimizer | OptimizerConfig | None" = None) -> Precision:
     """``bf16`` when the model's params are bf16 (with fp32 main params; megatron keeps some, the
-    norms, in fp32 even then), else ``fp32``."""
+    norms, in fp32 even then), else ``fp32``; ``+sgd`` when ``optimizer`` (megatron's optimizer or
+    its config; ``None``: Adam) is SGD."""
     bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
-    return Precision.BF16 if bf16 else Precision.FP32
+    return Precision.of_state(params="bf16" if bf16 else "fp32", optimizer=_optimizer_name(optimizer))
+
+
+def _optimizer_name(optimizer: "MegatronOptimizer | OptimizerConfig | None") -> str:
+    if optimizer is None:
+        return "adam"
+    if isinstance(optimizer, OptimizerConfig):
+        return optimizer.optimizer
+    return "sgd" if any(isinstance(inner, torch.optim.SGD) for inner in _inner_optimizers(optimizer)) else "adam"
 
 
 def _inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
@@ -37,19 +47,25 @@ def _inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimize
     return [sub.optimizer for sub in subs if getattr(sub, "optimizer", None) is not None]
 
 
-def materialize_adam_state(optimizer: MegatronOptimizer, step: int, *, zero: bool = True) -> None:
-    """Give every parameter Adam state (moments, ``step``) so a new optimizer can be filled.
+def materialize_optimizer_state(optimizer: MegatronOptimizer, step: int, *, zero: bool = True) -> None:
+    """Give every parameter its optimizer state (Adam: moments and ``step``; SGD: momentum) so a new
+    optimizer can be filled.
 
-    A freshly built torch Adam creates its state lazily at the first step; the switch writes the
-    moved moments into it before that, so it must exist (and have the right shapes) first.
-    ``zero=False`` leaves the moments uninitialised (``torch.empty_like``: no page is touched): for
-    a switch, whose plan writes every element of them.
+    A freshly built torch optimizer creates its state lazily at the first step; the switch writes the
+    moved state into it before that, so it must exist (and have the right shapes) first.
+    ``zero=False`` leaves it uninitialised (``torch.empty_like``: no page is touched): for a switch,
+    whose plan writes every element of it.
     """
     new = torch.zeros_like if zero else torch.empty_like
     for inner in _inner_optimizers(optimizer):
+        sgd = isinstance(inner, torch.optim.SGD)
         for group in inner.param_groups:
             for p in group["params"]:
                 state = inner.state[p]
+                if sgd:
+                    if state.get("momentum_buffer") is None:
+                        state["momentum_buffer"] = new(p, memory_format=torch.preserve_format)
+                    continue
                 if "exp_avg" not in state:
                     state["exp_avg"] = new(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = new(p, memory_format=torch.preserve_format)
@@ -57,7 +73,8 @@ def materialize_adam_state(optimizer: MegatronOptimizer, step: int, *, zero: boo
 
 
 def adam_step(optimizer: MegatronOptimizer) -> int | None:
-    """Adam's step count (the same for every parameter), or ``None`` before the first step."""
+    """Adam's step count (the same for every parameter), or ``None`` before the first step (and
+    for SGD, which keeps none)."""
     for inner in _inner_optimizers(optimizer):
         for state in inner.state.values():
             if "step" in state:
@@ -76,7 +93,7 @@ def _local_views(ddp_model: torch.nn.Module, optimizer: MegatronOptimizer, spec:
     """The local tensors of ``rank`` at ``layout`` (the store's keys), and for those megatron has a
     parameter of: ``key -> (the parameter's state view, state kind)``."""
     views = optimizer_state_views(ddp_model, optimizer)
-    precision = precision_of(ddp_model.module)
+    precision = precision_of(ddp_model.module, optimizer)
     wanted = set(RegionIndex(rank_regions(spec, layout, rank, precision)).local_tensors())
     found = {}
     for name, local in local_parameters(spec, layout, rank).items():
@@ -108,7 +125,7 @@ def _store(wanted: set[StoreKey], found: dict, layout: ParallelConfig, rank: int
     for key, (view, kind) in found.items():
         tensor = _tensor_of(view, kind)
         if tensor is None:
-            raise KeyError(f"{view.name}: no {kind.value} on rank {rank}; call materialize_adam_state first")
+            raise KeyError(f"{view.name}: no {kind.value} on rank {rank}; call materialize_optimizer_state first")
         store[key] = tensor.detach()
     missing = wanted - set(store)
     if missing:
@@ -169,7 +186,7 @@ class MegatronTarget:
             view, kind = self._targets[key]
             if _tensor_of(view, kind) is None:
                 found = False
-            elif kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+            elif kind.is_optimizer_state:
                 found = True
             else:  # not a view into megatron's flat buffer (distributed optimizer)
                 found = owns_storage((view.param if kind is StateKind.PARAM else view.main_param).data)
@@ -183,7 +200,7 @@ class MegatronTarget:
         current = _tensor_of(view, kind)
         if current.numel() != tensor.numel() or current.dtype != tensor.dtype:
             return False
-        if kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+        if kind.is_optimizer_state:
             view.state[kind.value] = tensor.view(current.shape)
         else:
             owner = view.param if kind is StateKind.PARAM else view.main_param
@@ -192,5 +209,5 @@ class MegatronTarget:
         return True
 
 
-__all__ = ["MegatronTarget", "adam_step", "materialize_adam_state", "megatron_store", "param_store", "precision_of",
+__all__ = ["MegatronTarget", "adam_step", "materialize_optimizer_state", "megatron_store", "param_store", "precision_of",
            "set_adam_step"]

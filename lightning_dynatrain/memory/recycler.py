@@ -400,8 +400,8 @@ class StorageRecycler:
 
 
 def state_group(kind) -> str:
-    """The arena group of a state kind: params (and fp32 main params) or Adam moments."""
-    return "moment" if kind.value.startswith("exp_avg") else "param"
+    """The arena group of a state kind: params (and fp32 main params) or the optimizer's moments."""
+    return "moment" if kind.is_optimizer_state else "param"
 
 
 __all__ = ["ALIGNMENT", "BUFFER_GROUP", "PAGES_GROUP", "StorageRecycler", "can_release_pages", "free_storage", "release_pages", "release_tail", "state_group"]

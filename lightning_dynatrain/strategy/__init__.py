@@ -6,7 +6,9 @@ first builds groups or a model (``megatron_step``).
 
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+from lightning_dynatrain.strategy.lightning_module import MegatronLightningModule
 from lightning_dynatrain.strategy.module import GPTLightningModule, warmup_cosine_lr
+from lightning_dynatrain.strategy.optimizer_handle import DynaTrainOptimizer
 from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.validation import (
     BatchSizeError,
@@ -19,8 +21,10 @@ from lightning_dynatrain.strategy.validation import (
 __all__ = [
     "AdamSettings",
     "BatchSizeError",
+    "DynaTrainOptimizer",
     "DynaTrainStrategy",
     "GPTLightningModule",
+    "MegatronLightningModule",
     "MegatronRecipe",
     "ReconfigReport",
     "WorldSizeError",

@@ -33,15 +33,15 @@ Example (what the hooks call, every rank)::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from lightning_dynatrain.checkpoint.identity import FORMAT, CheckpointError, CheckpointInfo
+from lightning_dynatrain.checkpoint.identity import FORMAT, CheckpointError, CheckpointInfo, CheckpointMismatchError
 # ``save_rank_checkpoint`` too: the per-rank format's writer and reader, imported from here by code
 # that keeps per-rank files (the Accelerate integration's ``save_state``)
 from lightning_dynatrain.checkpoint.legacy import is_per_rank, load_rank_checkpoint, save_rank_checkpoint
@@ -59,7 +59,6 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 if TYPE_CHECKING:
-    from lightning_dynatrain.megatron.gpt import GPTShape
     from lightning_dynatrain.megatron.state import MegatronState
 
 #: Where ``read`` records what it read, in the checkpoint dict Lightning hands to the later hooks.
@@ -73,14 +72,6 @@ class CheckpointSource:
     kind: Literal["logical", "per_rank"]
     path: str
     info: CheckpointInfo | None = None
-
-
-@lru_cache(maxsize=8)
-def spec_of(shape: "GPTShape") -> ModelSpec:
-    """The logical spec of ``shape`` (made once per shape: every save and load asks for it)."""
-    from lightning_dynatrain.megatron.gpt import logical_spec
-
-    return logical_spec(shape)
 
 
 def source_of(checkpoint: Mapping[str, Any]) -> CheckpointSource | None:
@@ -97,31 +88,33 @@ def optimizer_scalars(state: "MegatronState") -> dict[str, Any]:
 
 
 def save(checkpoint: dict[str, Any], path: str | Path, *, writer: CheckpointWriter, model: torch.nn.Module,
-         state: "MegatronState | None", spec: ModelSpec, layout: ParallelConfig, rank: int, world_size: int) -> None:
+         state: "MegatronState | None", spec: ModelSpec, layout: ParallelConfig, rank: int, world_size: int,
+         config: Mapping[str, str] | None = None) -> None:
     """Write ``checkpoint`` (Lightning's dict) and the training state as checkpoint ``path``; collective.
+    ``config``: the model's configuration (``ModelSource.config_record``), recorded with it.
 
     The optimizer's state is written with the parameters unless there is no optimizer or Lightning
     asked for the weights only (no ``optimizer_states``).
     """
     from lightning_dynatrain.megatron.state_bridge import (
         adam_step,
-        materialize_adam_state,
+        materialize_optimizer_state,
         megatron_store,
         param_store,
         precision_of,
     )
 
-    precision = precision_of(model)
+    precision = precision_of(model, state.optimizer if state is not None else None)
     if state is not None and "optimizer_states" in checkpoint:
         if adam_step(state.optimizer) is None:  # before the first step: zero moments at step 0
-            materialize_adam_state(state.optimizer, 0)
+            materialize_optimizer_state(state.optimizer, 0)
         store = megatron_store(state.ddp, state.optimizer, spec, layout, rank)
         kinds = tuple(k for k, _ in precision.kinds)
     else:
         store = param_store(model, spec, layout, rank)
         kinds = (StateKind.PARAM,)
     info = CheckpointInfo.of(spec, layout=layout, world_size=world_size, precision=precision,
-                             kinds=tuple(k.value for k in kinds))
+                             kinds=tuple(k.value for k in kinds), config=dict(config or {}))
     tensors = logical_state_dict(store, spec, layout, rank, precision=precision, kinds=kinds,
                                  copy_to_cpu=writer.async_save)
     if rank == 0:
@@ -131,8 +124,9 @@ def save(checkpoint: dict[str, Any], path: str | Path, *, writer: CheckpointWrit
 
 
 def read(path: str | Path, *, spec: ModelSpec, precision: Precision, layout: ParallelConfig, rank: int,
-         world_size: int, weights_only: bool | None = None) -> dict[str, Any]:
-    """Lightning's checkpoint dict of ``path``, after checking it holds this run's model.
+         world_size: int, weights_only: bool | None = None, config: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Lightning's checkpoint dict of ``path``, after checking it holds this run's model (and warning,
+    naming them, of configuration fields that differ from ``config``'s).
 
     Raises:
         CheckpointMismatchError: the checkpoint holds another model, or another precision.
@@ -143,6 +137,11 @@ def read(path: str | Path, *, spec: ModelSpec, precision: Precision, layout: Par
         checkpoint = read_trainer_state(path, weights_only=weights_only)
         info = CheckpointInfo.from_dict(checkpoint.pop(INFO_KEY, None), path=path)
         info.check(spec, precision=precision, path=path)
+        differ = info.config_differences(dict(config or {}))
+        if differ and rank == 0:
+            warnings.warn(f"checkpoint {path} was written by a model configured otherwise ({'; '.join(differ[:6])}"
+                          f"{'; ...' if len(differ) > 6 else ''}): its state loads (the same tensors), the run goes "
+                          "on with this run's values", stacklevel=2)
         checkpoint[SOURCE_KEY] = CheckpointSource("logical", str(path), info)
         return checkpoint
     if is_per_rank(path):
@@ -177,22 +176,28 @@ def load_optimizer(checkpoint: Mapping[str, Any], state: "MegatronState", spec: 
         CheckpointError: the checkpoint holds no optimizer state (written with ``weights_only``).
     """
     from lightning_dynatrain.megatron.optimizer import set_group_settings
-    from lightning_dynatrain.megatron.state_bridge import materialize_adam_state, megatron_store, precision_of
+    from lightning_dynatrain.megatron.state_bridge import materialize_optimizer_state, megatron_store, precision_of
 
     source = source_of(checkpoint)
     assert source is not None and source.kind == "logical" and source.info is not None
     scalars = (checkpoint.get("optimizer_states") or [None])[0]
-    if not isinstance(scalars, Mapping) or scalars.get("format") != FORMAT or "exp_avg" not in source.info.kinds:
+    if not isinstance(scalars, Mapping) or scalars.get("format") != FORMAT or source.info.kinds == ("param",):
         raise CheckpointError(f"checkpoint {source.path} holds no optimizer state (saved with weights_only?)",
                               hint="resume from a checkpoint saved with the optimizer, or load the weights only "
                                    "(trainer.validate / a new fit without ckpt_path)")
-    precision = precision_of(state.model)
-    materialize_adam_state(state.optimizer, int(scalars["adam_step"]))
-    set_group_settings(state.optimizer, list(scalars["groups"]))
+    precision = precision_of(state.model, state.optimizer)
     kinds = [k for k, _ in precision.kinds if k is not StateKind.PARAM]
+    missing = [k.value for k in kinds if k.value not in source.info.kinds]
+    if missing:
+        raise CheckpointMismatchError(
+            f"checkpoint {source.path} holds the state of another optimizer ({', '.join(source.info.kinds)}); this "
+            f"run's {precision.optimizer} needs {', '.join(missing)}",
+            hint="resume with the optimizer the checkpoint was trained with, or load its weights only")
+    materialize_optimizer_state(state.optimizer, int(scalars["adam_step"]))
+    set_group_settings(state.optimizer, list(scalars["groups"]))
     load_logical(megatron_store(state.ddp, state.optimizer, spec, state.layout, rank), spec, state.layout, rank,
                  source.path, precision=precision, kinds=kinds)
 
 
 __all__ = ["SOURCE_KEY", "CheckpointSource", "load_optimizer", "load_params", "load_rank_checkpoint",
-           "optimizer_scalars", "read", "save", "save_rank_checkpoint", "source_of", "spec_of"]
+           "optimizer_scalars", "read", "save", "save_rank_checkpoint", "source_of"]

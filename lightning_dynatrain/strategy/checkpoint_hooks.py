@@ -29,7 +29,7 @@ class CheckpointHooks:
     """
 
     def _spec(self):
-        return checkpointing.spec_of(self.recipe.shape)
+        return self.recipe.model.spec()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -38,9 +38,9 @@ class CheckpointHooks:
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's layout-free scalars: Adam's step and each kind of param group's settings
-        (moments and main params are saved under their logical keys)."""
-        return checkpointing.optimizer_scalars(self.megatron)
+        """The optimizer's layout-free scalars: Adam's step, each kind of param group's settings and
+        the schedule group's (moments and main params are saved under their logical keys)."""
+        return {**checkpointing.optimizer_scalars(self.megatron), "schedule": self.optimizer_handle.schedule_state()}
 
     @property
     @override
@@ -56,7 +56,8 @@ class CheckpointHooks:
         if storage_options is not None:
             raise TypeError("DynaTrainStrategy.save_checkpoint does not take storage_options")
         checkpointing.save(checkpoint, filepath, writer=self._writer, model=self._gpt_model, state=self._megatron,
-                           spec=self._spec(), layout=self.layout, rank=self.global_rank, world_size=self.world_size)
+                           spec=self._spec(), layout=self.layout, rank=self.global_rank, world_size=self.world_size,
+                           config=self.recipe.model.config_record())
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
@@ -74,7 +75,7 @@ class CheckpointHooks:
         self._writer.wait_for(checkpoint_path)
         return checkpointing.read(checkpoint_path, spec=self._spec(), precision=precision_of(self._gpt_model),
                                   layout=self.layout, rank=self.global_rank, world_size=self.world_size,
-                                  weights_only=weights_only)
+                                  weights_only=weights_only, config=self.recipe.model.config_record())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -93,6 +94,9 @@ class CheckpointHooks:
             super().load_optimizer_state_dict(checkpoint)
             return
         checkpointing.load_optimizer(checkpoint, self.megatron, self._spec(), self.global_rank)
+        scalars = (checkpoint.get("optimizer_states") or [{}])[0]
+        if "schedule" in scalars:  # the rate the next step uses, as the schedule left it
+            self.optimizer_handle.load_schedule(scalars["schedule"])
 
     def _start_from_megatron(self, trainer: "pl.Trainer") -> None:
         """``init_from_megatron``: after ``setup_optimizers`` (the optimizer's tensors exist then)."""

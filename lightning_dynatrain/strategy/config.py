@@ -1,7 +1,9 @@
 """What the LightningModule tells the strategy: the model recipe and the optimizer settings.
 
 Both are layout-free: the strategy builds megatron's modules, DDP and optimizer from them for the
-current layout, and again for every layout it switches to.
+current layout, and again for every layout it switches to. The model is a ``ModelProvider`` (a
+megatron-core model of the user's) or a ``GPTShape`` (the preset); the optimizer is megatron's
+``OptimizerConfig`` (``AdamSettings`` is the preset's shorthand for one).
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import torch
 from lightning_dynatrain.megatron.execution import ExecutionOptions, Recompute
 
 if TYPE_CHECKING:
-    from lightning_dynatrain.megatron.gpt import GPTShape
+    from megatron.core.optimizer import OptimizerConfig
+
+    from lightning_dynatrain.megatron.model_source import ModelSource
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MegatronRecipe:
     """How to build the model and cut the batch, at any layout."""
 
-    shape: "GPTShape"
-    """The layout-free model (``lightning_dynatrain.megatron.gpt.GPTShape``)."""
+    model: "ModelSource"
+    """The layout-free model: a ``ModelProvider`` (``megatron.provider``) or a ``GPTShape``."""
     seed: int
     """Initialisation seed; the same seed gives the same logical weights at every layout."""
     global_batch_size: int
@@ -64,5 +68,19 @@ class AdamSettings:
     clip_grad: float = 1.0
     """Global gradient-norm clipping (0 disables it)."""
 
+    def optimizer_config(self) -> "OptimizerConfig":
+        """The same settings as megatron's ``OptimizerConfig`` (Adam; ``min_lr`` the peak: the module
+        sets each step's rate)."""
+        from megatron.core.optimizer import OptimizerConfig
 
-__all__ = ["AdamSettings", "MegatronRecipe"]
+        return OptimizerConfig(optimizer="adam", lr=self.lr, min_lr=self.lr, weight_decay=self.weight_decay,
+                               adam_beta1=self.betas[0], adam_beta2=self.betas[1], adam_eps=self.eps,
+                               clip_grad=self.clip_grad)
+
+
+def optimizer_config(settings: "AdamSettings | OptimizerConfig") -> "OptimizerConfig":
+    """Megatron's ``OptimizerConfig`` for what ``configure_optimizers`` gave."""
+    return settings.optimizer_config() if isinstance(settings, AdamSettings) else settings
+
+
+__all__ = ["AdamSettings", "MegatronRecipe", "optimizer_config"]

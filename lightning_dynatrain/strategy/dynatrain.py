@@ -67,17 +67,18 @@ from lightning_dynatrain.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_dynatrain.strategy.step_hooks import StepHooks
 from lightning_dynatrain.strategy.switch_hooks import SwitchHooks
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
-from lightning_dynatrain.strategy.optimizer_handle import MegatronOptimizerHandle
+from lightning_dynatrain.strategy.optimizer_handle import DynaTrainOptimizer
 from lightning_dynatrain.strategy.precision import resolve_params_dtype
 from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.switching import LayoutSwitcher, parse_switch_safety
 from lightning_dynatrain.strategy.threads import fit_intra_op_threads
-from lightning_dynatrain.strategy.validation import validate_target
+from lightning_dynatrain.strategy.validation import validate_optimizer, validate_target
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from megatron.core.optimizer import OptimizerConfig
 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -182,7 +183,7 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
         self._switcher: LayoutSwitcher | None = None
         self._pgs: ProcessGroupCollection | None = None
         self._recipe: MegatronRecipe | None = None
-        self._adam: AdamSettings | None = None
+        self._optimizer_settings: AdamSettings | OptimizerConfig | None = None
         self._gpt_model: torch.nn.Module | None = None
         self._megatron: MegatronState | None = None
         self._step_in_progress = False
@@ -223,10 +224,11 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
         return self._switcher
 
     @property
-    def adam(self) -> AdamSettings:
-        """The optimizer settings ``configure_optimizers`` returned."""
-        assert self._adam is not None, "setup_optimizers reads them"
-        return self._adam
+    def optimizer_settings(self) -> "AdamSettings | OptimizerConfig":
+        """The optimizer settings ``configure_optimizers`` gave (megatron's ``OptimizerConfig``, or
+        the GPT preset's ``AdamSettings``)."""
+        assert self._optimizer_settings is not None, "setup_optimizers reads them"
+        return self._optimizer_settings
 
     @property
     def model_shard(self) -> torch.nn.Module:
@@ -295,21 +297,28 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
                        f"({self.process_group_backend}, {self.cluster_environment.__class__.__name__}), {topology}")
 
     def build_model(self, recipe: MegatronRecipe) -> torch.nn.Module:
-        """Build this rank's shard of ``recipe``'s GPT at the current layout; call from ``configure_model``.
+        """Build this rank's shard of ``recipe``'s model at the current layout; call from ``configure_model``.
+
+        A ``ModelProvider``'s description is read here (``vps.derive``, on every rank alike), and
+        the module built is checked against it on every rank.
 
         Raises:
             LayoutError / BatchSizeError: the layout does not fit the model or the batch sizes.
+            ModelSpecError: the model has a parameter no sharded description covers, or state outside
+                its parameters, or shards that no layout rule explains (the message names them).
         """
-        validate_target(self.layout, world_size=self.world_size, shape=recipe.shape,
+        validate_target(self.layout, world_size=self.world_size, model=recipe.model,
                         global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size,
                         execution=recipe.execution)
-        from lightning_dynatrain.strategy.megatron_step import build_model
+        from lightning_dynatrain.strategy.megatron_step import build_model, check_model_description
 
         recipe = replace(recipe, params_dtype=resolve_params_dtype(recipe.params_dtype, self.precision_plugin))
         self._recipe = recipe
         assert self._pgs is not None, "setup_environment makes the groups"
         self._gpt_model = build_model(recipe, self.layout, self._pgs, device=self.root_device,
                                       unfilled=self._elastic is not None and self._elastic.fills_model_later)
+        check_model_description(recipe, self._gpt_model, self.layout, self.global_rank, self._pgs,
+                                agree=not self._collectives_are_local())
         return self._gpt_model
 
     @override
@@ -328,24 +337,46 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        """Build megatron DDP + optimizer for the current layout from ``configure_optimizers()``'s ``AdamSettings``."""
+        """Build megatron DDP + optimizer for the current layout from ``configure_optimizers()``: a
+        ``DynaTrainOptimizer`` (in any of Lightning's forms, with learning-rate schedulers), megatron's
+        ``OptimizerConfig`` (constant rate) or ``AdamSettings`` (the GPT preset's, which sets each
+        step's rate itself)."""
+        from megatron.core.optimizer import OptimizerConfig
+
         assert self.lightning_module is not None
-        adam = self.lightning_module.configure_optimizers()
-        if not isinstance(adam, AdamSettings):
-            raise TypeError(
-                f"under DynaTrainStrategy, configure_optimizers() returns AdamSettings, got {type(adam).__name__}. "
-                "HINT: return AdamSettings(lr=..., weight_decay=...); the strategy builds megatron's optimizer "
-                "for each layout")
+        given = self.lightning_module.configure_optimizers()
+        if isinstance(given, (AdamSettings, OptimizerConfig)):
+            handle, schedulers = DynaTrainOptimizer(given), []
+        else:
+            super().setup_optimizers(trainer)  # Lightning's own parsing: optimizers and scheduler configs
+            handles = [o for o in self.optimizers if isinstance(o, DynaTrainOptimizer)]
+            if len(self.optimizers) != 1 or not handles:
+                raise TypeError(
+                    "under DynaTrainStrategy, configure_optimizers() returns one DynaTrainOptimizer (optionally with "
+                    f"LR schedulers built on it), megatron's OptimizerConfig or AdamSettings; got {given!r}. HINT: "
+                    "return DynaTrainOptimizer(OptimizerConfig(optimizer='adam', lr=...)); the strategy builds "
+                    "megatron's optimizer for each layout")
+            handle, schedulers = handles[0], self.lr_scheduler_configs
         from lightning_dynatrain.strategy.megatron_step import attach_optimizer
 
-        self._adam = adam
+        self._optimizer_settings = given if isinstance(given, AdamSettings) else handle.config
+        validate_optimizer(handle.config, self.layout)
+        self.optimizers, self.lr_scheduler_configs = [handle], list(schedulers)
         assert self._pgs is not None, "setup_environment makes the groups"
-        build = partial(attach_optimizer, self._gpt_model, self.recipe, self.layout, adam, self._pgs)
+        build = partial(attach_optimizer, self._gpt_model, self.recipe, self.layout, self._optimizer_settings,
+                        self._pgs)
         if self._elastic is not None and self._elastic.joining:  # the state comes from the old members
             self._install(self._elastic.receive_state(build))
             self._elastic.receive_trainer_state(trainer)
         else:
             self._install(build())
+
+    @property
+    def optimizer_handle(self) -> DynaTrainOptimizer:
+        """The optimizer Lightning steps (its schedule group holds the rate the next step uses)."""
+        handle = self.optimizers[0] if self.optimizers else None
+        assert isinstance(handle, DynaTrainOptimizer), "setup_optimizers makes it"
+        return handle
 
     def _install(self, state: "MegatronState") -> None:
         """Make ``state`` the one training runs on: the module's ``model``, Lightning's optimizer handle.
@@ -359,11 +390,7 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
         module = self.lightning_module
         if module is not None and getattr(module, "model", None) is not state.model:
             module.model = state.model
-        if self._optimizers and isinstance(self._optimizers[0], MegatronOptimizerHandle):
-            self._optimizers[0].rebind(state)
-        else:
-            self.optimizers = [MegatronOptimizerHandle(state)]
-        self.lr_scheduler_configs = []
+        self.optimizer_handle.rebind(state)
         if old is not None and old is not state:
             from lightning_dynatrain.megatron.state import release_state
 

@@ -75,7 +75,7 @@ class ElasticDriver:
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
                  ahead: bool = True, keep_worlds: int = 2) -> None:
         self.strategy = strategy
-        self.ahead, self.keep_worlds = ahead, keep_worlds
+        self.ahead_requested, self.keep_worlds = ahead, keep_worlds
         self.policy = parse_policy(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
         self.heartbeat, self.exit_after = heartbeat, exit_after
@@ -138,6 +138,13 @@ class ElasticDriver:
         rank_zero_info(f"[dynatrain] joined {change} at step {self.header['step']}")
         return ParallelConfig.parse(self.header["layout"])
 
+    @property
+    def ahead(self) -> bool:
+        """World changes are built ahead: ``OnNodeChange(ahead=True)``, and the model can be built
+        beside training (``ModelSource.builds_beside_training``); the same on every member."""
+        recipe = self.strategy._recipe
+        return self.ahead_requested and (recipe is None or recipe.model.builds_beside_training)
+
     def _loggers(self) -> list:
         trainer = self.strategy._trainer()
         return list(trainer.loggers) if trainer is not None else []
@@ -160,7 +167,7 @@ class ElasticDriver:
         return job_fingerprint(type(module).__qualname__, recipe, adam, sorted(hparams.items()),
                                type(self.strategy.precision_plugin).__name__,
                                getattr(self.strategy.precision_plugin, "precision", None), versions,
-                               {"ahead": self.ahead, "keep_worlds": self.keep_worlds})
+                               {"ahead": self.ahead_requested, "keep_worlds": self.keep_worlds})
 
     def receive_state(self, build: "Callable[[], MegatronState]") -> "MegatronState":
         """(3) A joiner's state from the old members: ``build()`` makes its DDP and optimizer at
@@ -171,7 +178,7 @@ class ElasticDriver:
 
         assert self.session is not None and self.session.joined_change is not None and self.header is not None
         strategy, ahead = self.strategy, bool(self.header["ahead"])
-        setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
+        setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)
 
         def build_beside_theirs() -> "MegatronState":
             if os.environ.get(JOIN_FAULT_ENV) == "STOP_IN_BUILD":  # test hook (elastic.session)
@@ -195,7 +202,7 @@ class ElasticDriver:
     @property
     def fills_model_later(self) -> bool:
         """A joiner whose peers build the target ahead: its model is built unfilled, with no
-        collective (``megatron.gpt.build_unfilled_model``), as theirs."""
+        collective (``megatron.model_source.build_unfilled``), as theirs."""
         return self.joining and bool(self.header and self.header["ahead"])
 
     def receive_trainer_state(self, trainer: "pl.Trainer") -> None:
@@ -208,7 +215,12 @@ class ElasticDriver:
         call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
         connector.restore_datamodule()
         connector.restore_callbacks()
-        # loops, precision plugin and LR schedulers follow in Lightning's restore_training_state()
+        # loops, precision plugin and LR schedulers follow in Lightning's restore_training_state();
+        # the rate the schedulers set last, which the next step uses, is the optimizer's (not restored
+        # here: its tensors came through the engine)
+        scalars = (checkpoint.get("optimizer_states") or [{}])[0]
+        if "schedule" in scalars:
+            self.strategy.optimizer_handle.load_schedule(scalars["schedule"])
 
     def end_catching_up(self) -> None:
         if self.catching_up:
@@ -261,9 +273,9 @@ class ElasticDriver:
 
         strategy = self.strategy
         recipe = strategy.recipe
-        return choose_layout(self.policy, world=len(change.new.members), shape=recipe.shape,
+        return choose_layout(self.policy, world=len(change.new.members), source=recipe.model,
                              global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size,
-                             current=strategy.layout, precision=precision_of(strategy.megatron.model),
+                             current=strategy.layout, precision=precision_of(strategy.megatron.model, strategy.megatron.optimizer),
                              members=change.members, memory_per_rank=self.memory_per_rank, model=self.step_model)
 
     def _header(self, trainer: "pl.Trainer", target: ParallelConfig) -> dict[str, Any]:
@@ -313,7 +325,7 @@ class ElasticDriver:
         if change.leaving:
             if strategy.global_rank == 0:  # written before the survivors can go on: the next rank 0 appends
                 flush_loggers(trainer.loggers)
-            setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)
+            setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)
             send_state(strategy.megatron, target, setup, members=change.members, group=old_world, watch=old_watch)
             self.left = True
             trainer.should_stop = True
@@ -345,7 +357,7 @@ class ElasticDriver:
                 _broadcast_object({"adam_step": adam_step(strategy.megatron.optimizer) or 0}
                                   if self.session.rank == 0 else None)
             setup = ahead.setup if ahead is not None else \
-                strategy.switcher.world_change_setup(strategy.recipe, strategy.adam, grows=True)
+                strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings, grows=True)
             # (3) under the new world's switch watch (its deadline; a joiner that dies or stalls is named)
             try:
                 result = hot_switch(strategy.megatron, target, setup, groups=groups, members=change.members,
@@ -362,7 +374,7 @@ class ElasticDriver:
             _broadcast_object(self._trainer_state(trainer) if self.session.rank == 0 else None)  # (4)
         else:  # the leavers send over the old world; the survivors build the target on the new one
             if ahead is None:
-                setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam)  # the old world's topology
+                setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)  # the old world's topology
                 initialize_for_layout(target, seed=strategy.seed, groups=groups)
             else:
                 setup = ahead.setup
@@ -379,7 +391,7 @@ class ElasticDriver:
             if self.session.rank == 0 and not was_rank_zero:  # the old rank 0 left (its files are written)
                 continue_loggers(trainer.loggers)
         pause = time.perf_counter() - start
-        moved = moved_bytes(setup.spec, src, target, precision_of(strategy.megatron.model),
+        moved = moved_bytes(setup.spec, src, target, precision_of(strategy.megatron.model, strategy.megatron.optimizer),
                             change.members)  # the plan's total: no collective (the joiners have gone on)
         return ChangeReport(step=step, change=str(change), src=str(src), dst=str(target), reason=choice.reason,
                             detect_to_swap_seconds=start - detected, pause_seconds=pause,

@@ -90,7 +90,7 @@ class AheadChange:
             topology = gather_topology(strategy.cluster_environment)
             watch = strategy.switcher.make_watch() if change.grows else None
         # a grow's switch runs over the new world, a shrink's over the old one (the leavers send)
-        setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.adam,
+        setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings,
                                                      topology=topology if change.grows else None, grows=change.grows)
         over = change.new if change.grows else change.old
         process = over.rank_of(change.me)

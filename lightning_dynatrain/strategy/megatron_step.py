@@ -5,7 +5,7 @@ A layout's whole megatron state is one object (``megatron.state.MegatronState``)
 
     groups  = init_groups(layout, seed=...)                    # megatron parallel_state (collective)
     model   = build_model(recipe, layout, groups)             # this rank's shard of the logical model
-    state   = attach_optimizer(model, recipe, layout, adam, groups)   # DDP + optimizer
+    state   = attach_optimizer(model, recipe, layout, optimizer, groups)   # DDP + optimizer
 
 A layout change turns the state of layout A into the state of layout B in memory
 (``megatron.hot_switch``).
@@ -22,15 +22,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.data.sampler import dp_share_bounds
-from lightning_dynatrain.megatron.gpt import build_gpt_model, build_unfilled_model
+from lightning_dynatrain.megatron.model_source import build_unfilled
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_eval_step, run_train_step
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
-from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
+from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe, optimizer_config
 from lightning_dynatrain.strategy.validation import BatchSizeError, num_microbatches
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -42,19 +43,42 @@ def init_groups(layout: ParallelConfig, *, seed: int, groups: ProcessGroupCache 
 
 def build_model(recipe: MegatronRecipe, layout: ParallelConfig, groups: ProcessGroupCollection, *,
                 device: torch.device | None = None, unfilled: bool = False) -> torch.nn.Module:
-    """This rank's shard of the recipe's GPT at ``layout``, on ``layout``'s ``groups``; ``unfilled``:
-    not initialised, for a switch to fill (``megatron.gpt.build_unfilled_model``)."""
+    """This rank's shard of the recipe's model at ``layout``, on ``layout``'s ``groups``; ``unfilled``:
+    not initialised, for a switch to fill (``megatron.model_source.build_unfilled``)."""
     if unfilled:
-        return build_unfilled_model(recipe.shape, layout, seed=recipe.seed, params_dtype=recipe.params_dtype,
-                                    pg_collection=groups, execution=recipe.execution, device=device)
-    return build_gpt_model(recipe.shape, layout, seed=recipe.seed, params_dtype=recipe.params_dtype,
-                           pg_collection=groups, execution=recipe.execution, device=device)
+        return build_unfilled(recipe.model, layout, seed=recipe.seed, params_dtype=recipe.params_dtype,
+                              pg_collection=groups, execution=recipe.execution, device=device)
+    return recipe.model.build(layout, seed=recipe.seed, params_dtype=recipe.params_dtype, pg_collection=groups,
+                              execution=recipe.execution, device=device)
 
 
-def optimizer_kwargs(adam: AdamSettings) -> dict:
-    """``build_ddp_and_optimizer``'s keyword arguments for ``adam`` (also ``SwitchSetup.optimizer``)."""
-    return dict(lr=adam.lr, weight_decay=adam.weight_decay, adam_beta1=adam.betas[0], adam_beta2=adam.betas[1],
-                adam_eps=adam.eps, clip_grad=adam.clip_grad)
+def check_model_description(recipe: MegatronRecipe, model: torch.nn.Module, layout: ParallelConfig, rank: int,
+                            groups: ProcessGroupCollection, *, agree: bool = True) -> None:
+    """Check that the module built for ``layout`` says it holds what the recipe's description places
+    on ``rank`` (a ``ModelProvider``'s: read at probe layouts, here met on the live module). With
+    ``agree``, collective over the world, so that every rank raises when one differs (without: a
+    process joining a running fit, whose peers are not in this call, checks alone). Nothing for the
+    GPT preset."""
+    import torch.distributed as dist
+
+    from lightning_dynatrain.megatron.describe import describe_module
+    from lightning_dynatrain.vps.derive import description_problems
+    from lightning_dynatrain.vps.errors import ModelSpecError
+
+    derived = getattr(recipe.model, "derived", None)
+    if derived is None:
+        return
+    problems = description_problems(derived(), describe_module(model, layout=layout, rank=rank,
+                                                               dp_cp_group=groups.dp_cp))
+    failed = torch.tensor([1.0 if problems else 0.0], device=next(model.parameters()).device)
+    if agree:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise ModelSpecError(
+            f"the model built at {layout} does not hold what its description at the probe layouts says"
+            + (f" (rank {rank}: {'; '.join(problems[:3])})" if problems else " (on another rank: see its error)"),
+            hint="a module whose shards depend on megatron's parallel_state globals rather than the "
+                 "pg_collection it is given cannot be described ahead; build it from pg_collection")
 
 
 def microbatches(recipe: MegatronRecipe, layout: ParallelConfig) -> int:
@@ -63,11 +87,11 @@ def microbatches(recipe: MegatronRecipe, layout: ParallelConfig) -> int:
 
 
 def attach_optimizer(model: torch.nn.Module, recipe: MegatronRecipe, layout: ParallelConfig,
-                     adam: AdamSettings, groups: ProcessGroupCollection) -> MegatronState:
-    """Wrap ``model`` in megatron DDP and build its optimizer, on ``groups``."""
+                     optimizer: "AdamSettings | OptimizerConfig", groups: ProcessGroupCollection) -> MegatronState:
+    """Wrap ``model`` in megatron DDP and build its optimizer (``optimizer``'s settings), on ``groups``."""
     microbatches(recipe, layout)  # fail early
-    ddp, optimizer = build_ddp_and_optimizer(model, layout, pg_collection=groups, **optimizer_kwargs(adam))
-    return MegatronState(layout=layout, groups=groups, ddp=ddp, optimizer=optimizer)
+    ddp, built = build_ddp_and_optimizer(model, layout, config=optimizer_config(optimizer), pg_collection=groups)
+    return MegatronState(layout=layout, groups=groups, ddp=ddp, optimizer=built)
 
 
 def teardown_state(groups: ProcessGroupCache | None = None) -> None:
@@ -96,7 +120,7 @@ def local_share(batch: Mapping[str, torch.Tensor], *, dp_rank: int, dp_size: int
     Raises:
         BatchSizeError: the batch is not a global batch of ``global_batch_size`` rows.
     """
-    rows = batch["tokens"].shape[0]
+    rows = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
     if rows != global_batch_size:
         raise BatchSizeError(
             f"the dataloader gave a batch of {rows} sequences, expected the global batch of {global_batch_size}",
@@ -114,6 +138,7 @@ def train_step(state: MegatronState, batch: Mapping[str, torch.Tensor], recipe: 
                         global_batch_size=recipe.global_batch_size)
     set_lr_and_wd(state.optimizer, lr=lr, weight_decay=weight_decay)
     return run_train_step(state.ddp, state.optimizer, local, state.layout, microbatches(recipe, state.layout),
+                          forward_step=recipe.model.forward_step, seq_length=recipe.model.seq_length,
                           pg_collection=state.groups)
 
 
@@ -126,7 +151,8 @@ def eval_step(model: torch.nn.Module, groups: ProcessGroupCollection, layout: Pa
     """
     dp = groups.dp
     local = local_share(batch, dp_rank=dp.rank(), dp_size=dp.size(), global_batch_size=recipe.global_batch_size)
-    return run_eval_step(model, local, layout, microbatches(recipe, layout), pg_collection=groups)
+    return run_eval_step(model, local, layout, microbatches(recipe, layout), forward_step=recipe.model.forward_step,
+                         seq_length=recipe.model.seq_length, pg_collection=groups)
 
 
 def optimizer_state_dict(state: MegatronState) -> dict:
@@ -152,12 +178,12 @@ def _inner(state: MegatronState) -> list[torch.optim.Optimizer | None]:
 __all__ = [
     "attach_optimizer",
     "build_model",
+    "check_model_description",
     "eval_step",
     "init_groups",
     "load_optimizer_state_dict",
     "local_share",
     "microbatches",
-    "optimizer_kwargs",
     "optimizer_state_dict",
     "set_lr_and_wd",
     "teardown_state",

@@ -23,17 +23,16 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import lightning.pytorch as pl
 import torch
 
 from lightning_dynatrain.megatron.execution import Recompute
-from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
+from lightning_dynatrain.strategy.config import AdamSettings
+from lightning_dynatrain.strategy.lightning_module import MegatronLightningModule
 
 if TYPE_CHECKING:
     from lightning_dynatrain.megatron.gpt import GPTShape
-    from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
 
 
 def warmup_cosine_lr(step: int, *, peak: float, warmup_steps: int, max_steps: int | None, min_ratio: float = 0.1) -> float:
@@ -53,8 +52,9 @@ def warmup_cosine_lr(step: int, *, peak: float, warmup_steps: int, max_steps: in
     return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-class GPTLightningModule(pl.LightningModule):
-    """A megatron-core GPT trained by ``DynaTrainStrategy`` (see module docstring).
+class GPTLightningModule(MegatronLightningModule):
+    """A megatron-core GPT trained by ``DynaTrainStrategy`` (see module docstring): the preset's
+    ``MegatronLightningModule``, with Adam and a warmup + cosine schedule of its own.
 
     Args:
         shape: the layout-free model.
@@ -95,73 +95,28 @@ class GPTLightningModule(pl.LightningModule):
         sequence_parallel: bool = False,
         recompute: Recompute = "none",
     ) -> None:
-        super().__init__()
+        super().__init__(shape, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, seed=seed,
+                         params_dtype=params_dtype, sequence_parallel=sequence_parallel, recompute=recompute)
         self.shape = shape
         self.lr = lr
         self.weight_decay = weight_decay
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
         self.warmup_steps = warmup_steps
         self.max_steps = max_steps
         self.min_lr_ratio = min_lr_ratio
         self.betas = betas
         self.eps = eps
         self.clip_grad = clip_grad
-        self.seed = seed
-        self.params_dtype = params_dtype
-        self.sequence_parallel = sequence_parallel
-        self.recompute = recompute
-        self.recipe  # noqa: B018 - a bad option fails here, not at the first step
-        self.automatic_optimization = False
-        self.model: torch.nn.Module | None = None
-        #: (global_step, loss) of every step this process ran, for scripts and tests.
-        self.losses: list[tuple[int, float]] = []
-
-    @property
-    def recipe(self) -> MegatronRecipe:
-        return MegatronRecipe(shape=self.shape, seed=self.seed, global_batch_size=self.global_batch_size,
-                              micro_batch_size=self.micro_batch_size, params_dtype=self.params_dtype,
-                              sequence_parallel=self.sequence_parallel, recompute=self.recompute)
-
-    def _strategy(self) -> "DynaTrainStrategy":
-        from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
-
-        strategy = self.trainer.strategy
-        if not isinstance(strategy, DynaTrainStrategy):
-            raise TypeError(f"GPTLightningModule trains under DynaTrainStrategy, not {type(strategy).__name__}. "
-                            "HINT: Trainer(strategy=DynaTrainStrategy(layout=...))")
-        return strategy
 
     def lr_at(self, step: int) -> float:
         return warmup_cosine_lr(step, peak=self.lr, warmup_steps=self.warmup_steps, max_steps=self.max_steps,
                                 min_ratio=self.min_lr_ratio)
 
-    def configure_model(self) -> None:
-        if self.model is None:  # configure_model runs on every fit/validate; build once
-            self.model = self._strategy().build_model(self.recipe)
+    def scheduled_lr(self, step: int) -> float:
+        return self.lr_at(step)
 
     def configure_optimizers(self) -> AdamSettings:
         return AdamSettings(lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps,
                             clip_grad=self.clip_grad)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        step = self.trainer.global_step
-        lr = self.lr_at(step)
-        loss = self._strategy().train_step(batch, lr=lr)
-        self.losses.append((step + 1, loss))
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=self.global_batch_size)
-        self.log("train/lr", lr, on_step=True, on_epoch=False, batch_size=self.global_batch_size)
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """The global batch's mean loss at the current layout, logged as ``val_loss`` (the same on
-        every rank; ``sync_dist`` reduces it over the data-parallel ranks as any metric)."""
-        loss = self._strategy().eval_step(batch)
-        self.log("val_loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True,
-                 batch_size=self.global_batch_size)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.model is not None, "configure_model() builds the model"
-        return self.model(*args, **kwargs)
 
 
 __all__ = ["GPTLightningModule", "warmup_cosine_lr"]

@@ -1,15 +1,30 @@
 """The optimizer Lightning sees: a thin ``torch.optim.Optimizer`` in front of megatron's optimizer.
 
 Lightning counts optimizer steps (``trainer.global_step`` under manual optimization) when a
-``LightningOptimizer`` steps, and checkpoints, monitors and moves optimizers it knows about. Megatron's
-optimizer is not a ``torch.optim.Optimizer`` and is rebuilt at every layout switch, so Lightning gets
-this stable handle instead: ``step(closure)`` runs the closure, which is the whole fused megatron step
-(forward/backward over micro-batches, finalize grads, optimizer step); ``param_groups`` are megatron's
-(for ``LearningRateMonitor``); ``state_dict`` is this rank's state. A switch calls ``rebind(new_state)``.
+``LightningOptimizer`` steps, drives learning-rate schedulers, checkpoints and monitors optimizers
+it knows about. Megatron's optimizer is not a ``torch.optim.Optimizer`` and is rebuilt at every
+layout switch, so Lightning gets this stable handle instead:
 
-Consequence: Lightning's ``on_before_optimizer_step`` hooks run after megatron's step inside the
-closure (megatron's step is one call), and ``zero_grad`` is a no-op (megatron zeroes its grad buffer
-at the start of each step).
+- ``DynaTrainOptimizer(OptimizerConfig(...))`` is what ``configure_optimizers`` returns (with a
+  scheduler built on it, if any): megatron's settings, and one *schedule group* holding the rate
+  and weight decay a scheduler sets (a torch ``LRScheduler`` such as ``LambdaLR``, or megatron's
+  ``OptimizerParamScheduler``). At each step the strategy applies them to every megatron param
+  group, times the group's ``lr_mult`` / ``wd_mult`` (no weight decay on biases and norms), as
+  Megatron-LM's scheduler does. The schedule group is the same object at every layout, so a
+  scheduler and ``LearningRateMonitor`` never see a switch.
+- ``step(closure)`` runs the closure, which is the whole fused megatron step (forward/backward over
+  micro-batches, finalize grads, optimizer step); ``zero_grad`` is a no-op (megatron zeroes its
+  grad buffer at the start of each step). Lightning's ``on_before_optimizer_step`` hooks run after
+  megatron's step inside the closure (megatron's step is one call).
+
+The strategy binds it to a layout's megatron optimizer (``rebind``) at set-up and after every switch.
+
+Example::
+
+    def configure_optimizers(self):
+        optimizer = DynaTrainOptimizer(OptimizerConfig(optimizer="adam", lr=3e-4, weight_decay=0.1, clip_grad=1.0))
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 """
 
 from __future__ import annotations
@@ -20,38 +35,69 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from megatron.core.optimizer import OptimizerConfig
+
     from lightning_dynatrain.megatron.state import MegatronState
+    from lightning_dynatrain.strategy.config import AdamSettings
 
 
-class MegatronOptimizerHandle(torch.optim.Optimizer):
-    """Lightning's view of the current layout's megatron optimizer (see module docstring)."""
+class DynaTrainOptimizer(torch.optim.Optimizer):
+    """Lightning's view of megatron's optimizer at whatever layout runs (see the module docstring).
 
-    def __init__(self, state: "MegatronState") -> None:  # no super().__init__: megatron owns the params
+    Args:
+        config: megatron's ``OptimizerConfig`` (its ``lr`` and ``weight_decay`` start the schedule
+            group), or ``AdamSettings``.
+    """
+
+    def __init__(self, config: "OptimizerConfig | AdamSettings") -> None:  # no super().__init__: megatron owns the params
+        from lightning_dynatrain.strategy.config import optimizer_config
+
+        self.config = optimizer_config(config)
         self.defaults: dict[str, Any] = {}
         self.state: dict = {}  # Lightning moves ``state`` between devices; megatron's stays where it is
-        self._megatron = state
+        self._groups = [{"params": [], "lr": self.config.lr, "weight_decay": self.config.weight_decay,
+                         "lr_mult": 1.0, "wd_mult": 1.0}]
+        self._megatron: "MegatronState | None" = None
 
     def rebind(self, state: "MegatronState") -> None:
-        """Point at the optimizer of a new layout (after a switch)."""
+        """Point at the optimizer of a layout (at set-up and after a switch)."""
         self._megatron = state
 
     @property
     def megatron_state(self) -> "MegatronState":
+        if self._megatron is None:
+            raise RuntimeError("DynaTrainOptimizer is bound to megatron's optimizer in DynaTrainStrategy.setup(); "
+                               "the Trainer has not reached it")
         return self._megatron
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]
-        return self._megatron.optimizer.param_groups
+        """The schedule group (one): the rate and weight decay schedulers set."""
+        return self._groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict]) -> None:  # torch's __setstate__ may assign it
         pass
 
+    @property
+    def scheduled(self) -> tuple[float, float]:
+        """``(lr, weight_decay)`` the schedule gives the next step."""
+        group = self._groups[0]
+        return float(group["lr"]), float(group["weight_decay"])
+
+    def load_schedule(self, saved: dict) -> None:
+        """The schedule group's values as a checkpoint saved them (``schedule_state``)."""
+        self._groups[0].update({k: saved[k] for k in ("lr", "weight_decay", "initial_lr") if k in saved})
+
+    def schedule_state(self) -> dict:
+        """The schedule group's values, without params: layout-free, for a checkpoint."""
+        return {k: v for k, v in self._groups[0].items() if k != "params"}
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         if closure is None:
             raise RuntimeError(
-                "MegatronOptimizerHandle.step() needs the closure that runs the megatron step. "
-                "HINT: call DynaTrainStrategy.train_step(batch, lr=...) from training_step instead"
+                "DynaTrainOptimizer.step() needs the closure that runs the megatron step. "
+                "HINT: call DynaTrainStrategy.train_step(batch) from training_step instead"
             )
         return closure()
 
@@ -61,15 +107,16 @@ class MegatronOptimizerHandle(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         from lightning_dynatrain.strategy.megatron_step import optimizer_state_dict
 
-        return optimizer_state_dict(self._megatron)
+        return optimizer_state_dict(self.megatron_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from lightning_dynatrain.strategy.megatron_step import load_optimizer_state_dict
 
-        load_optimizer_state_dict(self._megatron, state_dict)
+        load_optimizer_state_dict(self.megatron_state, state_dict)
 
     def __repr__(self) -> str:
-        return f"MegatronOptimizerHandle({self._megatron.layout}, {type(self._megatron.optimizer).__name__})"
+        where = f"{self._megatron.layout}, {type(self._megatron.optimizer).__name__}" if self._megatron else "unbound"
+        return f"DynaTrainOptimizer({self.config.optimizer}, {where})"
 
 
-__all__ = ["MegatronOptimizerHandle"]
+__all__ = ["DynaTrainOptimizer"]

@@ -23,21 +23,26 @@ from typing_extensions import override
 class StepHooks:
     """The training-step entry points of ``DynaTrainStrategy`` (a mixin before its Lightning base).
 
-    Reads the strategy's ``megatron`` state, ``recipe``, ``layout``, Adam settings (``_adam``),
+    Reads the strategy's ``megatron`` state, ``recipe``, ``layout``, optimizer settings (``_optimizer_settings``),
     groups (``_pgs``), switcher (``_switcher``) and elastic driver (``_elastic``); sets the step flag
     (``_step_in_progress``) and runs a pending switch (``_run_pending``, ``SwitchHooks``).
     """
 
-    def train_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float | None = None) -> float:
+    def train_step(self, batch: Mapping[str, torch.Tensor], *, lr: float | None = None,
+                   weight_decay: float | None = None) -> float:
         """One optimizer step over the global ``batch`` (call from ``training_step``); the global mean loss.
 
-        Lightning counts it as an optimizer step (``trainer.global_step`` advances).
+        ``lr`` / ``weight_decay``: this step's values (times each megatron group's multipliers);
+        ``None``: what the optimizer's schedule group holds (``DynaTrainOptimizer``: the config's, or
+        what a scheduler set). Lightning counts it as an optimizer step (``trainer.global_step`` advances).
         """
         from lightning_dynatrain.strategy.megatron_step import train_step
 
-        closure = partial(train_step, self.megatron, batch, self.recipe, lr=lr,
-                          weight_decay=self._adam.weight_decay if weight_decay is None else weight_decay)
-        return self._lightning_optimizers[0].step(closure=closure)
+        handle = self._lightning_optimizers[0]
+        scheduled_lr, scheduled_wd = self.optimizer_handle.scheduled
+        closure = partial(train_step, self.megatron, batch, self.recipe, lr=scheduled_lr if lr is None else lr,
+                          weight_decay=scheduled_wd if weight_decay is None else weight_decay)
+        return handle.step(closure=closure)
 
     def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """The global mean loss of the global ``batch``, forward only, at the current layout (call

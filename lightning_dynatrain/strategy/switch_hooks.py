@@ -20,18 +20,25 @@ class SwitchHooks:
     """The switching entry points of ``DynaTrainStrategy`` (a mixin before its Lightning base).
 
     Reads the strategy's ``layout``, ``recipe``, ``megatron`` state, switcher (``_switcher``),
-    Adam settings (``_adam``), pending target (``_pending``), step flag (``_step_in_progress``),
+    optimizer settings (``_optimizer_settings``), pending target (``_pending``), step flag (``_step_in_progress``),
     elastic driver (``_elastic``) and ``switch_history``; ``_install`` makes a new state current.
     """
 
     def check_layout(self, target: str | ParallelConfig) -> ParallelConfig:
-        """Parse and check ``target`` against the world, the model and the batch; the layout or a typed error."""
+        """Parse and check ``target`` against the world, the model, the batch and the optimizer; the
+        layout or a typed error."""
         recipe = self._recipe
-        return validate_target(target, world_size=self.world_size, current=self._layout,
-                               shape=recipe.shape if recipe else None,
-                               global_batch_size=recipe.global_batch_size if recipe else None,
-                               micro_batch_size=recipe.micro_batch_size if recipe else None,
-                               execution=recipe.execution if recipe else None)
+        layout = validate_target(target, world_size=self.world_size, current=self._layout,
+                                 model=recipe.model if recipe else None,
+                                 global_batch_size=recipe.global_batch_size if recipe else None,
+                                 micro_batch_size=recipe.micro_batch_size if recipe else None,
+                                 execution=recipe.execution if recipe else None)
+        if self._optimizer_settings is not None:
+            from lightning_dynatrain.strategy.config import optimizer_config
+            from lightning_dynatrain.strategy.validation import validate_optimizer
+
+            validate_optimizer(optimizer_config(self._optimizer_settings), layout)
+        return layout
 
     def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport | None:
         """Switch training to layout ``target`` at the optimizer-step boundary (see the module docstring).
@@ -94,7 +101,8 @@ class SwitchHooks:
 
         Returns:
             Whether a build started: not for the current layout, not during an elastic run (its
-            worlds change under it), not in a world where a build failed once.
+            worlds change under it), not in a world where a build failed once, not for a model whose
+            modules read megatron's globals (``ModelProvider.builds_beside_training``).
 
         Raises:
             LayoutError, WorldSizeError, BatchSizeError: as ``reconfigure``.
@@ -102,8 +110,8 @@ class SwitchHooks:
         if self._elastic is not None or self._step_in_progress:
             return False
         layout = self.check_layout(target)
-        assert self._switcher is not None and self._adam is not None
-        started = self._switcher.prepare(self.megatron, layout, recipe=self.recipe, adam=self._adam)
+        assert self._switcher is not None and self._optimizer_settings is not None
+        started = self._switcher.prepare(self.megatron, layout, recipe=self.recipe, optimizer=self._optimizer_settings)
         if started:
             rank_zero_info(f"[dynatrain] building the switch {self.layout} -> {layout} ahead, in the background")
         return started
@@ -120,8 +128,8 @@ class SwitchHooks:
         if layout == src:
             report = ReconfigReport(step=step, src=str(src), dst=str(src), deferred=deferred)
         else:
-            assert self._switcher is not None and self._adam is not None
-            state, report = self._switcher.switch(self.megatron, layout, recipe=self.recipe, adam=self._adam,
+            assert self._switcher is not None and self._optimizer_settings is not None
+            state, report = self._switcher.switch(self.megatron, layout, recipe=self.recipe, optimizer=self._optimizer_settings,
                                                   step=step, deferred=deferred)
             self._install(state)
             self.switch_history.append(report)

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from lightning_dynatrain.megatron.ahead import PendingSwitch, PreparedSwitch
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup
     from lightning_dynatrain.megatron.state import MegatronState
+    from megatron.core.optimizer import OptimizerConfig
+
     from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
 
 
@@ -182,16 +184,16 @@ class LayoutSwitcher:
             self._close_watch()
             self.watch = watch
 
-    def world_change_setup(self, recipe: "MegatronRecipe", adam: "AdamSettings",
+    def world_change_setup(self, recipe: "MegatronRecipe", optimizer: "AdamSettings | OptimizerConfig",
                            topology: Topology | None = None, *, grows: bool = False) -> "SwitchSetup":
         """What a world change's switch uses: this world's topology (or ``topology``: the world the
         switch will run over), no broadcasts (their groups would span two worlds). ``keep_old``
         holds for a grow only: its old members hold the whole state, so a failed grow can go back
         to the old world; a shrink cannot (the old world has leavers)."""
         from lightning_dynatrain.megatron.hot_switch import SwitchSetup
-        from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
+        from lightning_dynatrain.strategy.config import optimizer_config
 
-        return SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
+        return SwitchSetup(model=recipe.model, seed=recipe.seed, optimizer=optimizer_config(optimizer),
                            staging_budget=self.staging_budget, memory_limit=self.memory_limit,
                            topology=topology or self.topology, keep_old=self.keep_old and grows,
                            execution=recipe.execution)
@@ -203,25 +205,25 @@ class LayoutSwitcher:
         self.subgroups.close()
         self.groups.close()
 
-    def setup(self, recipe: "MegatronRecipe", adam: "AdamSettings",
+    def setup(self, recipe: "MegatronRecipe", optimizer: "AdamSettings | OptimizerConfig",
               group: dist.ProcessGroup | None = None) -> "SwitchSetup":
         """What every switch of this world shares (made at the first switch: it measures the links,
         on ``group``: the watch's, whose timeout bounds the measurement)."""
         if self._setup is None:
             from lightning_dynatrain.engine.collectives import measure_link_costs
             from lightning_dynatrain.megatron.hot_switch import SwitchSetup
-            from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs
+            from lightning_dynatrain.strategy.config import optimizer_config
 
             if self.promote_broadcasts and self.link_costs is None:
                 self.link_costs = measure_link_costs(group)  # collective; the same on every rank
-            self._setup = SwitchSetup(shape=recipe.shape, seed=recipe.seed, optimizer=optimizer_kwargs(adam),
+            self._setup = SwitchSetup(model=recipe.model, seed=recipe.seed, optimizer=optimizer_config(optimizer),
                                       staging_budget=self.staging_budget, memory_limit=self.memory_limit,
                                       topology=self.topology, link_costs=self.link_costs, keep_old=self.keep_old,
                                       execution=recipe.execution)
         return self._setup
 
     def switch(self, state: "MegatronState", target: ParallelConfig, *, recipe: "MegatronRecipe",
-               adam: "AdamSettings", step: int, deferred: bool) -> tuple["MegatronState", ReconfigReport]:
+               optimizer: "AdamSettings | OptimizerConfig", step: int, deferred: bool) -> tuple["MegatronState", ReconfigReport]:
         """Move every piece of training state from ``state``'s layout to ``target``; collective.
 
         Raises:
@@ -230,7 +232,7 @@ class LayoutSwitcher:
         from lightning_dynatrain.megatron.hot_switch import hot_switch
 
         watch = self.world_watch()
-        setup = self.setup(recipe, adam, group=watch.group)
+        setup = self.setup(recipe, optimizer, group=watch.group)
         prepared = self._take_prepared(state.layout, target, watch.group)
         slowdown = self.clock.slowdown()  # of the steps beside this switch's build (if it had one)
         before = fingerprint(state, setup) if self.verify else None
@@ -242,18 +244,19 @@ class LayoutSwitcher:
                                                    overlap_slowdown=slowdown if prepared is not None else None)
 
     def prepare(self, state: "MegatronState", target: ParallelConfig, *, recipe: "MegatronRecipe",
-                adam: "AdamSettings") -> bool:
+                optimizer: "AdamSettings | OptimizerConfig") -> bool:
         """Start building the switch of ``state`` to ``target`` in the background (``megatron.ahead``);
         the next ``switch`` to ``target`` from this layout uses it, any other drops it. Collective
         (every rank, between the same two steps). Whether a build started (not after a failed one in
-        this world: switches then run on demand)."""
+        this world, nor for a model that can only be built at the installed layout: switches then
+        run on demand)."""
         from lightning_dynatrain.megatron.ahead import prepare_switch
 
-        if self.ahead_failures or target == state.layout:
+        if self.ahead_failures or target == state.layout or not recipe.model.builds_beside_training:
             return False
         self._drop_prepared()
         watch = self.world_watch()
-        setup = self.setup(recipe, adam, group=watch.group)
+        setup = self.setup(recipe, optimizer, group=watch.group)
         self._prepared = (state.layout, target, prepare_switch(state, target, setup, groups=self.groups))
         return True
 
@@ -327,16 +330,16 @@ def fingerprint(state: "MegatronState", setup: "SwitchSetup") -> dict:
     from lightning_dynatrain.engine.fingerprint import logical_fingerprint
     from lightning_dynatrain.megatron.state_bridge import (
         adam_step,
-        materialize_adam_state,
+        materialize_optimizer_state,
         megatron_store,
         precision_of,
     )
 
     if adam_step(state.optimizer) is None:  # before the first step: zero moments, as hot_switch makes them
-        materialize_adam_state(state.optimizer, 0)
+        materialize_optimizer_state(state.optimizer, 0)
     rank = dist.get_rank()
     store = megatron_store(state.ddp, state.optimizer, setup.spec, state.layout, rank)
-    return logical_fingerprint(store, setup.spec, state.layout, rank, precision_of(state.model))
+    return logical_fingerprint(store, setup.spec, state.layout, rank, precision_of(state.model, state.optimizer))
 
 
 __all__ = ["SWITCH_SAFETY", "LayoutSwitcher", "SwitchVerificationError", "WorldGroupCaches", "fingerprint",

@@ -6,7 +6,7 @@ Used at three places: the strategy's initial layout (``setup_environment``/``con
 
 Example::
 
-    validate_target("dp1-tp3-pp1", shape=shape, world_size=4)
+    validate_target("dp1-tp3-pp1", model=shape, world_size=4)
     # LayoutError: layout dp1-tp3-pp1 does not fit gpt: ... dp*tp*pp*cp = 3 must equal the world size 4 ...
 """
 
@@ -19,7 +19,10 @@ from lightning_dynatrain.vps.errors import DynaTrainError, LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
-    from lightning_dynatrain.megatron.gpt import GPTShape
+    from megatron.core.optimizer import OptimizerConfig
+
+    from lightning_dynatrain.megatron.model_source import ModelSource
+    from lightning_dynatrain.vps.spec import ModelSpec
 
 
 class WorldSizeError(LayoutError):
@@ -54,7 +57,7 @@ def validate_target(
     target: "str | ParallelConfig",
     *,
     world_size: int,
-    shape: "GPTShape | None" = None,
+    model: "ModelSource | None" = None,
     global_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     current: ParallelConfig | None = None,
@@ -65,7 +68,7 @@ def validate_target(
     Args:
         world_size: processes in the job; a layout of another size is refused (world changes go
             through the Elastic Device Manager, not a layout switch).
-        shape: the model; ``None`` skips the model rules.
+        model: the model (``GPTShape`` or ``ModelProvider``); ``None`` skips the model rules.
         global_batch_size, micro_batch_size: ``None`` skips the batch rule.
         current: the layout now running; only used to word the world-size error.
         execution: sequence parallelism and recompute (``MegatronRecipe.execution``); ``None``: defaults.
@@ -83,23 +86,30 @@ def validate_target(
             "a layout switch keeps the world, growing/shrinking the world needs the Elastic Device Manager",
             hint=f"choose a layout whose dp*tp*pp*cp is {world_size}",
         )
-    if shape is not None:
-        from lightning_dynatrain.megatron.gpt import validate_layout_for_shape
-
-        validate_layout_for_shape(shape, layout, execution or ExecutionOptions())
+    if model is not None:
+        model.validate(layout, execution or ExecutionOptions())
     if global_batch_size is not None and micro_batch_size is not None:
         num_microbatches(global_batch_size, layout.dp * layout.cp, micro_batch_size)
     return layout
 
 
-def padded_vocab_sizes(shape: "GPTShape", layouts: list[ParallelConfig]) -> dict[int, int]:
+def validate_optimizer(config: "OptimizerConfig", layout: ParallelConfig) -> None:
+    """Megatron-core's distributed optimizer (``zero1``) takes Adam only (its checkpointing asserts).
+
+    Raises:
+        LayoutError: ``zero1`` with another optimizer.
+    """
+    if layout.zero and config.optimizer != "adam":
+        raise LayoutError(f"layout {layout}: megatron's distributed optimizer (zero1) takes Adam only, and this run "
+                          f"trains with {config.optimizer}", hint="drop -zero1 from the layout, or train with Adam")
+
+
+def padded_vocab_sizes(spec: "ModelSpec", layouts: list[ParallelConfig]) -> dict[int, int]:
     """Megatron's padded vocabulary at each TP size of ``layouts`` (``{tp: padded}``).
 
     They must agree for a switch to keep the model: padded rows take part in the softmax.
     """
-    from lightning_dynatrain.megatron.gpt import padded_vocab_size
-
-    return {layout.tp: padded_vocab_size(shape, layout.tp) for layout in layouts}
+    return {layout.tp: spec.padded_vocab(layout.tp) for layout in layouts}
 
 
 def vocab_divisor_for(vocab_size: int, tp_sizes: list[int]) -> int:
@@ -123,5 +133,6 @@ def vocab_divisor_for(vocab_size: int, tp_sizes: list[int]) -> int:
     return divisor
 
 
-__all__ = ["BatchSizeError", "WorldSizeError", "num_microbatches", "padded_vocab_sizes", "validate_target",
+__all__ = ["BatchSizeError", "WorldSizeError", "num_microbatches", "padded_vocab_sizes", "validate_optimizer",
+           "validate_target",
            "vocab_divisor_for"]

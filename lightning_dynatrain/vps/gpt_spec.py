@@ -127,7 +127,9 @@ def build_gpt_spec(name: str, dims: GPTDims, *, published_parameters: int | None
     add("embedding.word_embeddings.weight", (vocab_rows, h), (VOCAB, NONE), place=emb_place,
         last="output_layer.weight" if dims.tied_embeddings else None)
     if dims.position_embedding == "learned_absolute":
-        add("embedding.position_embeddings.weight", (dims.seq_length, h), (NONE, NONE), place=Place.FIRST)
+        # a plain torch.nn.Embedding inside megatron's LanguageModelEmbedding: built without a dtype,
+        # it stays fp32 under bf16 as the local spec's norms do
+        add("embedding.position_embeddings.weight", (dims.seq_length, h), (NONE, NONE), place=Place.FIRST, fp32=True)
 
     # ---- one transformer layer, stacked over the layer axis
     add_norm("input_layernorm", h)

@@ -58,33 +58,64 @@ class StateKind(str, enum.Enum):
     MAIN_PARAM = "main_param"
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
+    MOMENTUM = "momentum_buffer"
+    """SGD's momentum (torch's ``momentum_buffer``)."""
 
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def is_optimizer_state(self) -> bool:
+        """Kept by the optimizer per element (moments), not a parameter or its main copy."""
+        return self in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.MOMENTUM)
+
+
+#: the optimizers' per-element state kinds (megatron's ``OptimizerConfig.optimizer``)
+_OPTIMIZER_KINDS = {"adam": (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ), "sgd": (StateKind.MOMENTUM,)}
+
 
 class Precision(str, enum.Enum):
-    """How state is stored: which kinds exist and how many bytes per element each takes.
+    """How state is stored: which kinds exist and how many bytes per element each takes, by the
+    params' dtype and the optimizer.
 
     ``bf16``: bf16 params with fp32 main params and Adam moments (how large runs train). A tensor
     megatron keeps in fp32 even then (``LogicalTensor.always_fp32``: the local layer spec's norms)
     has fp32 params, no main param, and lives in megatron's fp32 buffer.
     ``fp32``: fp32 params (the optimizer updates them directly, Megatron keeps no main copy).
+    ``bf16+sgd``, ``fp32+sgd``: the same with SGD, whose state is one momentum per element.
     """
 
     BF16 = "bf16"
     FP32 = "fp32"
+    BF16_SGD = "bf16+sgd"
+    FP32_SGD = "fp32+sgd"
+
+    @staticmethod
+    def of_state(*, params: str, optimizer: str = "adam") -> "Precision":
+        """The precision of ``params`` (``"bf16"`` or ``"fp32"``) trained by ``optimizer`` (``"adam"``, ``"sgd"``)."""
+        return Precision(params if optimizer == "adam" else f"{params}+{optimizer}")
+
+    @property
+    def params(self) -> str:
+        """The params' dtype: ``"bf16"`` or ``"fp32"``."""
+        return self.value.split("+")[0]
+
+    @property
+    def optimizer(self) -> str:
+        """The optimizer whose state is kept: ``"adam"`` or ``"sgd"``."""
+        return self.value.split("+")[1] if "+" in self.value else "adam"
 
     @property
     def kinds(self) -> tuple[tuple[StateKind, int], ...]:
         """The state kinds of a parameter stored at this precision, with bytes per element."""
-        if self is Precision.BF16:
-            return ((StateKind.PARAM, 2), (StateKind.MAIN_PARAM, 4), (StateKind.EXP_AVG, 4), (StateKind.EXP_AVG_SQ, 4))
-        return ((StateKind.PARAM, 4), (StateKind.EXP_AVG, 4), (StateKind.EXP_AVG_SQ, 4))
+        moments = tuple((kind, 4) for kind in _OPTIMIZER_KINDS[self.optimizer])
+        if self.params == "bf16":
+            return ((StateKind.PARAM, 2), (StateKind.MAIN_PARAM, 4), *moments)
+        return ((StateKind.PARAM, 4), *moments)
 
     def of(self, tensor: "LogicalTensor") -> "Precision":
         """The precision ``tensor`` is stored at: this one, or fp32 for an ``always_fp32`` tensor."""
-        return Precision.FP32 if tensor.always_fp32 else self
+        return Precision.of_state(params="fp32", optimizer=self.optimizer) if tensor.always_fp32 else self
 
     def kinds_of(self, tensor: "LogicalTensor") -> tuple[tuple[StateKind, int], ...]:
         """``kinds`` of one tensor (see ``of``)."""
@@ -193,6 +224,10 @@ class ModelSpec:
     moe_ffn_hidden: int
     tensors: tuple[LogicalTensor, ...]
     published_parameters: int | None = None
+    max_tp: int | None = None
+    """The largest tensor-parallel size any layout may use, when the sizes above do not say it (a
+    description read from a megatron module, ``vps.derive``: ``num_heads`` and friends are then
+    informative only, and the layout rules are those of its split axes)."""
     by_name: dict = field(default=None, compare=False, hash=False, repr=False)  # type: ignore[assignment]
     _hash: int = field(default=0, compare=False, hash=False, repr=False)
 
@@ -219,8 +254,13 @@ class ModelSpec:
     @property
     def vocab_rows(self) -> int:
         """Logical extent of a vocabulary axis: the padding at the largest valid tp (tp divides the
-        query groups, and every smaller valid tp pads to at most this many rows)."""
-        return self.padded_vocab(self.num_query_groups)
+        query groups, or ``max_tp``; every smaller valid tp pads to at most this many rows)."""
+        return self.padded_vocab(self.max_tp or self.num_query_groups)
+
+    @property
+    def derived(self) -> bool:
+        """Read from a megatron module's own description (``vps.derive``), not written for a GPT."""
+        return self.max_tp is not None
 
     def tensor(self, name: str) -> LogicalTensor:
         try:

@@ -24,6 +24,8 @@ def layout_problems(layout: ParallelConfig, spec: ModelSpec, world_size: int | N
             f"dp*tp*pp*cp = {layout.dp}*{layout.tp}*{layout.pp}*{layout.cp} = {layout.world_size} "
             f"must equal the world size {world_size}"
         )
+    if spec.derived:
+        return problems + _split_problems(layout, spec)
     if spec.num_heads % layout.tp:
         problems.append(f"tp={layout.tp} must divide the {spec.num_heads} attention heads")
     if spec.num_query_groups % layout.tp:
@@ -46,6 +48,28 @@ def layout_problems(layout: ParallelConfig, spec: ModelSpec, world_size: int | N
     elif layout.ep != 1:
         problems.append(f"ep={layout.ep} needs experts; model {spec.name} is dense")
     return problems
+
+
+def _split_problems(layout: ParallelConfig, spec: ModelSpec) -> list[str]:
+    """The rules of a spec read from a module (``vps.derive``): each split axis divides evenly."""
+    from lightning_dynatrain.vps.spec import EXPERT, LAYER, TP, Group
+
+    problems: dict[str, None] = {}
+    for t in spec.tensors:
+        for extent, role in zip(t.shape, t.axes):
+            size, what = {LAYER: (layout.pp, "pp"), EXPERT: (layout.ep, "ep"),
+                          TP: (layout.etp if t.group is Group.EXPERT else layout.tp,
+                               "etp" if t.group is Group.EXPERT else "tp")}.get(role, (1, ""))
+            if extent % size:
+                problems[f"{what}={size} must divide {t.name}'s {role or 'split'} axis of {extent}"] = None
+    if (spec.max_tp or 1) % layout.tp:
+        problems[f"tp={layout.tp} must divide {spec.max_tp}, the largest tensor-parallel size the model takes"] = None
+    experts = [t for t in spec.tensors if t.group is Group.EXPERT]
+    if layout.etp > 1 and experts and not any(TP in t.axes for t in experts):
+        problems[f"etp={layout.etp}: megatron refuses expert tensor parallelism for this model"] = None
+    if spec.num_experts == 0 and layout.ep != 1:
+        problems[f"ep={layout.ep} needs experts; model {spec.name} is dense"] = None
+    return list(problems)
 
 
 def validate_layout(layout: ParallelConfig, spec: ModelSpec, *, world_size: int | None = None) -> ParallelConfig:

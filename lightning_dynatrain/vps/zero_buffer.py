@@ -119,7 +119,7 @@ def _registration_order(spec: ModelSpec, layout: ParallelConfig, stage: int) -> 
 
 def param_dtype_of(tensor: LogicalTensor, precision: Precision) -> str:
     """The dtype (name) of ``tensor``'s params at ``precision``: which of a stage's buffers it is in."""
-    return "float32" if precision.of(tensor) is Precision.FP32 else "bfloat16"
+    return "float32" if precision.of(tensor).params == "fp32" else "bfloat16"
 
 
 @lru_cache(maxsize=1024)

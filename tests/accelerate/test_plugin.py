@@ -78,16 +78,16 @@ def test_a_bad_schedule_is_refused(schedule, words: list[str]) -> None:
 def test_layouts_that_do_not_fit_the_world_the_model_or_the_batch_are_refused_before_anything_is_built() -> None:
     plugin = DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={2: "dp1-tp2-pp2", 5000: "dp1-tp1-pp4"})
     refused(ScheduleError, "step 5000", "dp1-tp1-pp4", "pp=4 must divide the 2 layers",
-            call=lambda: plugin.validate(world_size=4, shape=SHAPE, global_batch_size=8, micro_batch_size=1))
+            call=lambda: plugin.validate(world_size=4, model=SHAPE, global_batch_size=8, micro_batch_size=1))
     refused(WorldSizeError, "needs dp*tp*pp*cp = 4 processes but the job runs 8",
-            call=lambda: plugin.validate(world_size=8, shape=SHAPE))
+            call=lambda: plugin.validate(world_size=8, model=SHAPE))
     refused(BatchSizeError, "global batch 6 is not a multiple of dp * micro_batch_size = 2 * 4",
-            call=lambda: DynaTrainPlugin(layout="dp2-tp2-pp1").validate(world_size=4, shape=SHAPE,
+            call=lambda: DynaTrainPlugin(layout="dp2-tp2-pp1").validate(world_size=4, model=SHAPE,
                                                                           global_batch_size=6, micro_batch_size=4))
     refused(ScheduleError, "step 3", "needs dp*tp*pp*cp = 2 processes",
             call=lambda: DynaTrainPlugin(layout="dp4", schedule="3:dp2").validate(world_size=4))
     fits = DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={2: "dp1-tp2-pp2", 4: "dp2-tp1-pp2-zero1"})
-    assert fits.validate(world_size=4, shape=SHAPE, global_batch_size=8, micro_batch_size=1) == \
+    assert fits.validate(world_size=4, model=SHAPE, global_batch_size=8, micro_batch_size=1) == \
         ParallelConfig.parse("dp2-tp2-pp1")
 
 

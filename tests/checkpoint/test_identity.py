@@ -69,3 +69,17 @@ def test_keys_name_the_logical_tensor_and_kind():
     assert key == "decoder.layers.mlp.linear_fc1.weight::exp_avg"
     assert parse_fqn(key) == ("decoder.layers.mlp.linear_fc1.weight", StateKind.EXP_AVG)
     assert parse_fqn("dynatrain.trainer") is None and parse_fqn("x::nonsense") is None
+
+
+def test_a_checkpoint_records_the_models_configuration_and_names_what_differs():
+    """The configuration travels with the checkpoint (``ModelSource.config_record``); a run resuming
+    with other values learns which (the state's structure, the digest's, may still match)."""
+    shape = GPTShape(**SHAPE)
+    saved = CheckpointInfo.of(logical_spec(shape), layout="dp2", world_size=2, precision=Precision.FP32,
+                              kinds=("param",), config=shape.config_record())
+    again = CheckpointInfo.from_dict(saved.to_dict(), path="ckpt")
+    assert again.config == shape.config_record() and again.config_differences(shape.config_record()) == []
+    other = GPTShape(**SHAPE, init_method_std=0.01).config_record()
+    assert again.config_differences(other) == ["init_method_std: 0.02 -> 0.01"]
+    old = {k: v for k, v in saved.to_dict().items() if k != "config"}  # written before the field existed
+    assert CheckpointInfo.from_dict(old, path="ckpt").config_differences(other) == []

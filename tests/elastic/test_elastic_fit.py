@@ -1,8 +1,11 @@
 """Processes join and leave a running ``trainer.fit`` (real store process, torchrun, Lightning,
 megatron, gloo): the fit goes on at each new world's layout and ends where a static run ends.
 
-The script (``benchmarks/elastic_fit.py``) trains a GPT whose worlds 2, 3 and 4 all have valid layouts
-(``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``) at a constant global batch of 12.
+The script (``benchmarks/elastic_fit.py``) trains a model whose worlds 2, 3 and 4 all have valid
+layouts at a constant global batch of 12: the GPT preset with every change built ahead
+(``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``), and ``examples/own_model.py``'s model of the
+user's (its description read from megatron, megatron's learning-rate scheduler) with every change
+built in its pause (``dp1-tp1-pp2``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``).
 """
 
 from __future__ import annotations
@@ -14,29 +17,34 @@ import sys
 
 import pytest
 
-from benchmarks.elastic_job import SCRIPT, ElasticJob
+from benchmarks.elastic_fit import MODELS
+from benchmarks.elastic_job import SCRIPT, ElasticJob, torchrun
 
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 80
 
 
-@pytest.fixture(scope="module")
-def static_losses(tmp_path_factory) -> dict[int, float]:
-    """The static run's loss at every step (the same model, data and global batch, one process)."""
-    out = tmp_path_factory.mktemp("static")
-    subprocess.run([sys.executable, str(SCRIPT), str(out), "--max-steps", str(MAX_STEPS), "--static"], check=True,
-                   capture_output=True, cwd=SCRIPT.parents[1], env=ElasticJob(out, max_steps=0, step_seconds=0).env)
-    (result,) = [__import__("json").loads(p.read_text()) for p in out.glob("*.json")]
-    return dict((step, loss) for step, loss in result["losses"])
+def _static(out, model: str) -> dict:
+    """The static run's loss and learning rate at every step (the same model, data and global batch):
+    one process for the GPT preset (its weights are drawn alike at every layout), the first world's
+    two for a model of the user's (its weights are megatron's initialisation at the first layout)."""
+    script = [str(SCRIPT), str(out), "--max-steps", str(MAX_STEPS), "--static", "--model", model]
+    cmd = torchrun(2, *script) if model == "own" else [sys.executable, *script]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=SCRIPT.parents[1],
+                   env=ElasticJob(out, max_steps=0, step_seconds=0).env)
+    results = [__import__("json").loads(p.read_text()) for p in out.glob("*.json")]
+    return {"losses": dict(map(tuple, results[0]["losses"])), "lrs": dict(map(tuple, results[0]["lrs"]))}
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["built_ahead", "on_demand"])
-def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_matches_a_static_run(tmp_path, ahead,
-                                                                                                   static_losses):
+@pytest.mark.parametrize("model, ahead", [("tiny", True), ("own", False)], ids=["built_ahead", "own_model_on_demand"])
+def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_matches_a_static_run(tmp_path, model,
+                                                                                                   ahead):
+    static = _static(tmp_path / "static", model)
     logs = tmp_path / "logs"
     # built ahead, each process asks for a layout switch while a change is built (refused, nothing moves)
-    fit_args = ("--log-dir", str(logs)) + (("--switch-while-building",) if ahead else ("--on-demand",))
+    fit_args = ("--log-dir", str(logs), "--model", model) + (("--switch-while-building",) if ahead
+                                                              else ("--on-demand",))
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=fit_args) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
@@ -57,7 +65,8 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
     survivors = [r for r in results.values() if not r["left"]]
     assert sorted(r["pid"] for r in left) == sorted([rank0, again.pid]) and len(survivors) == 3, log
     assert {r["global_step"] for r in survivors} == {MAX_STEPS}
-    assert {(r["world"], r["layout"]) for r in survivors} == {(3, "dp3-tp1-pp1")}
+    layouts = MODELS[model]["policy"]
+    assert {(r["world"], r["layout"]) for r in survivors} == {(3, layouts[3])}
     assert sorted(r["rank"] for r in survivors) == [0, 1, 2]
     assert len({r["shard"] for r in survivors}) == 1  # the data-parallel replicas are identical
     # every change the longest-lived survivor saw: 2 -> 4 (the joiners together, or one at a time),
@@ -68,7 +77,6 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
     assert sizes in ([2, 4, 3, 4, 3], [2, 3, 4, 3, 4, 3]), changes
     # the last change returned to the world of 3 that the one before it left: kept, so no group was built
     assert [c["kept_world"] for c in changes] == [False] * (len(changes) - 1) + [True], changes
-    layouts = {2: "dp2-tp1-pp1", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"}
     assert [(c["src"], c["dst"]) for c in changes] == [(layouts[a], layouts[b]) for a, b in zip(sizes, sizes[1:])]
     assert all(c["moved_bytes"] > 0 and c["pause_seconds"] > 0 for c in changes)
     assert all(c["overlap_slowdown"] is not None and c["overlap_slowdown"] > -1 for c in changes)
@@ -87,12 +95,14 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
                     f"transfer {c['transfer_seconds']:.3f} s, built {c['build_seconds']:.3f} s "
                     f"(steps meanwhile {100 * c['overlap_slowdown']:+.0f}%), "
                     f"{c['moved_bytes'] / 2**20:.2f} MiB" for c in changes))
-    # the loss of every step, whoever ran it, is the static run's (the same global batches)
-    static = static_losses
+    # the loss of every step, whoever ran it, is the static run's (the same global batches), and so
+    # is its learning rate: exactly (a scheduler's state joined each new member with Lightning's)
     seen: dict[int, float] = {}
     for r in results.values():
         for step, loss in r["losses"]:
             assert seen.setdefault(step, loss) == pytest.approx(loss, rel=1e-6), f"ranks disagree at step {step}"
+        for step, lr in r["lrs"]:
+            assert lr == static["lrs"][step], f"step {step}: lr {lr}, static {static['lrs'][step]}"
     assert sorted(seen) == list(range(1, MAX_STEPS + 1))
     for step, loss in seen.items():
-        assert loss == pytest.approx(static[step], rel=1e-4), f"step {step}"
+        assert loss == pytest.approx(static["losses"][step], rel=1e-4), f"step {step}"

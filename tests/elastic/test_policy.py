@@ -25,7 +25,7 @@ DP2 = ParallelConfig.parse("dp2-tp1-pp1")
 
 
 def _choose(policy, world, shape=SHAPE, global_batch=12, **kwargs):
-    return choose_layout(parse_policy(policy), world=world, shape=shape, global_batch_size=global_batch,
+    return choose_layout(parse_policy(policy), world=world, source=shape, global_batch_size=global_batch,
                          micro_batch_size=1, current=DP2, **kwargs)
 
 
@@ -61,7 +61,7 @@ def test_auto_picks_a_valid_layout_and_says_why():
 def test_auto_breaks_ties_by_the_fewest_moved_bytes():
     free = StepModel(links=LinkModel(intra_node=1e30, inter_node=1e30, local_copy=1e30))
     current = ParallelConfig.parse("dp1-tp1-pp2")
-    choice = choose_layout("auto", world=2, shape=SHAPE, global_batch_size=12, micro_batch_size=1, current=current,
+    choice = choose_layout("auto", world=2, source=SHAPE, global_batch_size=12, micro_batch_size=1, current=current,
                            model=free)  # no communication cost: dp2 and tp2 tie (pp2 has a bubble)
     spec = logical_spec(SHAPE)
     moves = {lay: moved_bytes(spec, current, ParallelConfig.parse(lay), Precision.FP32, None)

@@ -26,7 +26,7 @@ _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def dtype_of(kind: StateKind, precision: Precision, tensor: LogicalTensor) -> torch.dtype:
     """bf16 params at bf16 precision, except tensors megatron keeps in fp32 (``always_fp32``)."""
-    return torch.bfloat16 if precision.of(tensor) is Precision.BF16 and kind is StateKind.PARAM else torch.float32
+    return torch.bfloat16 if precision.of(tensor).params == "bf16" and kind is StateKind.PARAM else torch.float32
 
 
 def offsets(spec: ModelSpec, precision: Precision) -> dict[tuple[str, StateKind], int]:

@@ -51,7 +51,7 @@ def _engine(layout: str):
 
     shape = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=VOCAB_SIZE, seq_length=16,
                      make_vocab_size_divisible_by=vocab_divisor_for(VOCAB_SIZE, [1, 2]))
-    recipe = MegatronRecipe(shape=shape, seed=7, global_batch_size=4, micro_batch_size=1)
+    recipe = MegatronRecipe(model=shape, seed=7, global_batch_size=4, micro_batch_size=1)
     return DynaTrainEngine(PlainHost(), DynaTrainPlugin(layout=layout, schedule_ahead=False), recipe=recipe,
                            adam=AdamSettings(lr=1e-3))
 

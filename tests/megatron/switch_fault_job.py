@@ -48,7 +48,7 @@ def main() -> None:
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
     from lightning_dynatrain.megatron.state import MegatronState
-    from lightning_dynatrain.megatron.state_bridge import materialize_adam_state, megatron_store
+    from lightning_dynatrain.megatron.state_bridge import materialize_optimizer_state, megatron_store
     from lightning_dynatrain.vps.layout import ParallelConfig
     from lightning_dynatrain.vps.topology import Topology
 
@@ -61,9 +61,9 @@ def main() -> None:
     model = build_gpt_model(shape, src, seed=1)
     state = MegatronState(layout=src, groups=pgs, **dict(zip(("ddp", "optimizer"),
                           build_ddp_and_optimizer(model, src, pg_collection=pgs, **optimizer))))
-    setup = SwitchSetup(shape=shape, seed=1, optimizer=optimizer, staging_budget=4096,
+    setup = SwitchSetup(model=shape, seed=1, optimizer=optimizer, staging_budget=4096,
                         topology=Topology.uniform(dist.get_world_size(), 2), keep_old=args.keep_old)
-    materialize_adam_state(state.optimizer, 0)  # as hot_switch does before the first step
+    materialize_optimizer_state(state.optimizer, 0)  # as hot_switch does before the first step
     before = {k: t.clone() for k, t in megatron_store(state.ddp, state.optimizer, setup.spec, src, rank).items()}
 
     def start_watch(fault):

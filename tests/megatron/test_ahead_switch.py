@@ -64,7 +64,7 @@ def _ahead_chain(rank: int, world_size: int, shape_kwargs: dict, params_dtype: s
                              build_ddp_and_optimizer(model, layout, **OPTIMIZER))))
 
     cache = ProcessGroupCache()
-    setup = SwitchSetup(shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=64 * 1024,
+    setup = SwitchSetup(model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=64 * 1024,
                         topology=Topology.uniform(4, 2))
     state = fresh(ParallelConfig.parse(CHAIN[0]), cache)
     out = {"losses": [train(state)], "switches": []}
@@ -84,11 +84,12 @@ def _ahead_chain(rank: int, world_size: int, shape_kwargs: dict, params_dtype: s
             hot_switch(state, ParallelConfig.parse(CHAIN[0]), setup, groups=cache, prepared=prepared)
         except PreparedSwitchError as err:
             out["reused"] = str(err)
-    # a build that fails on one rank (rank 1: a setting its optimizer does not take) before megatron's
+    # a build that fails on one rank (rank 1: an optimizer megatron's config does not name) before megatron's
     # all-gather: every rank's build ends with an error naming it, none waits, and the switch runs
     # on demand
     target = ParallelConfig.parse(CHAIN[1])
-    broken = dataclasses.replace(setup, optimizer={**OPTIMIZER, "no_such_setting": 1}) if rank == 1 else setup
+    broken = dataclasses.replace(setup, optimizer=dataclasses.replace(setup.optimizer, optimizer="no_such_optimizer")) \
+        if rank == 1 else setup
     try:
         prepare_switch(state, target, broken, groups=cache).result(timeout=120)
     except PreparedSwitchError as err:
@@ -144,7 +145,7 @@ def test_training_through_prepared_switches_tracks_a_run_that_never_switched(ahe
 
 def test_a_build_failing_on_one_rank_fails_every_rank_without_a_hang(ahead_run):
     _, runs = ahead_run
-    assert "no_such_setting" in runs[1]["failed_build"], runs[1]["failed_build"]
+    assert "no_such_optimizer" in runs[1]["failed_build"], runs[1]["failed_build"]
     for rank in (0, 2, 3):
         assert "failed on rank(s) [1]" in runs[rank]["failed_build"], runs[rank]["failed_build"]
     # and the switch then ran on demand: the losses after it are in the comparison above

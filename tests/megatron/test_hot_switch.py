@@ -89,7 +89,7 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     topology = Topology.uniform(4, 2)
 
     def setup(budget: int) -> SwitchSetup:
-        return SwitchSetup(shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=budget, topology=topology)
+        return SwitchSetup(model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=budget, topology=topology)
     out = {"losses": train(state, 2), "switches": []}
     # a switch refused before anything moves (budget below a row, on every rank) leaves the state
     # whole: gradient buffers and megatron's groups come back, and training goes on (losses below)

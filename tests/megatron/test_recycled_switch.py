@@ -62,7 +62,7 @@ def _walk(rank: int, world_size: int) -> dict:
     from lightning_dynatrain.engine.errors import StagingBudgetError
     try:
         hot_switch(state, ParallelConfig.parse(CHAIN[1]),
-                   SwitchSetup(shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=8, check_memory=False),
+                   SwitchSetup(model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=8, check_memory=False),
                    groups=groups)
     except StagingBudgetError as err:
         out["refused"] = str(err)
@@ -75,7 +75,7 @@ def _walk(rank: int, world_size: int) -> dict:
         old_grads = {b.grad_data.untyped_storage().data_ptr() for b in state.ddp.buffers}
         before = len(collections)
         result = hot_switch(state, ParallelConfig.parse(text), SwitchSetup(
-            shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=16 * 2**20, recycle=recycle), groups=groups)
+            model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=16 * 2**20, recycle=recycle), groups=groups)
         out["collections"].append(len(collections) - before)
         out["gc_enabled_after"].append(gc.isenabled())
         state = result.state
@@ -136,7 +136,7 @@ def _into_zero1_and_back(rank: int, world_size: int) -> dict:
     out = {"fingerprints_equal": [], "copied": [], "copied_by_pages": []}
     for text in ("dp2-tp1-pp1-zero1", "dp2-tp1-pp1"):
         result = hot_switch(state, ParallelConfig.parse(text), SwitchSetup(
-            shape=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=16 * 2**20), groups=groups)
+            model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=16 * 2**20), groups=groups)
         state = result.state
         out["fingerprints_equal"].append(logical_fingerprint(store(), spec, state.layout, rank) == fingerprint)
         out["copied"].append(result.report.local_copy.bytes)

@@ -47,7 +47,7 @@ def local_state(strategy) -> dict:
     from lightning_dynatrain.megatron.optimizer import group_settings
     from lightning_dynatrain.megatron.state_bridge import adam_step, megatron_store, param_store
 
-    spec, rank, state = logical_spec(strategy.recipe.shape), dist.get_rank(), strategy._megatron
+    spec, rank, state = strategy.recipe.model.spec(), dist.get_rank(), strategy._megatron
     if state is None or adam_step(state.optimizer) is None:  # no optimizer, or no Adam state yet
         store, step, groups = param_store(strategy._gpt_model, spec, strategy.layout, rank), None, None
     else:
@@ -151,13 +151,16 @@ def _plain_megatron_load(path: Path, layout: str) -> dict:
     from benchmarks.baselines import megatron_ckpt
     from benchmarks.baselines.state import BenchSetup, build_empty_state
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy
-    from lightning_dynatrain.strategy.megatron_step import optimizer_kwargs, train_step
+    from lightning_dynatrain.strategy.megatron_step import train_step
     from lightning_dynatrain.vps.layout import ParallelConfig
 
     module, data = _module(max_steps=TOTAL), _data()
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
-    setup = BenchSetup(shape=module.shape, seed=module.seed, optimizer=optimizer_kwargs(module.configure_optimizers()))
+    adam = module.configure_optimizers()
+    setup = BenchSetup(shape=module.shape, seed=module.seed, optimizer=dict(
+        lr=adam.lr, weight_decay=adam.weight_decay, adam_beta1=adam.betas[0], adam_beta2=adam.betas[1],
+        adam_eps=adam.eps, clip_grad=adam.clip_grad))
     state, _ = build_empty_state(setup, ParallelConfig.parse(layout), 0)
     megatron_ckpt.load(state, str(path))
 

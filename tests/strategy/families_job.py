@@ -29,6 +29,7 @@ import os
 from pathlib import Path
 
 from tests.dist import run_distributed
+from tests.strategy.logical_state import local_state
 
 SIZE = dict(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=32,
             make_vocab_size_divisible_by=128)  # the same padded vocabulary (256) at tp1 and tp2
@@ -81,27 +82,6 @@ def _trainer(layout: str, steps: int, callbacks: list, **kwargs):
     return Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, callbacks=callbacks, **defaults)
 
 
-def _local_state(strategy) -> dict:
-    """This rank's local training state at the strategy's layout: every local tensor's bits (an
-    integer view), Adam's step, the param groups' settings, and the model's buffers."""
-    import torch
-
-    from lightning_dynatrain.megatron.gpt import logical_spec
-    from lightning_dynatrain.megatron.state_bridge import adam_step, megatron_store
-
-    state = strategy.megatron
-    store = megatron_store(state.ddp, state.optimizer, logical_spec(strategy.recipe.shape), state.layout,
-                           strategy.global_rank)
-    ints = {4: torch.int32, 2: torch.int16}
-    return dict(
-        layout=str(state.layout),
-        tensors={key: t.detach().clone().reshape(-1).view(ints[t.element_size()]).numpy() for key, t in store.items()},
-        step=adam_step(state.optimizer),
-        groups=sorted({(g["wd_mult"], g["lr_mult"], g["lr"], g["weight_decay"]) for g in state.optimizer.param_groups}),
-        buffers=[(name, tuple(b.shape)) for name, b in state.model.named_buffers()],
-    )
-
-
 def _callbacks(schedule: dict) -> tuple[list, dict]:
     """``[state before, ScheduledReconfig, state after, rows seen]`` (Lightning runs them in this order)
     and what they record: ``{"before": {step: state}, "after": {step: state}, "seen": [...]}``."""
@@ -118,7 +98,7 @@ def _callbacks(schedule: dict) -> tuple[list, dict]:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step in schedule:
-                record[self.side][trainer.global_step] = _local_state(trainer.strategy)
+                record[self.side][trainer.global_step] = local_state(trainer.strategy)
 
     class RowsSeen(Callback):
         """The dataset samples of the rows this rank trains on at each step, cut as the step cuts them."""

@@ -59,10 +59,10 @@ def test_the_first_bad_entry_fails_naming_its_step_and_rule() -> None:
     schedule = parse_schedule({100: "dp2-tp2", 5000: "dp1-tp4-pp1", 6000: "dp1-tp1-pp4"})
     validate_schedule(schedule, world_size=4)  # world size alone: fine
     with pytest.raises(ScheduleError) as err:
-        validate_schedule(schedule, world_size=4, shape=GPTShape(**{**_fields(SHAPE), "heads": 2}))
+        validate_schedule(schedule, world_size=4, model=GPTShape(**{**_fields(SHAPE), "heads": 2}))
     assert "step 5000 (dp1-tp4-pp1)" in str(err.value) and "tp=4 must divide the 2 attention heads" in str(err.value)
     with pytest.raises(ScheduleError, match=r"step 6000 \(dp1-tp1-pp4\).*pp=4 must divide the 2 layers"):
-        validate_schedule(schedule, world_size=4, shape=SHAPE)
+        validate_schedule(schedule, world_size=4, model=SHAPE)
 
 
 def test_another_world_size_needs_the_elastic_device_manager() -> None:
@@ -75,10 +75,10 @@ def test_another_world_size_needs_the_elastic_device_manager() -> None:
 
 def test_batch_rule_and_vocabulary_padding_warning() -> None:
     with pytest.raises(ScheduleError, match=r"step 9 .* global batch 8 is not a multiple of dp \* micro_batch_size = 4 \* 4"):
-        validate_schedule(parse_schedule("9:dp4"), world_size=4, shape=SHAPE, global_batch_size=8, micro_batch_size=4)
+        validate_schedule(parse_schedule("9:dp4"), world_size=4, model=SHAPE, global_batch_size=8, micro_batch_size=4)
     padded_by_tp = GPTShape(**{**_fields(SHAPE), "make_vocab_size_divisible_by": 256})  # 256 at tp1, 512 at tp2
     with pytest.warns(UserWarning, match="padded vocabulary differs"):
-        validate_schedule(parse_schedule("9:dp2-tp2"), world_size=4, start=P("dp4"), shape=padded_by_tp)
+        validate_schedule(parse_schedule("9:dp2-tp2"), world_size=4, start=P("dp4"), model=padded_by_tp)
 
 
 def test_state_dict_round_trip() -> None:

@@ -61,13 +61,13 @@ def test_validate_target_rules() -> None:
     from lightning_dynatrain.megatron.gpt import GPTShape
 
     shape = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=16)
-    assert str(validate_target("dp2-tp2", world_size=4, shape=shape, global_batch_size=8, micro_batch_size=2)) == "dp2-tp2-pp1"
+    assert str(validate_target("dp2-tp2", world_size=4, model=shape, global_batch_size=8, micro_batch_size=2)) == "dp2-tp2-pp1"
     with pytest.raises(WorldSizeError, match="Elastic Device Manager"):
         validate_target("dp2", world_size=4)
     with pytest.raises(LayoutError, match="tp=8 must divide the 4 attention heads"):
-        validate_target("tp8", world_size=8, shape=shape)
+        validate_target("tp8", world_size=8, model=shape)
     with pytest.raises(LayoutError, match="context parallelism"):
-        validate_target("dp2-cp2", world_size=4, shape=shape)
+        validate_target("dp2-cp2", world_size=4, model=shape)
     with pytest.raises(BatchSizeError, match="global batch 6 is not a multiple of dp \\* micro_batch_size = 4 \\* 1"):
         validate_target("dp4", world_size=4, global_batch_size=6, micro_batch_size=1)
 

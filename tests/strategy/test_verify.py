@@ -42,7 +42,7 @@ def _job(rank: int, world_size: int) -> list[dict]:
     from lightning_dynatrain.vps.layout import ParallelConfig
 
     shape = GPTShape(**SHAPE)
-    setup = SwitchSetup(shape=shape, seed=7, optimizer=dict(lr=1e-3), staging_budget=2**20)
+    setup = SwitchSetup(model=shape, seed=7, optimizer=dict(lr=1e-3), staging_budget=2**20)
     first = ParallelConfig.parse(CHAIN[0])
     groups = initialize_for_layout(first, seed=7)
     ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=7, params_dtype=torch.bfloat16), first,

@@ -1,0 +1,96 @@
+"""Which of the package's files one layout switch passes through, from the strategy's ``reconfigure``
+to the first ``batch_isend_irecv``: a measure of how far a reader follows one switch.
+
+    python benchmarks/switch_path.py            # the GPT preset and a ModelProvider, dp2 -> dp1-tp2
+    python benchmarks/switch_path.py --json
+
+A 2-process gloo job builds the model at ``dp2-tp1-pp1`` (megatron DDP, Adam, one step), then
+switches to ``dp1-tp2-pp1`` through ``LayoutSwitcher.switch`` (what ``reconfigure`` calls) on demand
+while rank 0 records, in order of first entry, every ``lightning_dynatrain`` file a call enters,
+until ``torch.distributed.batch_isend_irecv`` is first called. ``strategy/switch_hooks.py`` (where
+``reconfigure`` is) is counted as the first file. Imports are not calls and are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_dynatrain"
+
+
+def _path_job(rank: int, world_size: int, model: str) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_dynatrain.megatron.gpt import GPTShape, gpt_provider
+    from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
+    from lightning_dynatrain.strategy.megatron_step import attach_optimizer, build_model, init_groups, train_step
+    from lightning_dynatrain.strategy.switching import LayoutSwitcher
+    from lightning_dynatrain.vps.layout import ParallelConfig
+    from lightning_dynatrain.vps.topology import Topology
+
+    shape = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=16)
+    recipe = MegatronRecipe(model=gpt_provider(shape) if model == "provider" else shape, seed=1, global_batch_size=4,
+                            micro_batch_size=1, params_dtype=torch.float32)
+    adam = AdamSettings(lr=1e-3)
+    layout = ParallelConfig.parse("dp2-tp1-pp1")
+    switcher = LayoutSwitcher(staging_budget=2**20, promote_broadcasts=False)
+    switcher.new_world(Topology.uniform(world_size, world_size))
+    groups = init_groups(layout, seed=1, groups=switcher.groups)
+    state = attach_optimizer(build_model(recipe, layout, groups), recipe, layout, adam, groups)
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    train_step(state, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}, recipe, lr=1e-3, weight_decay=0.0)
+    files: list[str] = ["lightning_dynatrain/strategy/switch_hooks.py"]
+    done = False
+    original = dist.batch_isend_irecv
+
+    def first_transfer(*args, **kwargs):
+        nonlocal done
+        done = True
+        return original(*args, **kwargs)
+
+    def profile(frame, event, arg):
+        if event == "call" and not done:
+            path = Path(frame.f_code.co_filename)
+            if path.is_relative_to(PACKAGE) and frame.f_code.co_name != "<module>":
+                name = str(path.relative_to(ROOT))
+                if name not in files:
+                    files.append(name)
+
+    dist.batch_isend_irecv = first_transfer
+    try:
+        if rank == 0:
+            sys.setprofile(profile)
+        switcher.switch(state, ParallelConfig.parse("dp1-tp2-pp1"), recipe=recipe, optimizer=adam, step=1,
+                        deferred=False)
+    finally:
+        sys.setprofile(None)
+        dist.batch_isend_irecv = original
+        switcher.close()
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    args = p.parse_args(argv)
+    from benchmarks.baselines.launch import spawn_job
+
+    out = {}
+    for model in ("preset", "provider"):
+        files = spawn_job(_path_job, 2, model, timeout_s=300)[0]
+        out[model] = files
+        print(f"{model}: {len(files)} files")
+        for name in files:
+            print(f"  {name}")
+    if args.json:
+        print(json.dumps({"files": {k: len(v) for k, v in out.items()}, "paths": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

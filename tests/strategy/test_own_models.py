@@ -1,0 +1,103 @@
+"""Models of the user's, described by nobody here (``own_models``): a GPT with the user's own MLP
+submodule (bf16, megatron's ``OptimizerParamScheduler``), megatron's BERT (SGD with momentum, a
+torch ``LambdaLR``), and an MoE with a sigmoid, group-limited router and shared experts; each through ``Trainer`` with
+switches over dp/tp/pp (and ep), ``verify=True`` on every switch (the fit would raise otherwise),
+against a run that never switched. One spawned job (``own_models_job``), 4 processes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.spec import Precision
+from tests.logical_state import assemble, common
+from tests.strategy.own_models_job import CASES, RESUME_AT, STEPS, run_own_models4
+
+pytestmark = pytest.mark.slow
+
+PRECISION = {"split-mlp": Precision.BF16, "bert": Precision.FP32_SGD, "sigmoid-moe": Precision.FP32}
+
+
+@pytest.fixture(scope="module")
+def own4(tmp_path_factory) -> list[dict]:
+    return run_own_models4(str(tmp_path_factory.mktemp("own_models4")))
+
+
+def _state(spec, precision, records: list[dict]) -> dict:
+    return assemble(spec, ParallelConfig.parse(records[0]["layout"]), [r["tensors"] for r in records], precision)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_switch_keeps_the_full_logical_state_bit_for_bit(own4, name: str) -> None:
+    """Every parameter (bf16 ones too), fp32 main param, Adam moment and SGD momentum, assembled from all ranks
+    right before and right after each switch with the spec read from the model: the same bits, and
+    Adam's step and the param groups' settings unchanged."""
+    runs = [r[name]["switched"] for r in own4]
+    spec = runs[0]["spec"]
+    for step in CASES[name]["schedule"]:
+        before = _state(spec, PRECISION[name], [r["before"][step] for r in runs])
+        after = _state(spec, PRECISION[name], [r["after"][step] for r in runs])
+        assert before.keys() == after.keys() and len(before) >= 2 * len(spec.tensors), step
+        changed = [key for key in before if not np.array_equal(*common(before[key], after[key]))]
+        assert changed == [], (step, changed)
+        for r in runs:
+            b, a = r["before"][step], r["after"][step]
+            assert (b["step"], b["groups"]) == (a["step"], a["groups"]), step
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_fit_switches_at_the_scheduled_steps_and_tracks_a_static_run(own4, name: str) -> None:
+    case = CASES[name]
+    layouts = [case["start"], *case["schedule"].values()]
+    for r in own4:
+        switched, static = r[name]["switched"], r[name]["static"]
+        assert switched["history"] == [(s, a, b) for s, a, b in zip(case["schedule"], layouts, layouts[1:])]
+        assert len(switched["losses"]) == len(static["losses"]) == STEPS
+        assert switched["losses"][:2] == static["losses"][:2]  # before the first switch: the same run
+        assert switched["losses"] == pytest.approx(static["losses"], rel=1e-4)
+        assert switched["losses"][-1] < switched["losses"][0] - 0.2
+
+
+def test_the_user_mlp_trains_in_bf16_with_its_own_tensors(own4) -> None:
+    """The split-MLP GPT's gate and up projections are tensors of their own, tp-split on their rows,
+    bf16 (with fp32 main params); its norms stay fp32 (megatron's local spec builds torch norms)."""
+    spec = own4[0]["split-mlp"]["switched"]["spec"]
+    gate = spec.tensor("decoder.layers.mlp.linear_fc1.gate.weight")
+    assert gate.axes == ("layer", "tp", "") and gate.megatron_name == "decoder.layers.{layer}.mlp.linear_fc1.gate.weight"
+    assert not gate.always_fp32 and spec.tensor("decoder.final_layernorm.weight").always_fp32
+    assert own4[0]["split-mlp"]["switched"]["dtypes"] == ["torch.bfloat16", "torch.float32"]
+
+
+def test_the_moe_router_and_experts_are_read_from_the_model(own4) -> None:
+    spec = own4[0]["sigmoid-moe"]["switched"]["spec"]
+    experts = [t for t in spec.tensors if t.group.value == "expert"]
+    assert {t.name for t in experts} == {"decoder.layers.mlp.experts.experts.linear_fc1.weight",
+                                         "decoder.layers.mlp.experts.experts.linear_fc2.weight"}
+    assert all(t.axes[:2] == ("layer", "expert") for t in experts)
+    assert spec.tensor("decoder.layers.mlp.router.weight").axes == ("layer", "", "")
+    assert spec.tensor("decoder.layers.mlp.shared_experts.linear_fc2.weight").axes == ("layer", "", "tp")
+
+
+def test_bert_reads_megatrons_globals_so_its_switches_are_built_on_demand(own4) -> None:
+    """megatron-core 0.16's ``BertModel`` builds its encoder on megatron's globals, not its groups:
+    its switches run on demand, never built beside training (where the globals are another layout's)."""
+    for r in own4:
+        assert r["bert"]["switched"]["ahead"] == [False] * 3
+        assert r["sigmoid-moe"]["switched"]["ahead"] == [True] * 3
+    spec = own4[0]["bert"]["switched"]["spec"]
+    tied = spec.tensor("embedding.word_embeddings.weight")
+    assert tied.place.value == "first+last" and tied.last_stage_name == "output_layer.weight"
+    assert spec.tensor("output_layer.bias").axes == ("vocab",) and spec.tensor("pooler.dense.weight").always_fp32
+
+
+def test_a_resumed_fit_continues_the_schedule_exactly(own4) -> None:
+    """Saved after step 4 (megatron's scheduler: warmup, cosine decay, weight decay growing), resumed
+    in a new fit: each later step's rate and weight decay are the uninterrupted run's, and the steps
+    at the resumed layout give the losses the static run gave there."""
+    for r in own4:
+        switched, resumed, static = (r["split-mlp"][k] for k in ("switched", "resumed", "static"))
+        assert resumed["lr"] == switched["lr"][RESUME_AT:]
+        assert len({lr for lr, _ in switched["lr"]}) > 4 and len({wd for _, wd in switched["lr"]}) > 4
+        assert resumed["losses"][:2] == static["losses"][RESUME_AT:RESUME_AT + 2]
