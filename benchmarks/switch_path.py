@@ -20,6 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_dynatrain"
+if str(ROOT) not in sys.path:  # ``benchmarks.baselines`` when run as a script
+    sys.path.insert(0, str(ROOT))
 
 
 def _path_job(rank: int, world_size: int, model: str) -> list[str]:
@@ -41,6 +43,7 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
     switcher = LayoutSwitcher(staging_budget=2**20, promote_broadcasts=False)
     switcher.new_world(Topology.uniform(world_size, world_size))
     groups = init_groups(layout, seed=1, groups=switcher.groups)
+    recipe.model.spec()  # a provider's description is read at set-up, not in the switch
     state = attach_optimizer(build_model(recipe, layout, groups), recipe, layout, adam, groups)
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     train_step(state, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}, recipe, lr=1e-3, weight_decay=0.0)

@@ -18,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass

@@ -43,7 +43,6 @@ def local_state(strategy) -> dict:
     import torch
     import torch.distributed as dist
 
-    from lightning_dynatrain.megatron.gpt import logical_spec
     from lightning_dynatrain.megatron.optimizer import group_settings
     from lightning_dynatrain.megatron.state_bridge import adam_step, megatron_store, param_store
 
