@@ -65,11 +65,7 @@ from lightning_dynatrain.accelerate.environment import AcceleratorSetupError
 from lightning_dynatrain.accelerate.plugin import AccelerateConfigError, DynaTrainPlugin
 from lightning_dynatrain.loop.data import global_batch_loader
 from lightning_dynatrain.loop.engine import DataMismatchError, DynaTrainEngine
-from lightning_dynatrain.loop.prepared import (
-    DynaTrainModel,
-    DynaTrainOptimizer,
-    DynaTrainScheduler,
-)
+from lightning_dynatrain.loop.prepared import DynaTrainModel, DynaTrainScheduler, LoopOptimizer
 
 __all__ = [
     "AccelerateConfigError",
@@ -78,8 +74,8 @@ __all__ = [
     "DataMismatchError",
     "DynaTrainEngine",
     "DynaTrainModel",
-    "DynaTrainOptimizer",
     "DynaTrainPlugin",
     "DynaTrainScheduler",
+    "LoopOptimizer",
     "global_batch_loader",
 ]

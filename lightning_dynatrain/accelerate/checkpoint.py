@@ -7,7 +7,7 @@ write (read) the engine's state instead::
 
     checkpoint/                       # accelerator.save_state("checkpoint")
       dynatrain/                      # every piece of state under its logical key (DCP; loop.checkpoint)
-      optimizer.bin                   # DynaTrainOptimizer.state_dict(): where it was written
+      optimizer.bin                   # LoopOptimizer.state_dict(): where it was written
       custom_checkpoint_0.pkl         # DynaTrainEngine.state_dict(): step, schedule progress, switches
       random_states_<rank>.pkl        # Accelerate's own
 

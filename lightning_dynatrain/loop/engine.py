@@ -102,7 +102,7 @@ class DynaTrainEngine:
 
     def __init__(self, host: Any, plugin: "DynaTrainPlugin | None" = None, *, recipe: MegatronRecipe,
                  adam: AdamSettings, lr_at: Callable[[int], float] | None = None) -> None:
-        from lightning_dynatrain.loop.prepared import DynaTrainModel, DynaTrainOptimizer, DynaTrainScheduler
+        from lightning_dynatrain.loop.prepared import DynaTrainModel, DynaTrainScheduler, LoopOptimizer
         from lightning_dynatrain.strategy.megatron_step import attach_optimizer, build_model, init_groups
         from lightning_dynatrain.strategy.topology import gather_topology
 
@@ -146,7 +146,7 @@ class DynaTrainEngine:
         self._samplers: list[GlobalBatchSampler] = []
         self._data_checked = False
         self.model = DynaTrainModel(self)
-        self.optimizer = DynaTrainOptimizer(self)
+        self.optimizer = LoopOptimizer(self)
         self.scheduler = DynaTrainScheduler(self)
         self._detach = self.host.attach(self)
         self.host.print(f"[dynatrain] layout {layout} on {self.world_size} processes ({self.host.describe()}), "

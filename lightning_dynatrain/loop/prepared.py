@@ -8,7 +8,7 @@ first gives every rank a replica's gradient all-reduce over ranks that hold diff
 the last hands the ranks of one tensor-parallel group different rows. What ``prepare`` does
 instead, object by object (Accelerate 1.15):
 
-- ``DynaTrainModel`` and ``DynaTrainOptimizer`` carry ``_is_accelerate_prepared = True``, the mark
+- ``DynaTrainModel`` and ``LoopOptimizer`` carry ``_is_accelerate_prepared = True``, the mark
   ``prepare_model``/``prepare_optimizer`` read to avoid wrapping twice: they are recorded
   (``accelerator._models``/``_optimizers``, so ``save_state``/``load_state`` see them) and returned
   as they are -- no DDP, no device move, no autocast;
@@ -83,7 +83,7 @@ class DynaTrainModel(torch.nn.Module):
         return repr(self._engine)
 
 
-class DynaTrainOptimizer(torch.optim.Optimizer):
+class LoopOptimizer(torch.optim.Optimizer):
     """The optimizer a loop steps: the current layout's megatron optimizer, seen through the engine.
 
     ``step()`` marks the step boundary (a scheduled switch due now runs); ``zero_grad()`` does
@@ -116,7 +116,7 @@ class DynaTrainOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> "ReconfigReport | None":  # type: ignore[override]
         """The step boundary: the switch the schedule has due now, if any (its report)."""
         if closure is not None:
-            raise TypeError("DynaTrainOptimizer.step() takes no closure. HINT: model(batch) (or "
+            raise TypeError("LoopOptimizer.step() takes no closure. HINT: model(batch) (or "
                             "engine.train_step(batch)) runs the whole megatron step; step() only marks its end")
         return self._engine.step_boundary()
 
@@ -130,17 +130,17 @@ class DynaTrainOptimizer(torch.optim.Optimizer):
         """Nothing to restore: the Adam state came with the engine's checkpoint (any layout and world size).
 
         Raises:
-            CheckpointError: ``state_dict`` was not written by a ``DynaTrainOptimizer``.
+            CheckpointError: ``state_dict`` was not written by a ``LoopOptimizer``.
         """
         from lightning_dynatrain.checkpoint.identity import CheckpointError
 
         if not {"layout", "world_size"} <= set(state_dict):
             raise CheckpointError(f"the optimizer's saved state has keys {sorted(state_dict)}, not a "
-                                  "DynaTrainOptimizer's", hint="load a checkpoint written by save_state or fabric.save "
+                                  "LoopOptimizer's", hint="load a checkpoint written by save_state or fabric.save "
                                   "of a DynaTrainEngine run")
 
     def __repr__(self) -> str:
-        return f"DynaTrainOptimizer({self._engine.layout}, {type(self._engine.state.optimizer).__name__})"
+        return f"LoopOptimizer({self._engine.layout}, {type(self._engine.state.optimizer).__name__})"
 
 
 class DynaTrainScheduler:
@@ -166,4 +166,4 @@ class DynaTrainScheduler:
         pass
 
 
-__all__ = ["DynaTrainModel", "DynaTrainOptimizer", "DynaTrainScheduler"]
+__all__ = ["DynaTrainModel", "DynaTrainScheduler", "LoopOptimizer"]
