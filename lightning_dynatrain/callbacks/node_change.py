@@ -115,7 +115,9 @@ class OnNodeChange(Callback):
         # Lightning registers its SIGTERM handler just before the fit loop starts, and that handler
         # broadcasts over the world from inside itself: a leave notice between then and
         # on_train_start would hang this process. Ours goes back in right after Lightning's.
-        connector = trainer._signal_connector
+        from lightning_dynatrain.compat.lightning_internals import signal_connector
+
+        connector = signal_connector(trainer)
         register = connector.register_signal_handlers
 
         def register_then_listen() -> None:

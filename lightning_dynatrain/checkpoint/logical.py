@@ -26,12 +26,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_dynatrain.checkpoint.identity import CheckpointMismatchError
+from lightning_dynatrain.compat.torch_internals import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    sharded_tensor_from_shards,
+)
 from lightning_dynatrain.engine.pieces import LayoutPieces, Piece, TensorKind, layout_pieces
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -78,7 +83,7 @@ def _sharded(shape: tuple[int, ...], boxes: Iterable[tuple[Box, int]], local: li
             raise AssertionError(f"piece {box}: a non-contiguous view cannot be a ShardedTensor shard")
         shards.append(Shard(view, ShardMetadata(list(box.lo), list(box.shape), _placement(rank, device))))
     metadata = ShardedTensorMetadata(shards_md, torch.Size(shape), TensorProperties(dtype=dtype))
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
+    return sharded_tensor_from_shards(shards, metadata)
 
 
 def _wanted(pieces: LayoutPieces, kinds: Iterable[StateKind] | None) -> list[TensorKind]:

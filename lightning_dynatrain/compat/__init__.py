@@ -1,2 +1,7 @@
 """Private names of torch, megatron-core and Lightning, each in one place with the versions it was
-checked on (see each function). The rest of the package calls these, never the private name."""
+checked on: ``torch_internals`` (c10d's registry of groups, a default group built outside
+``init_process_group``, ``FakeProcessGroup``, the autograd engine, ``ShardedTensor``),
+``megatron_internals`` (``parallel_state``'s globals, the distributed optimizer's shard ranges),
+``lightning_internals`` (process-group set-up, the launcher, the Trainer's connectors). The rest of
+the package calls these, never the private name (``tests/test_private_names.py``); the CPU adapter
+``megatron/cpu_patches/`` patches megatron's private functions by design."""

@@ -20,7 +20,8 @@ Between 1 and 2, ``BorrowedWorld`` makes the built group the default for a momen
 thread, between two steps: the next world's megatron groups, its topology and its joiners' header
 are made there, ahead of the swap, and the old world is the default again before the next step.
 
-These are c10d internals of torch 2.13 (``torch>=2.13,<2.14`` is pinned); they live here only.
+The c10d internals this takes (the registry of groups, the default group, the group counter, a
+default group built outside ``init_process_group``) are ``compat/torch_internals.py``'s.
 
 Example::
 
@@ -40,8 +41,18 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
+from lightning_dynatrain.compat.torch_internals import (
+    backend_name,
+    build_default_group,
+    default_group,
+    group_count,
+    is_registered,
+    register_default_group,
+    registered_groups,
+    set_default_group,
+    set_group_count,
+)
 from lightning_dynatrain.elastic.records import AdmissionError
 from lightning_dynatrain.elastic.world_cache import WorldGroups
 
@@ -63,25 +74,8 @@ def build_group(store: dist.Store, *, generation: int, rank: int, size: int, bac
                 timeout: timedelta = timedelta(minutes=5), device: torch.device | None = None) -> dist.ProcessGroup:
     """Generation ``generation``'s default group, built and connected but not registered (collective
     over the ``size`` members of that generation, through ``store``)."""
-    name = _group_name(generation)
-    prefix = _prefix(store, generation)
-    pg = c10d.ProcessGroup(prefix, rank, size)
-    if backend == "nccl":
-        options = c10d.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        be = c10d.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), rank, size, options)
-        pg._set_default_backend(c10d.ProcessGroup.BackendType.NCCL)
-        pg._register_backend(torch.device("cuda"), c10d.ProcessGroup.BackendType.NCCL, be)
-        if device is not None:  # connect now, in the background, not at the first collective
-            be.eager_connect_single_device(device)
-    else:
-        be = c10d.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, size, timeout=timeout)
-        pg._set_default_backend(c10d.ProcessGroup.BackendType.GLOO)
-        pg._register_backend(torch.device("cpu"), c10d.ProcessGroup.BackendType.GLOO, be)
-    be._set_sequence_number_for_group()
-    pg._set_group_name(name)
-    pg._set_group_desc("default_pg")
-    return pg
+    return build_default_group(_prefix(store, generation), name=_group_name(generation), rank=rank, size=size,
+                               backend=backend, timeout=timeout, device=device)
 
 
 class NextWorld:
@@ -117,7 +111,7 @@ class NextWorld:
     def kept(cls, pg: dist.ProcessGroup, *, generation: int, rank: int) -> "NextWorld":
         """A next world that needs no build: a kept world's group (``world_cache``)."""
         world = cls.__new__(cls)
-        world.generation, world.rank, world.size, world.backend = generation, rank, pg.size(), pg._get_backend_name()
+        world.generation, world.rank, world.size, world.backend = generation, rank, pg.size(), backend_name(pg)
         world._result, world._error, world.seconds = pg, None, 0.0
         world._done = threading.Event()
         world._done.set()
@@ -148,10 +142,7 @@ class NextWorld:
 
 
 def _register(pg: dist.ProcessGroup, store: dist.Store, generation: int) -> None:
-    c10d._register_pg_in_world(pg, backend_name=pg._get_backend_name(), store=_prefix(store, generation),
-                               group_name=_group_name(generation),
-                               backend_config=str(c10d.BackendConfig(pg._get_backend_name())), add_to_default_tag=True)
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(pg.size())}
+    register_default_group(pg, _prefix(store, generation), name=_group_name(generation))
 
 
 def install(pg: dist.ProcessGroup, store: dist.Store, *, generation: int, borrowed: "BorrowedWorld | None" = None,
@@ -167,15 +158,14 @@ def install(pg: dist.ProcessGroup, store: dist.Store, *, generation: int, borrow
     goes on from where its members left it). ``keep``: the groups of other kept worlds (not the
     replaced world's)."""
     made = set(borrowed.made if borrowed is not None else []) | set(kept.groups if kept is not None else ())
-    default = c10d._world.default_pg
-    old = tuple(g for g in c10d._world.pg_map if g is not None and g is not pg and g not in made and g not in keep)
-    replaced = WorldGroups(default=default if default is not pg else None, groups=old,
-                           group_count=c10d._world.group_count)
+    default = default_group()
+    old = tuple(g for g in registered_groups() if g is not pg and g not in made and g not in keep)
+    replaced = WorldGroups(default=default if default is not pg else None, groups=old, group_count=group_count())
     if borrowed is None and kept is None:
         _register(pg, store, generation)
-    c10d._update_default_pg(pg)
-    c10d._world.group_count = (borrowed.group_count if borrowed is not None else
-                               kept.group_count if kept is not None else GROUP_COUNT_STRIDE * (generation + 1))
+    set_default_group(pg)
+    set_group_count(borrowed.group_count if borrowed is not None else
+                    kept.group_count if kept is not None else GROUP_COUNT_STRIDE * (generation + 1))
     return replaced
 
 
@@ -205,20 +195,20 @@ class BorrowedWorld:
 
     def __enter__(self) -> dist.ProcessGroup:
         assert self._saved is None, "not reentrant"
-        before = set(c10d._world.pg_map)
-        self._saved = (c10d._get_default_group(), c10d._world.group_count)
-        c10d._update_default_pg(self.group)
-        c10d._world.group_count = self.group_count
+        before = set(registered_groups())
+        self._saved = (default_group(), group_count())
+        set_default_group(self.group)
+        set_group_count(self.group_count)
         self._before = before
         return self.group
 
     def __exit__(self, *exc) -> None:
         assert self._saved is not None
-        self.made += [g for g in c10d._world.pg_map if g not in self._before and g is not self.group]
-        self.group_count = c10d._world.group_count
+        self.made += [g for g in registered_groups() if g not in self._before and g is not self.group]
+        self.group_count = group_count()
         default, count = self._saved
-        c10d._update_default_pg(default)
-        c10d._world.group_count = count
+        set_default_group(default)
+        set_group_count(count)
         self._saved = None
 
     def forget(self) -> None:
@@ -226,14 +216,14 @@ class BorrowedWorld:
         (a kept world's own groups are its keeper's)."""
         retire(self.made)
         self.made = []
-        if self.kept is None and self.group in c10d._world.pg_map:
+        if self.kept is None and is_registered(self.group):
             dist.destroy_process_group(self.group)
 
 
 def retire(groups: "Iterable[dist.ProcessGroup]") -> None:
     """Destroy an old world's groups (local; after the new world's first collective)."""
     for group in groups:
-        if group in c10d._world.pg_map:
+        if is_registered(group):
             dist.destroy_process_group(group)
 
 

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.compat.torch_internals import is_registered
 from lightning_dynatrain.engine.comm import GroupComm
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.plan import RankPlan
@@ -175,9 +176,8 @@ class SubgroupCache:
         return len(self._groups)
 
     def close(self) -> None:
-        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
         for group in self._groups.values():
-            if group in registered:
+            if is_registered(group):
                 dist.destroy_process_group(group)
         self._groups.clear()
 

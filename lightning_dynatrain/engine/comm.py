@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.compat.torch_internals import default_group
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
@@ -23,7 +24,8 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     ``dist.get_rank(group)`` maps the *current* world's rank through the group's table, which is
     wrong for a group of an earlier world (a world change runs its switch on the old world's group
     after the new world became the default)."""
-    return (group if group is not None else dist.distributed_c10d._get_default_group()).rank()
+    return (group if group is not None else default_group()).rank()
+
 
 class GroupComm:
     """The process group of one switch, with its rank numbering and device. Build one per switch."""

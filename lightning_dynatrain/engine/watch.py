@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
+from lightning_dynatrain.compat.torch_internals import default_store, is_registered, registered_groups, set_group_timeout
 from lightning_dynatrain.engine.collectives import LinkCosts
 from lightning_dynatrain.engine.deadline import DEFAULT_FLOOR_S, SwitchDeadline
 from lightning_dynatrain.engine.errors import SwitchFailedError
@@ -152,7 +152,7 @@ class SwitchWatch:
         """
         deadline = timeout or SwitchDeadline(DEFAULT_FLOOR_S, "the derived deadline's floor")
         rank, world = dist.get_rank(), dist.get_world_size()
-        base = c10d._get_default_store()
+        base = default_store()
         # a namespace of its own per watch on this store: every rank makes watches equally often
         serial = base.add(f"dynatrain_switch/watches/{rank}", 1)
         if fault is not None and fault.rank == rank and fault.phase == "groups":
@@ -211,7 +211,7 @@ class SwitchWatch:
         rank fails now, not at the deadline (gloo's ``abort`` does not wake it). The caller must
         hold no reference to it (``hot_switch`` clears the failed walk's frames first)."""
         group, self.group = self.group, None
-        if group is not None and dist.is_initialized() and group in c10d._world.pg_map:
+        if is_registered(group):
             dist.destroy_process_group(group)
         del group
         gc.collect()
@@ -249,16 +249,16 @@ class SwitchWatch:
         self._stop.set()
         self._active.set()  # wake the thread to end it
         self._thread.join(timeout=5)
-        if self.group is not None and dist.is_initialized() and self.group in c10d._world.pg_map:
+        if is_registered(self.group):
             dist.destroy_process_group(self.group)
         self.group = None
 
 
 def set_timeouts(timeout: timedelta, *, but: dist.ProcessGroup | None = None) -> None:
     """Every registered process group's own timeout (its waits fail past it), except ``but``."""
-    for group in list(c10d._world.pg_map):
-        if group is not None and group is not but:
-            c10d._set_pg_timeout(timeout, group)
+    for group in registered_groups():
+        if group is not but:
+            set_group_timeout(group, timeout)
 
 
 __all__ = ["FAULT_ENV", "FaultInjection", "PHASES", "SwitchWatch", "set_timeouts"]

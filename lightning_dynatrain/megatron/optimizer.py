@@ -38,6 +38,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.overrides import TorchFunctionMode
 
+from lightning_dynatrain.compat.megatron_internals import shard_range
 from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.vps.errors import LayoutError
@@ -280,8 +281,8 @@ def _model_to_optimizer_param(optimizer: MegatronOptimizer) -> dict:
             ):
                 for model_group, shard_group in zip(model_groups, shard_groups):
                     for model_param, shard in zip(model_group, shard_group):
-                        rng = sub._get_model_param_range_map(model_param)["param"]
-                        out[model_param] = (sub.optimizer, shard, shard if separate else None, (rng.start, rng.end))
+                        out[model_param] = (sub.optimizer, shard, shard if separate else None,
+                                            shard_range(sub, model_param))
         elif isinstance(sub, Float16OptimizerWithFloat16Params):
             for model_group, main_group in zip(sub.float16_groups, sub.fp32_from_float16_groups):
                 for model_param, main in zip(model_group, main_group):

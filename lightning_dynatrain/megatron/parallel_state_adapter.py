@@ -27,6 +27,8 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from lightning_dynatrain.compat.megatron_internals import forget_megatron_groups, megatron_groups
+from lightning_dynatrain.compat.torch_internals import is_registered
 from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -95,8 +97,7 @@ class ProcessGroupCache:
 
 
 def _destroy_if_registered(group: object) -> None:
-    registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
-    if group in registered and group is not dist.GroupMember.WORLD:
+    if is_registered(group) and group is not dist.GroupMember.WORLD:
         dist.destroy_process_group(group)
 
 
@@ -169,8 +170,7 @@ def prepare_groups(layout: ParallelConfig, *, installed: ParallelConfig, seed: i
     installed_groups = groups if world is None else installed_groups
     assert installed_groups is not None, "a world change's prepare names the running world's cache"
     world_pg = dist.GroupMember.WORLD
-    stray = [g for g in (parallel_state._global_process_group_list or []) if g is not None and g is not world_pg
-             and g not in installed_groups]
+    stray = [g for g in megatron_groups() if g is not world_pg and g not in installed_groups]
     if stray:
         raise ValueError(f"{len(stray)} group(s) of the installed layout {installed} are not in the cache; "
                          "HINT: initialise every layout with the same ProcessGroupCache (groups=...)")
@@ -196,46 +196,7 @@ def prepare_groups(layout: ParallelConfig, *, installed: ParallelConfig, seed: i
 def _forget() -> None:
     """Megatron's globals dropped, its groups left as they are."""
     parallel_state.destroy_model_parallel()
-    parallel_state._global_process_group_list = None
-
-
-#: megatron's globals that hold a group, and the ``ProcessGroupCollection`` field each holds
-_GROUP_GLOBALS = {
-    "_TENSOR_MODEL_PARALLEL_GROUP": "tp", "_PIPELINE_MODEL_PARALLEL_GROUP": "pp", "_MODEL_PARALLEL_GROUP": "mp",
-    "_CONTEXT_PARALLEL_GROUP": "cp", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp_cp", "_DATA_PARALLEL_GROUP": "dp",
-    "_DATA_PARALLEL_GROUP_WITH_CP": "dp_cp", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "intra_dp_cp",
-    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp_dp_cp", "_EXPERT_MODEL_PARALLEL_GROUP": "ep",
-    "_EXPERT_TENSOR_PARALLEL_GROUP": "expt_tp", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep",
-    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp", "_EXPERT_DATA_PARALLEL_GROUP": "expt_dp",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "intra_expt_dp", "_EMBEDDING_GROUP": "embd",
-    "_POSITION_EMBEDDING_GROUP": "pos_embd",
-}
-#: megatron's rank and size overrides (its ``set_*_rank`` / ``set_*_world_size``), and the field each mirrors
-_RANK_GLOBALS = {"TENSOR_MODEL_PARALLEL": "tp", "PIPELINE_MODEL_PARALLEL": "pp", "DATA_PARALLEL": "dp",
-                 "EXPERT_MODEL_PARALLEL": "ep", "EXPERT_TENSOR_PARALLEL": "expt_tp"}
-
-
-@contextmanager
-def groups_as_globals(groups: ProcessGroupCollection) -> Iterator[None]:
-    """Inside: megatron's parallel-state globals answer with ``groups`` (their ranks and sizes too),
-    then they are put back. For a module built only to read its description (``megatron.probe``)
-    on groups that are not the current layout's: megatron's own modules mostly take the groups
-    they are given, but a few still read the globals (0.16's ``BertModel`` builds its encoder
-    without them), and a user's module may. Not for a module that trains: the globals are the
-    current layout's again after it."""
-    names = list(_GROUP_GLOBALS) + [f"_MPU_{k}_{what}" for k in _RANK_GLOBALS for what in ("RANK", "WORLD_SIZE")]
-    saved = {name: getattr(parallel_state, name) for name in names}
-    try:
-        for name, field in _GROUP_GLOBALS.items():
-            setattr(parallel_state, name, getattr(groups, field, None))
-        for key, field in _RANK_GLOBALS.items():
-            group = getattr(groups, field)
-            setattr(parallel_state, f"_MPU_{key}_RANK", group.rank())
-            setattr(parallel_state, f"_MPU_{key}_WORLD_SIZE", group.size())
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(parallel_state, name, value)
+    forget_megatron_groups()
 
 
 def current_process_groups() -> ProcessGroupCollection:
@@ -265,14 +226,13 @@ def destroy(keep: ProcessGroupCache | None = None) -> None:
     that leaks file descriptors, so they are destroyed here too (a local call on each rank). Modules built for the old layout must not communicate afterwards. No-op when nothing is
     initialised; WORLD and the groups of ``keep`` are never destroyed.
     """
-    groups = [g for g in (parallel_state._global_process_group_list or []) if g is not None]
+    groups = megatron_groups()
     parallel_state.destroy_model_parallel()
-    parallel_state._global_process_group_list = None
-    registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+    forget_megatron_groups()
     world = dist.GroupMember.WORLD
     seen: set[int] = set()
     for group in groups:
-        if id(group) in seen or group is world or group not in registered or (keep is not None and group in keep):
+        if id(group) in seen or group is world or not is_registered(group) or (keep is not None and group in keep):
             continue
         seen.add(id(group))
         dist.destroy_process_group(group)
@@ -282,7 +242,6 @@ __all__ = [
     "ProcessGroupCache",
     "RANK_ORDER",
     "current_process_groups",
-    "groups_as_globals",
     "destroy",
     "initialize_for_layout",
     "is_initialized",

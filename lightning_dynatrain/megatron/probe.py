@@ -3,7 +3,7 @@
 A *probe* is this rank's module of some other layout, built on the meta device (no storage, no
 initialisation) on groups that only know their rank and size (``compat.torch_internals.fake_process_group``): what
 megatron's constructors ask. Megatron's parallel-state globals answer with the same groups while a
-probe is built and read (``parallel_state_adapter.groups_as_globals``), for modules that read them. ``probe_module`` builds the few probes ``vps.derive`` reads: everything
+probe is built and read (``compat.megatron_internals.groups_as_globals``), for modules that read them. ``probe_module`` builds the few probes ``vps.derive`` reads: everything
 on one rank (``dp1-tp1-pp1``), then tp, pp and ep ranks 0 and 1 of the smallest size > 1 each
 dimension builds at (a model with 3 heads probes tp at 3). A size no layout of the model can use
 (the build raises) is not probed: the model never runs at it. Every rank makes the same probes.
@@ -23,10 +23,10 @@ from contextlib import nullcontext
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from lightning_dynatrain.compat.megatron_internals import groups_as_globals
 from lightning_dynatrain.compat.torch_internals import fake_process_group
 from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
 from lightning_dynatrain.megatron.describe import describe_module
-from lightning_dynatrain.megatron.parallel_state_adapter import groups_as_globals
 from lightning_dynatrain.vps.derive import Probes
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig

@@ -23,21 +23,22 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
+from lightning_dynatrain.compat.lightning_internals import (
+    SubprocessScriptLauncher,
+    accelerator_connector,
+    default_backend_for_device,
+    init_dist_connection,
+    sync_ddp_if_available,
+)
 from lightning_dynatrain.strategy.precision import MegatronPrecision, megatron_precision
 from lightning_dynatrain.strategy.validation import WorldSizeError
 
@@ -91,7 +92,7 @@ class MegatronProcessStrategy(ParallelStrategy):
 
     @property
     def process_group_backend(self) -> str:
-        return self._backend or _get_default_process_group_backend_for_device(self.root_device)
+        return self._backend or default_backend_for_device(self.root_device)
 
     @property
     def is_distributed(self) -> bool:
@@ -103,13 +104,13 @@ class MegatronProcessStrategy(ParallelStrategy):
         super().setup_environment()
         trainer = self._trainer()
         if trainer is not None:  # before any dataloader is requested: global batches, no DistributedSampler
-            trainer._accelerator_connector.use_distributed_sampler = False
+            accelerator_connector(trainer).use_distributed_sampler = False
 
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = None
 
@@ -126,7 +127,7 @@ class MegatronProcessStrategy(ParallelStrategy):
         # on an accelerator the default group is bound to this process's device at creation (NCCL
         # connects eagerly, and no collective has to guess the device), as Lightning's DDP does
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout,
+        init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout,
                               device_id=device_id)
         self._owns_process_group = True
 
@@ -185,7 +186,7 @@ class MegatronProcessStrategy(ParallelStrategy):
         if self._collectives_are_local():
             return decision
         value = torch.tensor(int(decision), device=self.root_device)
-        value = _sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
+        value = sync_ddp_if_available(value, None, reduce_op=ReduceOp.SUM)
         return bool(value == self.world_size) if all else bool(value)
 
     def _teardown_process_group(self) -> None:

@@ -207,14 +207,10 @@ class ElasticDriver:
 
     def receive_trainer_state(self, trainer: "pl.Trainer") -> None:
         """(4) Lightning's state from rank 0, restored as a resumed fit restores it (no tensors)."""
-        checkpoint = _broadcast_object(None)
-        connector = trainer._checkpoint_connector
-        connector._loaded_checkpoint = checkpoint
-        from lightning.pytorch.trainer import call
+        from lightning_dynatrain.compat.lightning_internals import restore_as_loaded
 
-        call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
-        connector.restore_datamodule()
-        connector.restore_callbacks()
+        checkpoint = _broadcast_object(None)
+        restore_as_loaded(trainer, checkpoint)
         # loops, precision plugin and LR schedulers follow in Lightning's restore_training_state();
         # the rate the schedulers set last, which the next step uses, is the optimizer's (not restored
         # here: its tensors came through the engine)
@@ -425,7 +421,9 @@ class ElasticDriver:
     def _trainer_state(self, trainer: "pl.Trainer") -> dict:
         """Lightning's checkpoint dict: loops, callbacks, data module, schedulers; no tensors (the
         strategy's holds the optimizer's scalars only, the weights go under logical keys)."""
-        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        from lightning_dynatrain.compat.lightning_internals import checkpoint_connector
+
+        return checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
 
     def leave(self, step: int = -1) -> None:
         """Ask to leave the job at the boundary after optimizer step ``step`` (the state is handed

@@ -15,9 +15,10 @@ from functools import partial
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
 from typing_extensions import override
+
+from lightning_dynatrain.compat.lightning_internals import sync_ddp_if_available
 
 
 class StepHooks:
@@ -86,7 +87,7 @@ class StepHooks:
             return tensor
         if group is None and self._megatron is not None:
             group = self._megatron.groups.dp_cp
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 
 __all__ = ["StepHooks"]

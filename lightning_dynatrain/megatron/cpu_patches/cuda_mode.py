@@ -80,18 +80,14 @@ class CudaAsCpuMode(TorchFunctionMode):
         runs here with the mode pushed again, calling the engine directly as megatron's own
         ``pipeline_parallel/schedules.py::custom_backward`` does.
         """
-        from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
-        from torch.autograd.graph import _engine_run_backward
+        from lightning_dynatrain.compat.torch_internals import run_backward
 
         if grad_variables is not None:
             grad_tensors = grad_variables
         tensors = (tensors,) if torch.is_tensor(tensors) else tuple(tensors)
         inputs = () if inputs is None else ((inputs,) if torch.is_tensor(inputs) else tuple(inputs))
         with self:
-            grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)),
-                                is_grads_batched=False)
-            _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph,
-                                 create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
+            run_backward(tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
 
 
 def _tensor_backward_args(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):

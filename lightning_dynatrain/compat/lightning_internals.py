@@ -1,0 +1,56 @@
+"""Lightning's private names this package uses, each behind a name here, checked on lightning 2.6.6.
+
+The process-group set-up Lightning's own strategies run (``_init_dist_connection``, the default
+backend for a device), its reduction of a tensor over a group (``_sync_ddp_if_available``), its
+launcher of processes for ``python train.py`` (``_SubprocessScriptLauncher``), and the Trainer's
+connectors a strategy or a callback reaches into: the accelerator connector (turning off its
+``DistributedSampler``), the checkpoint connector (a joiner's Lightning state restored as a resume
+restores it) and the signal connector (``OnNodeChange`` wraps its handler registration).
+``tests/test_private_names.py`` fails on a private name used elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+#: the launcher of ``python train.py`` (the script started again for each other local rank)
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+
+
+def default_backend_for_device(device: Any) -> str:
+    """``"nccl"`` for a CUDA device, else ``"gloo"`` (Lightning's rule)."""
+    return _get_default_process_group_backend_for_device(device)
+
+
+def accelerator_connector(trainer: Any) -> Any:
+    return trainer._accelerator_connector
+
+
+def checkpoint_connector(trainer: Any) -> Any:
+    return trainer._checkpoint_connector
+
+
+def signal_connector(trainer: Any) -> Any:
+    return trainer._signal_connector
+
+
+def restore_as_loaded(trainer: Any, checkpoint: dict) -> None:
+    """What a resume restores before training, from ``checkpoint`` (Lightning's dict, no tensors):
+    the module's ``on_load_checkpoint``, the data module, the callbacks; the loops, precision and
+    schedulers follow in Lightning's own ``restore_training_state`` (the checkpoint is its loaded one)."""
+    from lightning.pytorch.trainer import call
+
+    connector = trainer._checkpoint_connector
+    connector._loaded_checkpoint = checkpoint
+    call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
+    connector.restore_datamodule()
+    connector.restore_callbacks()
+
+
+__all__ = ["SubprocessScriptLauncher", "accelerator_connector", "checkpoint_connector", "default_backend_for_device",
+           "init_dist_connection", "restore_as_loaded", "signal_connector", "sync_ddp_if_available"]

@@ -1,0 +1,81 @@
+"""megatron-core's private names this package uses, each behind a function here, checked on
+megatron-core 0.16.1.
+
+``parallel_state``'s module globals: the list of the groups it made (``_global_process_group_list``:
+the adapter destroys them and keeps cached ones, ``megatron/parallel_state_adapter.py``), and the
+globals that hold each group and its rank and size (``groups_as_globals``: a module built to read
+its description sees the probe's groups, ``megatron/probe.py``); the distributed optimizer's map
+from a parameter to the range of it this rank's shard holds (``_get_model_param_range_map``).
+The CPU adapter (``megatron/cpu_patches/``) patches private functions of megatron by design, each
+patch naming the line it answers. ``tests/test_private_names.py`` fails on a private name used
+elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+def megatron_groups() -> list[Any]:
+    """The groups ``parallel_state.initialize_model_parallel`` made for the current layout."""
+    return [g for g in (parallel_state._global_process_group_list or []) if g is not None]
+
+
+def forget_megatron_groups() -> None:
+    """``parallel_state`` holds no list of its groups any more (after ``destroy_model_parallel``,
+    which leaves it): the groups themselves are the caller's to keep or destroy."""
+    parallel_state._global_process_group_list = None
+
+
+#: megatron's globals that hold a group, and the ``ProcessGroupCollection`` field each holds
+_GROUP_GLOBALS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp", "_PIPELINE_MODEL_PARALLEL_GROUP": "pp", "_MODEL_PARALLEL_GROUP": "mp",
+    "_CONTEXT_PARALLEL_GROUP": "cp", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp_cp", "_DATA_PARALLEL_GROUP": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp_cp", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "intra_dp_cp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp_dp_cp", "_EXPERT_MODEL_PARALLEL_GROUP": "ep",
+    "_EXPERT_TENSOR_PARALLEL_GROUP": "expt_tp", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp", "_EXPERT_DATA_PARALLEL_GROUP": "expt_dp",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "intra_expt_dp", "_EMBEDDING_GROUP": "embd",
+    "_POSITION_EMBEDDING_GROUP": "pos_embd",
+}
+#: megatron's rank and size overrides (its ``set_*_rank`` / ``set_*_world_size``), and the field each mirrors
+_RANK_GLOBALS = {"TENSOR_MODEL_PARALLEL": "tp", "PIPELINE_MODEL_PARALLEL": "pp", "DATA_PARALLEL": "dp",
+                 "EXPERT_MODEL_PARALLEL": "ep", "EXPERT_TENSOR_PARALLEL": "expt_tp"}
+
+
+@contextmanager
+def groups_as_globals(groups: ProcessGroupCollection) -> Iterator[None]:
+    """Inside: megatron's parallel-state globals answer with ``groups`` (their ranks and sizes too),
+    then they are put back. For a module built only to read its description (``megatron.probe``)
+    on groups that are not the current layout's: megatron's own modules mostly take the groups
+    they are given, but a few still read the globals (0.16's ``BertModel`` builds its encoder
+    without them), and a user's module may. Not for a module that trains: the globals are the
+    current layout's again after it."""
+    names = list(_GROUP_GLOBALS) + [f"_MPU_{k}_{what}" for k in _RANK_GLOBALS for what in ("RANK", "WORLD_SIZE")]
+    saved = {name: getattr(parallel_state, name) for name in names}
+    try:
+        for name, field in _GROUP_GLOBALS.items():
+            setattr(parallel_state, name, getattr(groups, field, None))
+        for key, field in _RANK_GLOBALS.items():
+            group = getattr(groups, field)
+            setattr(parallel_state, f"_MPU_{key}_RANK", group.rank())
+            setattr(parallel_state, f"_MPU_{key}_WORLD_SIZE", group.size())
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(parallel_state, name, value)
+
+
+def shard_range(optimizer: Any, param: Any) -> tuple[int, int]:
+    """``[start, end)`` of ``param`` (flattened) that this rank's shard of megatron's
+    ``DistributedOptimizer`` holds."""
+    found = optimizer._get_model_param_range_map(param)["param"]
+    return found.start, found.end
+
+
+__all__ = ["forget_megatron_groups", "groups_as_globals", "megatron_groups", "shard_range"]
