@@ -74,7 +74,7 @@ _INNER: list[float] = []  # seconds inside run_train_step, per step, for the run
 
 def _timed_run_train_step(*args, **kwargs) -> float:
     """``run_train_step`` with its own time recorded: the megatron work both sides share."""
-    from lightning_dynatrain.megatron.optimizer import run_train_step
+    from lightning_dynatrain.megatron.train_step import run_train_step
 
     start = time.perf_counter()
     loss = run_train_step(*args, **kwargs)

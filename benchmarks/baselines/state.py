@@ -22,7 +22,8 @@ import torch
 
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, gpt_provider, logical_spec
 from lightning_dynatrain.megatron.hot_switch import SwitchSetup
-from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
+from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
+from lightning_dynatrain.megatron.train_step import run_train_step
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import adam_step, materialize_optimizer_state, megatron_store

@@ -21,11 +21,11 @@ right batches (``set_step(global_step)`` or ``load_state_dict``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -148,4 +148,17 @@ def dp_share_bounds(global_batch_size: int, dp_rank: int, dp_size: int) -> tuple
     return dp_rank * per_rank, (dp_rank + 1) * per_rank
 
 
-__all__ = ["EvalBatchSampler", "GlobalBatchSampler", "dp_share_bounds"]
+def global_batch_samplers(loaders: Any) -> Iterator[GlobalBatchSampler]:
+    """Every ``GlobalBatchSampler`` in a dataloader or a (nested) collection of them."""
+    if isinstance(loaders, DataLoader):
+        if isinstance(loaders.batch_sampler, GlobalBatchSampler):
+            yield loaders.batch_sampler
+    elif isinstance(loaders, Mapping):
+        for value in loaders.values():
+            yield from global_batch_samplers(value)
+    elif isinstance(loaders, (list, tuple)):
+        for value in loaders:
+            yield from global_batch_samplers(value)
+
+
+__all__ = ["EvalBatchSampler", "GlobalBatchSampler", "dp_share_bounds", "global_batch_samplers"]

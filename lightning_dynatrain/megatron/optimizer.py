@@ -1,31 +1,28 @@
-"""Megatron DDP + optimizer for one layout, a training step, and views of the optimizer state.
+"""Megatron DDP + optimizer for one layout, and views of the optimizer state.
 
 ``build_ddp_and_optimizer`` wraps a ``GPTModel`` the way Megatron-LM trains it: contiguous
 param-and-grad buffers (``DistributedDataParallel``), ``get_megatron_optimizer`` with Adam, and
 megatron's distributed optimizer (ZeRO-1: optimizer state sharded over the data-parallel group) when
 the layout says ``zero1``. ``optimizer_state_views`` exposes, per parameter, the tensors that hold its
 state on this rank and where they sit in megatron's flat buffer: what the switch engine reads and
-writes. ``run_train_step`` runs one optimizer step through megatron's own pipeline schedules.
+writes (a step through megatron's pipeline schedules: ``megatron.train_step``).
 
 Example (2 ranks, ``dp2-tp1-pp1-zero1``)::
 
     pgs = initialize_for_layout(layout, seed=0)
     model = build_gpt_model(shape, layout, seed=0)
     ddp, opt = build_ddp_and_optimizer(model, layout, lr=1e-3, weight_decay=0.1)
-    loss = run_train_step(ddp, opt, {"tokens": x, "labels": y}, layout, num_microbatches=2)
+    loss = run_train_step(ddp, opt, {"tokens": x, "labels": y}, layout, num_microbatches=2)  # train_step.py
     views = optimizer_state_views(ddp, opt)   # views["output_layer.weight"].shard_range == (0, 2048)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import (
@@ -34,14 +31,12 @@ from megatron.core.optimizer.optimizer import (
     FP32Optimizer,
     MegatronOptimizer,
 )
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.overrides import TorchFunctionMode
 
 from lightning_dynatrain.compat.megatron_internals import shard_range
 from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
-from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 
@@ -333,138 +328,6 @@ def optimizer_state_views(
     return views
 
 
-# ----------------------------------------------------------------------------------- one train step
-def _microbatches(batch: Mapping[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:
-    """``batch`` cut into ``num_microbatches`` along dim 0, every tensor alike."""
-    rows = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    tokens = batch.get("tokens")
-    if not rows or any(n % num_microbatches for n in rows.values()) or (tokens is not None and tokens.dim() != 2):
-        raise ValueError(
-            f"a batch of {rows} rows cannot be split into {num_microbatches} micro-batches. "
-            "HINT: pass [local_batch, ...] tensors with local_batch a multiple of num_microbatches "
-            "(tokens [local_batch, seq])"
-        )
-    parts = {k: batch[k].chunk(num_microbatches) for k in rows}
-    return [{k: parts[k][i] for k in parts} for i in range(num_microbatches)]
-
-
-def run_train_step(
-    ddp_model: DistributedDataParallel,
-    optimizer: MegatronOptimizer,
-    batch: Mapping[str, torch.Tensor],
-    layout: ParallelConfig,
-    num_microbatches: int,
-    *,
-    forward_step: Callable | None = None,
-    seq_length: int | None = None,
-    pg_collection: ProcessGroupCollection | None = None,
-) -> float:
-    """One optimizer step over this data-parallel rank's ``batch``; returns the global mean loss.
-
-    Args:
-        batch: tensors cut along dim 0 into micro-batches (the GPT preset's: ``tokens`` and ``labels``
-            ``[local_batch, seq]``, optional ``loss_mask``). Every TP/PP rank of a data-parallel
-            replica passes the same batch.
-        num_microbatches: micro-batches the local batch is split into (1F1B schedule when pp > 1).
-        forward_step: megatron's ``forward_step(data_iterator, model)`` (default: the GPT preset's).
-        seq_length: tokens per sequence for the pipeline's buffers (default: ``tokens``' dim 1).
-
-    Returns:
-        The loss reported over all micro-batches and data-parallel ranks: the sum over their
-        reported ``[sum, count]`` pairs' sums divided by their counts (the GPT preset: masked token
-        losses over tokens); the same float on every rank.
-    """
-    pgs, device, micro = _micro_batches(ddp_model, batch, layout, num_microbatches, pg_collection)
-    ddp_model.train()
-    with megatron_on_cpu():
-        ddp_model.zero_grad_buffer()
-        optimizer.zero_grad()
-        reports = _pipeline_schedule(ddp_model, micro, forward_step, seq_length, forward_only=False)
-        finalize_model_grads([ddp_model], pg_collection=pgs)
-        optimizer.step()
-    return _global_mean_loss(reports, pgs, device)
-
-
-def run_eval_step(
-    model: torch.nn.Module,
-    batch: Mapping[str, torch.Tensor],
-    layout: ParallelConfig,
-    num_microbatches: int,
-    *,
-    forward_step: Callable | None = None,
-    seq_length: int | None = None,
-    pg_collection: ProcessGroupCollection | None = None,
-) -> float:
-    """``run_train_step``'s forward passes only (megatron's forward-only schedule across pipeline
-    stages, no gradients, nothing updated); ``model`` is megatron's DDP or the bare model shard.
-
-    Returns:
-        The global mean loss over this batch, the same float on every rank.
-    """
-    pgs, device, micro = _micro_batches(model, batch, layout, num_microbatches, pg_collection)
-    was_training = model.training
-    model.eval()
-    try:
-        with megatron_on_cpu(), torch.no_grad():
-            reports = _pipeline_schedule(model, micro, forward_step, seq_length, forward_only=True)
-    finally:
-        model.train(was_training)
-    return _global_mean_loss(reports, pgs, device)
-
-
-def _micro_batches(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], layout: ParallelConfig,
-                   num_microbatches: int, pg_collection: ProcessGroupCollection | None
-                   ) -> tuple[ProcessGroupCollection, torch.device, list[dict[str, torch.Tensor]]]:
-    """The groups (checked against ``layout``), the model's device and ``batch`` cut into micro-batches there."""
-    pgs = pg_collection if pg_collection is not None else current_process_groups()
-    if pgs.pp.size() != layout.pp:
-        raise LayoutError(f"pipeline group of size {pgs.pp.size()} does not match layout {layout}",
-                          hint="build the model (and DDP, optimizer) after initialize_for_layout(layout, ...)")
-    device = next(model.parameters()).device
-    moved = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    return pgs, device, _microbatches(moved, num_microbatches)
-
-
-def _pipeline_schedule(model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], forward_step: Callable | None,
-                       seq_length: int | None, *, forward_only: bool) -> list:
-    """Megatron's schedule for the current pipeline (1F1B, or no pipelining) over ``micro``."""
-    if forward_step is None:
-        from lightning_dynatrain.megatron.gpt import gpt_forward_step as forward_step
-    first = micro[0]
-    micro_batch_size = next(iter(first.values())).shape[0]
-    if seq_length is None:
-        if "tokens" not in first:
-            raise ValueError("the pipeline needs the sequence length: the batch has no `tokens` [batch, seq]. "
-                             "HINT: give the model's seq_length (ModelProvider(seq_length=...))")
-        seq_length = first["tokens"].shape[1]
-    return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
-                                       num_microbatches=len(micro), seq_length=seq_length,
-                                       micro_batch_size=micro_batch_size, forward_only=forward_only)
-
-
-def _loss_pair(report: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """One micro-batch's reported ``[sum, count]``: megatron's ``lm loss`` (or the first value
-    reported); a single value counts once."""
-    value = report["lm loss"] if "lm loss" in report else next(iter(report.values()))
-    value = torch.as_tensor(value).detach().to(torch.float64).view(-1)
-    return value[:2] if value.numel() >= 2 else torch.cat([value, value.new_ones(1)])
-
-
-def _global_mean_loss(reports: list, pgs: ProcessGroupCollection, device: torch.device) -> float:
-    """Sum the last stage's (loss sum, count) over the data-parallel ranks and hand the ratio to
-    every pipeline stage: the same float on every rank."""
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    last_stage = pgs.pp.rank() == pgs.pp.size() - 1
-    if last_stage:
-        for report in reports:
-            total += _loss_pair(report).to(device)
-        dist.all_reduce(total, group=pgs.dp_cp)
-    if pgs.pp.size() > 1:
-        last_rank = dist.get_global_rank(pgs.pp, pgs.pp.size() - 1)
-        dist.broadcast(total, src=last_rank, group=pgs.pp)
-    return float(total[0] / total[1])
-
-
 __all__ = [
     "BufferInfo",
     "ParamStateView",
@@ -473,7 +336,5 @@ __all__ = [
     "copy_group_settings",
     "group_settings",
     "optimizer_state_views",
-    "run_eval_step",
-    "run_train_step",
     "set_group_settings",
 ]

@@ -1,12 +1,15 @@
 """Build a model at any layout and rank without processes or memory, to read its description.
 
 A *probe* is this rank's module of some other layout, built on the meta device (no storage, no
-initialisation) on groups that only know their rank and size (``compat.torch_internals.fake_process_group``): what
-megatron's constructors ask. Megatron's parallel-state globals answer with the same groups while a
-probe is built and read (``compat.megatron_internals.groups_as_globals``), for modules that read them. ``probe_module`` builds the few probes ``vps.derive`` reads: everything
-on one rank (``dp1-tp1-pp1``), then tp, pp and ep ranks 0 and 1 of the smallest size > 1 each
-dimension builds at (a model with 3 heads probes tp at 3). A size no layout of the model can use
-(the build raises) is not probed: the model never runs at it. Every rank makes the same probes.
+initialisation) on groups that only know their rank and size
+(``compat.torch_internals.fake_process_group``): what megatron's constructors ask. Megatron's
+parallel-state globals answer with the same groups while a probe is built and read
+(``compat.megatron_internals.groups_as_globals``), for modules that read them.
+
+``probe_module`` builds the few probes ``vps.derive`` reads: everything on one rank
+(``dp1-tp1-pp1``), then tp, pp and ep ranks 0 and 1 of the smallest size > 1 each dimension builds
+at (a model with 3 heads probes tp at 3). A size no layout of the model can use (the build raises)
+is not probed: the model never runs at it. Every rank makes the same probes.
 
 Example (inside a job whose megatron groups are initialised: megatron reads the current ones in a
 few places, e.g. a tied embedding's replica id)::

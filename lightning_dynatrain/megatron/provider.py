@@ -39,7 +39,7 @@ from megatron.core.transformer import TransformerConfig
 from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
 from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.tp_attributes import tag_tensor_parallel_weights
-from lightning_dynatrain.vps.derive import DerivedSpec
+from lightning_dynatrain.vps.description import DerivedSpec
 from lightning_dynatrain.vps.errors import LayoutError, ModelSpecError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.shards import VocabPadding

@@ -42,7 +42,6 @@ switch itself is ``switching.LayoutSwitcher``'s.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -56,11 +55,10 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dynatrain.checkpoint.writer import CheckpointWriter
-from lightning_dynatrain.data.sampler import GlobalBatchSampler
+from lightning_dynatrain.data.sampler import global_batch_samplers
 from lightning_dynatrain.engine.deadline import parse_switch_timeout
 from lightning_dynatrain.strategy.base import MegatronProcessStrategy
 from lightning_dynatrain.strategy.checkpoint_hooks import CheckpointHooks
@@ -403,7 +401,7 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
         # The data position is global_step * G: align every global-batch sampler (matters on resume).
         trainer = self._trainer()
         if trainer is not None:
-            for sampler in _global_batch_samplers(trainer.train_dataloader):
+            for sampler in global_batch_samplers(trainer.train_dataloader):
                 sampler.set_step(trainer.global_step)
 
     @override
@@ -433,19 +431,6 @@ def _node_change_callback(trainer: "pl.Trainer | None") -> "OnNodeChange | None"
 
     found = [c for c in (trainer.callbacks if trainer is not None else []) if isinstance(c, OnNodeChange)]
     return found[0] if found else None
-
-
-def _global_batch_samplers(loaders: Any) -> Iterator[GlobalBatchSampler]:
-    """Every ``GlobalBatchSampler`` in a dataloader or a (nested) collection of them."""
-    if isinstance(loaders, DataLoader):
-        if isinstance(loaders.batch_sampler, GlobalBatchSampler):
-            yield loaders.batch_sampler
-    elif isinstance(loaders, Mapping):
-        for value in loaders.values():
-            yield from _global_batch_samplers(value)
-    elif isinstance(loaders, (list, tuple)):
-        for value in loaders:
-            yield from _global_batch_samplers(value)
 
 
 __all__ = ["DynaTrainStrategy"]

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_dynatrain.compat.lightning_internals import checkpoint_connector, restore_as_loaded
 from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, moved_bytes, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
 from lightning_dynatrain.elastic.session import JOIN_FAULT_ENV, ElasticSession, WorldChange
@@ -140,8 +141,7 @@ class ElasticDriver:
 
     @property
     def ahead(self) -> bool:
-        """World changes are built ahead: ``OnNodeChange(ahead=True)``, and the model can be built
-        beside training (``ModelSource.builds_beside_training``); the same on every member."""
+        """World changes are built ahead: asked for, and the model builds beside training (every member alike)."""
         recipe = self.strategy._recipe
         return self.ahead_requested and (recipe is None or recipe.model.builds_beside_training)
 
@@ -206,14 +206,10 @@ class ElasticDriver:
         return self.joining and bool(self.header and self.header["ahead"])
 
     def receive_trainer_state(self, trainer: "pl.Trainer") -> None:
-        """(4) Lightning's state from rank 0, restored as a resumed fit restores it (no tensors)."""
-        from lightning_dynatrain.compat.lightning_internals import restore_as_loaded
-
+        """(4) Lightning's state from rank 0, restored as a resumed fit restores it (no tensors), and
+        the rate the schedulers set last (the optimizer's: its tensors came through the engine)."""
         checkpoint = _broadcast_object(None)
         restore_as_loaded(trainer, checkpoint)
-        # loops, precision plugin and LR schedulers follow in Lightning's restore_training_state();
-        # the rate the schedulers set last, which the next step uses, is the optimizer's (not restored
-        # here: its tensors came through the engine)
         scalars = (checkpoint.get("optimizer_states") or [{}])[0]
         if "schedule" in scalars:
             self.strategy.optimizer_handle.load_schedule(scalars["schedule"])
@@ -421,13 +417,10 @@ class ElasticDriver:
     def _trainer_state(self, trainer: "pl.Trainer") -> dict:
         """Lightning's checkpoint dict: loops, callbacks, data module, schedulers; no tensors (the
         strategy's holds the optimizer's scalars only, the weights go under logical keys)."""
-        from lightning_dynatrain.compat.lightning_internals import checkpoint_connector
-
         return checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
 
     def leave(self, step: int = -1) -> None:
-        """Ask to leave the job at the boundary after optimizer step ``step`` (the state is handed
-        off at the change's boundary)."""
+        """Ask to leave the job at the boundary after optimizer step ``step`` (the state goes then)."""
         assert self.session is not None
         self.session.request_leave(step)
 
@@ -440,10 +433,8 @@ class ElasticDriver:
 class RetainedWorld:
     """What a grow's old members keep of their world until its switch succeeded (``_go_back``)."""
 
-    world: KeptWorld | None
-    """Its default group and groups (``ElasticSession.swap`` returned them)."""
-    caches: WorldGroupCaches
-    """The strategy's caches of its megatron and switch groups."""
+    world: KeptWorld | None  # its default group and groups (``ElasticSession.swap`` returned them)
+    caches: WorldGroupCaches  # the strategy's caches of its megatron and switch groups
     topology: "Topology | None"
 
 

@@ -28,7 +28,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.data.sampler import dp_share_bounds
 from lightning_dynatrain.megatron.model_source import build_unfilled
-from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_eval_step, run_train_step
+from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
+from lightning_dynatrain.megatron.train_step import run_eval_step, run_train_step
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe, optimizer_config
@@ -62,7 +63,7 @@ def check_model_description(recipe: MegatronRecipe, model: torch.nn.Module, layo
     import torch.distributed as dist
 
     from lightning_dynatrain.megatron.describe import describe_module
-    from lightning_dynatrain.vps.derive import description_problems
+    from lightning_dynatrain.vps.description import description_problems
     from lightning_dynatrain.vps.errors import ModelSpecError
 
     derived = getattr(recipe.model, "derived", None)

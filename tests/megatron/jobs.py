@@ -88,11 +88,8 @@ def _run_layouts(rank: int, world_size: int, plan: list[tuple[str, str]]) -> dic
     import torch.distributed as dist
 
     from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model
-    from lightning_dynatrain.megatron.optimizer import (
-        build_ddp_and_optimizer,
-        optimizer_state_views,
-        run_train_step,
-    )
+    from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, optimizer_state_views
+    from lightning_dynatrain.megatron.train_step import run_train_step
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
     from lightning_dynatrain.vps.errors import LayoutError
     from lightning_dynatrain.vps.layout import ParallelConfig

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
-from lightning_dynatrain.vps.derive import canonical_tensors
+from lightning_dynatrain.vps.description import canonical_tensors
 from lightning_dynatrain.vps.errors import ModelSpecError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.planner import plan_rank

@@ -124,7 +124,8 @@ def _measured_switch(rank: int, world_size: int) -> dict:
     from lightning_dynatrain.megatron.gpt import build_gpt_model
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
     from lightning_dynatrain.megatron.state import MegatronState
-    from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, run_train_step
+    from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
+    from lightning_dynatrain.megatron.train_step import run_train_step
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
 
     shape = GPTShape(**SIZED)
