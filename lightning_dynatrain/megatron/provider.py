@@ -108,7 +108,8 @@ class ModelProvider:
         if set_here:
             raise ModelSpecError(f"the model's TransformerConfig sets {', '.join(set_here)}",
                                  hint="leave parallel sizes out of the config: the strategy's layout sets them "
-                                      "at every layout it runs")
+                                      "at every layout it runs (sequence parallelism, wherever tp > 1: "
+                                      "MegatronLightningModule(sequence_parallel=True))")
 
     # ------------------------------------------------------------------------------ sizes
     @property
@@ -129,7 +130,8 @@ class ModelProvider:
 
     def config_record(self) -> dict[str, str]:
         """The config's fields and the functions by name, as text the same in every process."""
-        record = {f"config.{f.name}": _stable(getattr(self.config, f.name, None)) for f in dataclasses.fields(self.config)}
+        record = {f"config.{f.name}": _stable(getattr(self.config, f.name, None))
+                  for f in dataclasses.fields(self.config)}
         return {"config": type(self.config).__name__, **record, "model_provider": _stable(self.model_provider),
                 "forward_step": _stable(self.forward_step), "vocab": str(self.vocab), "seq_length": str(self.seq_length)}
 
