@@ -100,5 +100,6 @@ connector = trainer._checkpoint_connector
 self._mine = other._mine
 '''
     assert private_uses(source) == {
-        "torch.distributed._shard.sharded_tensor.ShardedTensor", "lightning.fabric.utilities.distributed._init_dist_connection",
+        "torch.distributed._shard.sharded_tensor.ShardedTensor",
+        "lightning.fabric.utilities.distributed._init_dist_connection",
         "dist..._world", "parallel_state..._global_process_group_list", "_checkpoint_connector"}

@@ -2,9 +2,9 @@
 
 ``GlobalBatchSampler`` yields the indices of step ``k``'s whole global batch; ``StdlibBytes`` is a
 byte-level corpus present on every machine (the Python stdlib's sources); ``StdlibTextDataModule``
-puts the two together for a ``Trainer``, ``GlobalBatchDataModule`` any dataset. ``IndexedDataModule`` serves megatron's ``GPTDataset``
-over an indexed corpus (``.bin``/``.idx``, written by ``write_indexed_corpus`` with the
-``ByteTokenizer`` or by Megatron-LM's tools) the same way.
+puts the two together for a ``Trainer``, ``GlobalBatchDataModule`` any dataset. ``IndexedDataModule``
+serves megatron's ``GPTDataset`` over an indexed corpus (``.bin``/``.idx``, written by
+``write_indexed_corpus`` with the ``ByteTokenizer`` or by Megatron-LM's tools) the same way.
 """
 
 from lightning_dynatrain.data.sampler import GlobalBatchSampler, dp_share_bounds
@@ -32,6 +32,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ByteTokenizer", "GlobalBatchDataLoader", "GlobalBatchDataModule", "GlobalBatchSampler", "IndexedDataModule", "IndexedSamples",
+__all__ = ["ByteTokenizer", "GlobalBatchDataLoader", "GlobalBatchDataModule", "GlobalBatchSampler", "IndexedDataModule",
+           "IndexedSamples",
            "StdlibBytes", "StdlibTextDataModule", "VOCAB_SIZE", "dp_share_bounds", "gpt_dataset", "stdlib_corpus",
            "stdlib_sources", "write_indexed_corpus"]

@@ -267,7 +267,8 @@ class ElasticDriver:
         recipe = strategy.recipe
         return choose_layout(self.policy, world=len(change.new.members), source=recipe.model,
                              global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size,
-                             current=strategy.layout, precision=precision_of(strategy.megatron.model, strategy.megatron.optimizer),
+                             current=strategy.layout,
+                             precision=precision_of(strategy.megatron.model, strategy.megatron.optimizer),
                              members=change.members, memory_per_rank=self.memory_per_rank, model=self.step_model)
 
     def _header(self, trainer: "pl.Trainer", target: ParallelConfig) -> dict[str, Any]:
@@ -366,7 +367,8 @@ class ElasticDriver:
             _broadcast_object(self._trainer_state(trainer) if self.session.rank == 0 else None)  # (4)
         else:  # the leavers send over the old world; the survivors build the target on the new one
             if ahead is None:
-                setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)  # the old world's topology
+                # the old world's topology
+                setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)
                 initialize_for_layout(target, seed=strategy.seed, groups=groups)
             else:
                 setup = ahead.setup

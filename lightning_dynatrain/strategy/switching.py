@@ -223,7 +223,8 @@ class LayoutSwitcher:
         return self._setup
 
     def switch(self, state: "MegatronState", target: ParallelConfig, *, recipe: "MegatronRecipe",
-               optimizer: "AdamSettings | OptimizerConfig", step: int, deferred: bool) -> tuple["MegatronState", ReconfigReport]:
+               optimizer: "AdamSettings | OptimizerConfig", step: int,
+               deferred: bool) -> tuple["MegatronState", ReconfigReport]:
         """Move every piece of training state from ``state``'s layout to ``target``; collective.
 
         Raises:

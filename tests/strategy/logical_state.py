@@ -1,9 +1,10 @@
 """The full logical training state around the switches of a fit, from every rank's local tensors.
 
 The jobs (``families_job``, ``own_models_job``) take each rank's ``local_state`` right before and
-right after every scheduled switch; here the parent assembles both sides into whole logical tensors (every param and Adam moment, from
-the regions the VPS gives each rank at its layout, replicas required to agree bit for bit), the
-way tests/megatron/test_hot_switch.py does for a bare megatron switch, and requires them equal.
+right after every scheduled switch; here the parent assembles both sides into whole logical tensors
+(every param and Adam moment, from the regions the VPS gives each rank at its layout, replicas
+required to agree bit for bit), the way tests/megatron/test_hot_switch.py does for a bare megatron
+switch, and requires them equal.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def test_validate_target_rules() -> None:
     from lightning_dynatrain.megatron.gpt import GPTShape
 
     shape = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=256, seq_length=16)
-    assert str(validate_target("dp2-tp2", world_size=4, model=shape, global_batch_size=8, micro_batch_size=2)) == "dp2-tp2-pp1"
+    target = validate_target("dp2-tp2", world_size=4, model=shape, global_batch_size=8, micro_batch_size=2)
+    assert str(target) == "dp2-tp2-pp1"
     with pytest.raises(WorldSizeError, match="Elastic Device Manager"):
         validate_target("dp2", world_size=4)
     with pytest.raises(LayoutError, match="tp=8 must divide the 4 attention heads"):
