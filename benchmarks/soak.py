@@ -82,11 +82,9 @@ def _proc_status() -> dict[str, str]:
 
 def live_process_groups() -> int:
     """Process groups registered with c10d now (WORLD included; ``destroy_process_group`` removes one)."""
-    import torch.distributed as dist
+    from lightning_dynatrain.compat.torch_internals import registered_groups
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return len(dist.distributed_c10d._world.pg_map)
+    return len(registered_groups())
 
 
 def sample() -> Sample:

@@ -1,6 +1,7 @@
 """Private names of torch, megatron-core and Lightning live in one compatibility layer.
 
-Every use of such a name is found by reading the package's source (``ast``): an import of a private
+Every use of such a name is found by reading the source (``ast``) of the package and of what users
+run beside it (``benchmarks/``, ``examples/``, ``scripts/``): an import of a private
 name or module of theirs, an attribute starting with ``_`` taken on one of their modules (``c10d._world``,
 ``parallel_state._global_process_group_list``), and their objects' private attributes the package is
 known to reach (``trainer._checkpoint_connector``, ``group._get_backend_name``). They may appear in
@@ -14,7 +15,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dynatrain"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_dynatrain"
+#: what users run besides the package: its benchmarks, examples and scripts go through the layer too
+#: (the tests may read internals to check them)
+USER_CODE = ("benchmarks", "examples", "scripts")
 THIRD_PARTY = ("torch", "megatron", "lightning", "lightning_fabric", "lightning_utilities", "accelerate")
 ALLOWED = ("compat", "megatron/cpu_patches")
 #: private attributes of their *objects* (not modules) the package takes: a new one must be added
@@ -73,14 +78,16 @@ def private_uses(source: str) -> set[str]:
     return found
 
 
-def _uses() -> dict[str, set[str]]:
-    return {str(path.relative_to(PACKAGE)): uses for path in sorted(PACKAGE.rglob("*.py"))
+def _uses(folder: Path) -> dict[str, set[str]]:
+    return {str(path.relative_to(folder)): uses for path in sorted(folder.rglob("*.py"))
             if (uses := private_uses(path.read_text()))}
 
 
 def test_private_names_of_torch_megatron_and_lightning_stay_in_the_compatibility_layer() -> None:
-    uses = _uses()
+    uses = _uses(PACKAGE)
     outside = {f: sorted(u) for f, u in uses.items() if not f.startswith(ALLOWED)}
+    for folder in USER_CODE:
+        outside |= {f"{folder}/{f}": sorted(u) for f, u in _uses(ROOT / folder).items()}
     assert outside == {}, f"private names used outside lightning_dynatrain/compat/: {outside}"
     inventory = sorted({name for names in uses.values() for name in names})
     print(f"{len(inventory)} private names, in {sorted(uses)}: {inventory}")

@@ -102,13 +102,13 @@ def _skip_step_on_load() -> Iterator[None]:
 def warm_up() -> None:
     """Start the helper process megatron's checkpoint writer keeps for a whole job.
 
-    ``filesystem_async._get_write_results_queue`` spawns a ``multiprocessing.Manager`` (a fresh
+    megatron's ``filesystem_async`` write-results queue spawns a ``multiprocessing.Manager`` (a fresh
     interpreter, about 10 s here) at a process's first save and reuses it afterwards. A training job
     that switches has checkpointed before, so the benchmark pays it outside the timed save.
     """
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+    from lightning_dynatrain.compat.megatron_internals import checkpoint_write_results_queue
 
-    _get_write_results_queue()
+    checkpoint_write_results_queue()
 
 
 def _slowest(*seconds: float) -> list[float]:

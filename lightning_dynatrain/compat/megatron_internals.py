@@ -78,4 +78,14 @@ def shard_range(optimizer: Any, param: Any) -> tuple[int, int]:
     return found.start, found.end
 
 
-__all__ = ["forget_megatron_groups", "groups_as_globals", "megatron_groups", "shard_range"]
+def checkpoint_write_results_queue() -> Any:
+    """The queue megatron's asynchronous checkpoint writer reports through (a ``multiprocessing.Manager``
+    started at its first use): public as ``get_write_results_queue`` from megatron-core 0.19, private
+    (``_get_write_results_queue``) before."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    public = getattr(filesystem_async, "get_write_results_queue", None)
+    return public() if public is not None else filesystem_async._get_write_results_queue()
+
+
+__all__ = ["checkpoint_write_results_queue", "forget_megatron_groups", "groups_as_globals", "megatron_groups", "shard_range"]

@@ -64,8 +64,13 @@ def backend_name(group: dist.ProcessGroup) -> str:
 
 
 def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
-    """``group``'s own timeout: its waits fail past it."""
-    c10d._set_pg_timeout(timeout, group)
+    """``group``'s own timeout: its waits fail past it (the public ``torch.distributed.set_timeout``
+    where torch has it, 2.15; else the private ``_set_pg_timeout``, which 2.15 deprecates)."""
+    public = getattr(dist, "set_timeout", None)
+    if public is not None:
+        public(timeout, group)
+    else:
+        c10d._set_pg_timeout(timeout, group)
 
 
 def build_default_group(store: dist.Store, *, name: str, rank: int, size: int, backend: str, timeout: timedelta,
