@@ -36,8 +36,8 @@ test-fast: $(STAMP)
 # environment: the fast tests and the slow ones on the seams an upgrade moves (the demo without a
 # warning, a checkpoint at another layout, a world that grows and shrinks, the megatron checkpoint
 # baseline, the Accelerate and Fabric runs). torch 2.15 has no CPU build on the registry: the first
-# set-up downloads its CUDA build (about 3 GB). The set itself is the pip constraint, so a machine-wide
-# cap on torch does not hold it back.
+# set-up downloads its CUDA build (about 3 GB). The set itself (extras dropped) is the pip constraint,
+# so a machine-wide cap on torch does not hold it back.
 PYTHON_NEWEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV_NEWEST   ?= .venv-newest
 PY_NEWEST     := $(VENV_NEWEST)/bin/python
@@ -50,8 +50,9 @@ setup-newest: $(STAMP_NEWEST)
 
 $(STAMP_NEWEST): requirements/newest.txt pyproject.toml
 	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
-	PIP_CONSTRAINT=$(CURDIR)/requirements/newest.txt $(PY_NEWEST) -m pip install --quiet -r requirements/newest.txt
-	PIP_CONSTRAINT=$(CURDIR)/requirements/newest.txt $(PY_NEWEST) -m pip install --quiet -e .
+	sed 's/\[[^]]*\]//' requirements/newest.txt > $(VENV_NEWEST)/constraints.txt
+	PIP_CONSTRAINT=$(CURDIR)/$(VENV_NEWEST)/constraints.txt $(PY_NEWEST) -m pip install --quiet -r requirements/newest.txt
+	PIP_CONSTRAINT=$(CURDIR)/$(VENV_NEWEST)/constraints.txt $(PY_NEWEST) -m pip install --quiet -e .
 	$(PY_NEWEST) -m pip check
 	touch $(STAMP_NEWEST)
 

@@ -38,6 +38,7 @@ from lightning_dynatrain import (
     ScheduledReconfig,
     padded_vocab_size,
 )
+from lightning_dynatrain.compat.megatron_versions import mlp_submodules
 from lightning_dynatrain.data import StdlibTextDataModule
 
 VOCAB, SEQ = 256, 128
@@ -47,7 +48,7 @@ class GateUpLinear(MegatronModule):
     """SwiGLU's input projection as two column-parallel linears (megatron's MLP halves the output)."""
 
     def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add, is_expert,
-                 tp_comm_buffer_name=None, tp_group=None, stride=1):
+                 tp_comm_buffer_name=None, tp_group=None, stride=1, name=None):
         super().__init__(config=config)
         self.tp_group = tp_group
         half = dict(config=config, init_method=init_method, gather_output=gather_output, bias=bias, skip_bias_add=True,
@@ -70,7 +71,7 @@ def layer_spec(te: bool):
 
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.mlp.submodules.linear_fc1 = GateUpLinear
+    mlp_submodules(spec).linear_fc1 = GateUpLinear  # megatron-core 0.16 to 0.19
     return spec
 
 

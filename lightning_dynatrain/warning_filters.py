@@ -1,10 +1,14 @@
-"""Third-party warnings this project's runs trigger and cannot change, each silenced by name and reason.
+"""Third-party warnings and logged notices this project's runs trigger and cannot change, each
+silenced by name and reason.
 
 A training run here prints nothing a user has to act on. The project's own code triggers no
 warning (it is fixed instead, and ``tests/test_demo.py`` turns the project's warnings into errors);
-what is left comes from megatron-core, torch and Lightning, installed at the pinned versions. Each
-filter below names its category, the module the warning is attributed to and the start of its
-message, and says why it is safe to hide; nothing is filtered by category or module alone.
+what is left comes from megatron-core, torch and Lightning, at the oldest and the newest tested
+versions (a filter for a release that does not say it matches nothing). Each filter below names its
+category, the module the warning is attributed to and the start of its message, and says why it is
+safe to hide; nothing is filtered by category or module alone. Notices megatron and torch *log* at
+warning level (``logging``, not ``warnings``) are ``QuietLog``: a logger's name and the start of the
+message, with the reason, installed as a ``logging.Filter`` on that logger alone.
 
 ``quiet_third_party_warnings`` installs them (idempotent; ``warnings.filterwarnings`` drops a
 duplicate before inserting). Importing ``lightning_dynatrain`` installs those that hold on every
@@ -15,6 +19,7 @@ the run has no GPU: they are about GPU kernels or CUDA settings, real advice on 
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from dataclasses import dataclass
@@ -42,6 +47,32 @@ class QuietWarning:
     def install(self) -> None:
         warnings.filterwarnings("ignore", message=re.escape(self.message), category=self.category,
                                 module=self.module)
+
+
+@dataclass(frozen=True, slots=True)
+class QuietLog(logging.Filter):
+    """One third-party logged notice to hide: records of ``logger`` whose message starts with
+    ``message``; the logger's other records pass.
+
+    Attributes:
+        logger: the logger's name (the module that logs, ``logging.getLogger(__name__)``).
+        message: the notice's first words.
+        why: why hiding it loses the user nothing.
+        cpu_only: hide it only when the run uses no GPU.
+    """
+
+    logger: str
+    message: str
+    why: str
+    cpu_only: bool = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.message)
+
+    def install(self) -> None:
+        target = logging.getLogger(self.logger)
+        if self not in target.filters:  # equal filters are the same notice: installed once
+            target.addFilter(self)
 
 
 THIRD_PARTY: tuple[QuietWarning, ...] = (
@@ -96,14 +127,41 @@ THIRD_PARTY: tuple[QuietWarning, ...] = (
         "megatron-core 0.16.1 says it for every selective recompute of core attention, in case Transformer "
         "Engine's fused attention is used; the project builds megatron's local spec, whose attention is not "
         "fused, so recomputing it is what saves memory (recompute='selective')"),
+    QuietWarning(
+        UserWarning, r"megatron\.core\.hyper_comm_grid", "absl.logging is not installed",
+        "megatron-core 0.19 says at import that it logs through Python's logging instead of absl's; nothing the "
+        "project runs needs absl"),
+    QuietWarning(
+        UserWarning, r"megatron\.core\.models\.mimo\.", "MimoModelConfig is experimental",
+        "megatron-core 0.19 says it when its package imports the multimodal (MIMO) config, on every import of "
+        "megatron.core.models; the project builds no MIMO model"),
+    QuietWarning(
+        UserWarning, r"megatron\.core\._rank_utils", "Could not determine rank from torch.distributed",
+        "megatron-core 0.19's log_single_rank says it when a process without torch.distributed logs (a dataset "
+        "built before the job's groups exist, a single-process tool); it then logs as rank 0, which that process is"),
+)
+
+#: notices megatron-core and torch log at warning level (not ``warnings``), each hidden by logger and message
+THIRD_PARTY_LOGS: tuple[QuietLog, ...] = (
+    QuietLog(
+        "megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED",
+        "megatron-core 0.19 logs it for every GPTModel built, on every rank that builds one: the GPT preset and "
+        "users' GPT providers build it on every supported release (HybridModel exists only from 0.19), and "
+        "megatron still fixes it; a user's own provider sees the notice in megatron's documentation, not per build"),
+    QuietLog(
+        "torch.utils.cpp_extension", "No CUDA runtime is found",
+        "torch's CUDA build says it when torch.utils.cpp_extension is imported (megatron-core imports it) where no "
+        "CUDA runtime is found, i.e. on a machine without a GPU, where a run is a CPU run: it would compile C++/CUDA "
+        "extensions against CUDA_HOME and the project compiles none (installed at import: the notice comes then)"),
 )
 
 
 def quiet_third_party_warnings(*, on_cpu: bool) -> None:
-    """Install ``THIRD_PARTY``'s filters (those marked ``cpu_only`` only when ``on_cpu``)."""
-    for quiet in THIRD_PARTY:
+    """Install ``THIRD_PARTY``'s and ``THIRD_PARTY_LOGS``' filters (those marked ``cpu_only`` only when
+    ``on_cpu``)."""
+    for quiet in (*THIRD_PARTY, *THIRD_PARTY_LOGS):
         if on_cpu or not quiet.cpu_only:
             quiet.install()
 
 
-__all__ = ["THIRD_PARTY", "QuietWarning", "quiet_third_party_warnings"]
+__all__ = ["THIRD_PARTY", "THIRD_PARTY_LOGS", "QuietLog", "QuietWarning", "quiet_third_party_warnings"]

@@ -35,6 +35,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.overrides import TorchFunctionMode
 
 from lightning_dynatrain.compat.megatron_internals import shard_range
+from lightning_dynatrain.compat.megatron_versions import ddp_layout_kwargs
 from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -85,9 +86,8 @@ def build_ddp_and_optimizer(
         bucket_size=None,
     )
     with megatron_on_cpu(inner=torch_function_mode):
-        ddp_model = DistributedDataParallel(
-            config=model.config, ddp_config=ddp_config, module=model, pg_collection=pgs
-        )
+        ddp_model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
+                                            pg_collection=pgs, **ddp_layout_kwargs(model, ddp_config, pgs))
         optimizer = get_megatron_optimizer(
             opt_config, [ddp_model], use_gloo_process_groups=False, pg_collection=pgs
         )

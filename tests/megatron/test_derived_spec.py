@@ -49,6 +49,7 @@ def _faulty_providers() -> dict:
     from megatron.core.transformer import TransformerConfig
 
     from lightning_dynatrain import ModelProvider
+    from lightning_dynatrain.compat.megatron_versions import mlp_submodules
     from tests.strategy.own_models import gpt_forward_step, gpt_provider
 
     class GainedRowLinear(RowParallelLinear):
@@ -68,7 +69,7 @@ def _faulty_providers() -> dict:
             return described
 
     spec = get_gpt_layer_local_spec()
-    spec.submodules.mlp.submodules.linear_fc2 = GainedRowLinear
+    mlp_submodules(spec).linear_fc2 = GainedRowLinear
     dense = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, hidden_dropout=0.0,
                  attention_dropout=0.0)
     moe = dict(dense, normalization="RMSNorm", add_bias_linear=False, num_moe_experts=4, moe_ffn_hidden_size=32,

@@ -36,7 +36,7 @@ def _gate_up_linear():
         ``[2 * ffn, hidden]`` weight; megatron's MLP splits its output in halves as for the fused one."""
 
         def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
-                     is_expert, tp_comm_buffer_name=None, tp_group=None, stride=1):
+                     is_expert, tp_comm_buffer_name=None, tp_group=None, stride=1, name=None):
             super().__init__(config=config)
             self.tp_group = tp_group
             half = dict(config=config, init_method=init_method, gather_output=gather_output, bias=bias,
@@ -62,8 +62,10 @@ def split_mlp_layer_spec():
     """Megatron's local GPT layer spec with the user's ``GateUpLinear`` as the MLP's ``linear_fc1``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from lightning_dynatrain.compat.megatron_versions import mlp_submodules
+
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.mlp.submodules.linear_fc1 = _gate_up_linear()
+    mlp_submodules(spec).linear_fc1 = _gate_up_linear()
     return spec
 
 
