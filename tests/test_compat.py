@@ -15,6 +15,7 @@ PRIVATE = [
     ("torch", "torch.distributed.distributed_c10d", "_world.pg_map"),
     ("torch", "torch.distributed.distributed_c10d", "_world.pg_group_ranks"),
     ("torch", "torch.distributed.distributed_c10d", "_world.group_count"),
+    ("torch", "torch.distributed.distributed_c10d", "_world.pg_names"),
     ("torch", "torch.distributed.distributed_c10d", "_world.default_pg"),
     ("torch", "torch.distributed.distributed_c10d", "_update_default_pg"),
     ("torch", "torch.distributed.distributed_c10d", "_register_pg_in_world"),

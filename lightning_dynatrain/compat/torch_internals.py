@@ -59,6 +59,13 @@ def set_group_count(count: int) -> None:
     c10d._world.group_count = count
 
 
+def named_group_count() -> int:
+    """How many groups this process has registered by name now: the number torch hashes, with the
+    ranks, into the name of a group made with ``new_group(use_local_synchronization=True)`` (a
+    process that is no member of a group registers nothing)."""
+    return len(c10d._world.pg_names) if dist.is_initialized() else 0
+
+
 def backend_name(group: dist.ProcessGroup) -> str:
     return group._get_backend_name()
 
@@ -141,6 +148,6 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
 
 __all__ = ["Shard", "ShardMetadata", "ShardedTensor", "ShardedTensorMetadata", "TensorProperties",
            "backend_name", "build_default_group", "default_group", "default_store", "fake_process_group",
-           "group_count", "is_registered", "register_default_group", "registered_groups", "run_backward",
+           "group_count", "is_registered", "named_group_count", "register_default_group", "registered_groups", "run_backward",
            "set_default_group", "sharded_tensor_from_shards",
            "set_group_count", "set_group_timeout", "view_base"]

@@ -19,6 +19,7 @@ from lightning_dynatrain.engine.collectives import (
     BroadcastPlan,
     LinkCosts,
     SubgroupCache,
+    SubgroupNamingError,
     measure_link_costs,
     plan_broadcasts,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "Step",
     "StoreKey",
     "SubgroupCache",
+    "SubgroupNamingError",
     "SwitchAbortedError",
     "SwitchProgram",
     "SwitchReport",

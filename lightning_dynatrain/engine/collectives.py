@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.compat.torch_internals import is_registered
+from lightning_dynatrain.compat.torch_internals import is_registered, named_group_count
 from lightning_dynatrain.engine.comm import GroupComm
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.plan import RankPlan
@@ -140,15 +140,41 @@ def plan_broadcasts(plans: Mapping[int, RankPlan], costs: LinkCosts | None, *,
     return BroadcastPlan(tuple(jobs))
 
 
+class SubgroupNamingError(RuntimeError):
+    """The members of a broadcast subgroup would create it under different names (and wait forever)."""
+
+
+def diverging_names(counts: Mapping[int, int], member_sets: Iterable[tuple[int, ...]]) -> list[tuple[tuple[int, ...], dict[int, int]]]:
+    """The member sets, created in the given order with ``use_local_synchronization``, whose members
+    would name the group differently: torch hashes each member's count of named groups into the
+    name, and each creation adds one on its members only. ``counts``: rank -> that count before the
+    first. Returns ``(members, {rank: count})`` for each set that diverges (pure: no process needed)."""
+    counts = dict(counts)
+    clashes = []
+    for members in member_sets:
+        seen = {r: counts[r] for r in members}
+        if len(set(seen.values())) > 1:
+            clashes.append((members, seen))
+        for r in members:
+            counts[r] += 1
+    return clashes
+
+
 class SubgroupCache:
     """Subgroups for broadcasts, created once and kept by their members (global ranks).
 
     Pass the same cache to every switch of a run (a strategy owns one): switching back to a layout
     then creates nothing. ``ensure`` is collective: the ranks gather the member sets each takes
-    part in, and all create the missing ones in sorted order (``new_group`` on every rank of the
-    world: with ``use_local_synchronization`` torch names a group by the ranks *and* by how many
-    groups the creating rank has already, so members with different histories would wait on
-    different names). ``close()`` destroys them.
+    part in, and all create the missing ones in sorted order.
+
+    How torch names a new group decides whether its members meet: a group made by every process of
+    the default world (``new_group`` without local synchronization) is named by a counter all of them
+    advance together, so that is how a switch over a group spanning the world (the switch's own
+    group, or WORLD) creates them. Over a group of fewer processes only its members can call, with
+    ``use_local_synchronization``, and torch names such a group by its ranks *and* by how many groups
+    each creating process has registered: members with different histories (a subgroup made earlier
+    that some of them are not in) would wait on different names until the timeout. ``ensure``
+    checks that first and raises ``SubgroupNamingError`` naming the ranks. ``close()`` destroys them.
     """
 
     def __init__(self) -> None:
@@ -158,14 +184,32 @@ class SubgroupCache:
                timeout: timedelta | None = None) -> None:
         """Create the missing subgroups of every rank's ``member_sets`` (plan ranks: the broadcasts
         each rank takes part in), in sorted order, with ``timeout`` (default torch's). Collective
-        over ``comm``: every rank calls it, with what it knows (possibly nothing)."""
-        gathered: list[list[tuple[int, ...]] | None] = [None] * comm.size
-        dist.all_gather_object(gathered, sorted(set(member_sets)), group=comm.group)
-        for members in sorted({tuple(m) for sets in gathered for m in (sets or ())}):
+        over ``comm``: every rank calls it, with what it knows (possibly nothing).
+
+        Raises:
+            SubgroupNamingError: ``comm`` spans fewer processes than the world and its members'
+                histories would give a subgroup different names (nothing was created).
+        """
+        spans_world = comm.size == dist.get_world_size()
+        gathered: list[tuple[list[tuple[int, ...]], int] | None] = [None] * comm.size
+        dist.all_gather_object(gathered, (sorted(set(member_sets)), 0 if spans_world else named_group_count()),
+                               group=comm.group)
+        wanted = sorted({tuple(m) for sets, _ in gathered for m in sets})  # type: ignore[misc]
+        missing = [members for members in wanted if comm.global_ranks(members) not in self._groups]
+        if not spans_world:
+            clashes = diverging_names({r: count for r, (_, count) in enumerate(gathered)}, missing)  # type: ignore[misc]
+            if clashes:
+                members, counts = clashes[0]
+                raise SubgroupNamingError(
+                    f"the broadcast subgroup of ranks {members} would get a different name on each of its members "
+                    f"(torch names a locally synchronized group by each member's count of groups: {counts}), "
+                    f"so they would never meet; {len(clashes)} of {len(missing)} new subgroups diverge. "
+                    "Switch over a group spanning every process of the default world, or without link costs "
+                    "(no broadcasts)")
+        for members in missing:
             ranks = comm.global_ranks(members)
-            if ranks not in self._groups:
-                self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=not comm.is_world(),
-                                                     timeout=timeout)
+            self._groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=not spans_world,
+                                                 timeout=timeout)
 
     def get(self, members: tuple[int, ...], comm: GroupComm) -> dist.ProcessGroup:
         ranks = comm.global_ranks(members)
@@ -225,4 +269,5 @@ def measure_link_costs(group: dist.ProcessGroup | None = None, *, nbytes: int = 
     return LinkCosts(nbytes / max(t_p2p, 1e-9), nbytes / max(t_bcast, 1e-9), t_setup)
 
 
-__all__ = ["BroadcastJob", "BroadcastPlan", "LinkCosts", "SubgroupCache", "measure_link_costs", "plan_broadcasts"]
+__all__ = ["BroadcastJob", "BroadcastPlan", "LinkCosts", "SubgroupCache", "SubgroupNamingError", "diverging_names",
+           "measure_link_costs", "plan_broadcasts"]

@@ -158,6 +158,48 @@ def run_broadcast(rank: int, world: int, cases: list[Case], costs: LinkCosts | N
     return out
 
 
+def run_subgroups(rank: int, world: int) -> dict[str, object]:
+    """Broadcast subgroups over rounds in which the ranks join different numbers of them (the torch
+    group names of members with different histories): on a switch's own group spanning the world,
+    every round's groups meet and broadcast; on a group of three the diverging round is refused on
+    every rank before anything is created."""
+    from datetime import timedelta
+
+    from lightning_dynatrain.engine import SubgroupNamingError
+    from lightning_dynatrain.engine.comm import GroupComm
+
+    def broadcast_on(cache: SubgroupCache, comm: GroupComm, sets: list[tuple[int, ...]]) -> None:
+        for members in sets:
+            if comm.rank in members:
+                root = comm.global_rank(members[0])
+                value = torch.full((4,), float(root + 1)) if comm.rank == members[0] else torch.zeros(4)
+                dist.broadcast(value, group=cache.get(members, comm), src=root)
+                assert torch.equal(value, torch.full((4,), float(root + 1))), f"rank {rank}: broadcast on {members}"
+
+    switch = GroupComm(dist.new_group(list(range(world))), None)  # not WORLD, as the switch watch makes it
+    cache = SubgroupCache()
+    rounds = [[(0, 1, 3)], [(0, 1, 2, 3), (1, 2)], [(0, 2)]]
+    for sets in rounds:  # the member sets come from one rank each time, as a plan's senders know them
+        cache.ensure(sets if rank == sets[0][0] else [], switch, timeout=timedelta(seconds=30))
+        broadcast_on(cache, switch, sets)
+    out: dict[str, object] = {"spanning": len(cache)}
+    three = dist.new_group([0, 1, 2])
+    if rank < 3:
+        comm = GroupComm(three, None)
+        local = SubgroupCache()
+        local.ensure([(0, 1)], comm, timeout=timedelta(seconds=30))  # rank 2 is not in it: one behind now
+        broadcast_on(local, comm, [(0, 1)])
+        try:
+            local.ensure([(0, 1, 2)], comm, timeout=timedelta(seconds=30))
+            out["refused"] = None
+        except SubgroupNamingError as err:
+            out["refused"] = str(err)
+        out["local"] = len(local)
+        local.close()
+    cache.close()
+    return out
+
+
 def run_measure(rank: int, world: int) -> tuple[float, float, float]:
     costs = measure_link_costs(nbytes=2**20)
     return costs.p2p_bytes_per_s, costs.broadcast_bytes_per_s, costs.broadcast_setup_s

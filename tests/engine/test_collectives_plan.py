@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_dynatrain.engine.collectives import LinkCosts, plan_broadcasts
+from lightning_dynatrain.engine.collectives import LinkCosts, diverging_names, plan_broadcasts
 from lightning_dynatrain.vps.gpt_spec import GPTDims, build_gpt_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.planner import plan_all
@@ -62,3 +62,14 @@ def test_a_subset_of_senders_plans_gives_exactly_their_jobs():
         senders = {t.peer for t in plans[rank].recvs} | {rank}
         part = plan_broadcasts({s: plans[s] for s in senders}, FAST_BCAST, itemsize=_itemsize)
         assert part.jobs_of(rank) == whole.jobs_of(rank)
+
+
+def test_locally_synchronized_names_diverge_after_a_subgroup_some_members_are_not_in():
+    """torch hashes each creating member's count of named groups into a locally synchronized group's
+    name: (0, 1) first leaves rank 2 one behind for (0, 1, 2); equal histories never diverge."""
+    assert diverging_names({0: 5, 1: 5, 2: 5}, [(0, 1), (1, 2)]) == [((1, 2), {1: 6, 2: 5})]
+    assert diverging_names({0: 5, 1: 5, 2: 5}, [(0, 1), (0, 1, 2)]) == [((0, 1, 2), {0: 6, 1: 6, 2: 5})]
+    assert diverging_names({0: 5, 1: 5, 2: 5, 3: 5}, [(0, 1), (0, 1, 2, 3), (2, 3)]) == [
+        ((0, 1, 2, 3), {0: 6, 1: 6, 2: 5, 3: 5})]
+    assert diverging_names({0: 3, 1: 3, 2: 3, 3: 3}, [(0, 1), (2, 3), (0, 1, 2, 3)]) == []
+    assert diverging_names({0: 3, 1: 4}, [(0, 1)]) == [((0, 1), {0: 3, 1: 4})]

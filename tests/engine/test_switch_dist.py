@@ -120,6 +120,7 @@ def world4():
         "broadcast": ("run_broadcast", (BROADCAST, FAVOUR_BROADCAST)),
         "no_promotion": ("run_broadcast", (BROADCAST[:1], None)),
         "measure": ("run_measure", ()),
+        "subgroups": ("run_subgroups", ()),
         # every chunk of 16 bytes or more as its own message, from and into storage where contiguous
         "direct": ("run_cases", (WORLD4[:9], "cpu", 16)),
         "renumbered": ("run_renumbered", (RENUMBERED,)),
@@ -251,6 +252,18 @@ def test_without_costs_nothing_is_promoted(world4):
     _check_reports(reports)
     assert all(r[0]["jobs"] == 0 and r[0]["bcast_ops"] == 0 for r in reports)
     assert reports[0][0]["p2p_ops"] > 0
+
+
+def test_broadcast_subgroups_meet_whatever_each_rank_joined_before(world4):
+    """Members of different histories (issue: ranks waiting on differently named groups in a switch's
+    preflight under load): over the switch's own group every subgroup meets; over a group of three,
+    a diverging one is refused on every rank with the ranks named."""
+    results = _part(world4, "subgroups")
+    assert [r["spanning"] for r in results] == [4] * 4
+    refusals = [r["refused"] for r in results[:3]]
+    assert all(r is not None and "(0, 1, 2)" in r and "{0: " in r for r in refusals), refusals
+    assert len(set(refusals)) == 1, "every rank refuses the same subgroup"
+    assert [r["local"] for r in results[:3]] == [1, 1, 1], "nothing is created by a refused ensure"
 
 
 def test_measured_link_costs_agree_on_every_rank(world4):

@@ -121,6 +121,7 @@ def _fits(name: str, tmp: Path) -> dict:
     out["switched"] = dict(losses=[loss for _, loss in module.losses], history=[(r.step, r.src, r.dst)
                            for r in strategy.switch_history], spec=strategy.recipe.model.spec(), **record,
                            ahead=[r.ahead_build_seconds is not None for r in strategy.switch_history],
+                           refusals=list(callbacks[1].refusals),
                            dtypes=sorted({str(p.dtype) for p in module.model.parameters()}))
     static = _module(name)
     _trainer(case["start"], STEPS, case["precision"], []).fit(static, datamodule=_data(name))

@@ -53,6 +53,7 @@ def test_the_fit_switches_at_the_scheduled_steps_and_tracks_a_static_run(own4, n
     layouts = [case["start"], *case["schedule"].values()]
     for r in own4:
         switched, static = r[name]["switched"], r[name]["static"]
+        assert switched["refusals"] == [], "a scheduled switch was refused (and training went on at the old layout)"
         assert switched["history"] == [(s, a, b) for s, a, b in zip(case["schedule"], layouts, layouts[1:])]
         assert len(switched["losses"]) == len(static["losses"]) == STEPS
         assert switched["losses"][:2] == static["losses"][:2]  # before the first switch: the same run
