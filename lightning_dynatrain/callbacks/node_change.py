@@ -85,7 +85,8 @@ class OnNodeChange(Callback):
         self.policy = policy if not isinstance(policy, (str, Path)) or str(policy).lower() == "auto" else Path(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
         self.heartbeat, self.exit_after, self.ahead, self.keep_worlds = heartbeat, exit_after, ahead, keep_worlds
-        #: every world change this process saw, in order (rank 0's copy reaches joiners)
+        #: every world change of the job, in order: a joiner gets rank 0's list with Lightning's state and
+        #: adds the grow that admitted it, so every process holds the same history
         self.changes: list[dict[str, Any]] = []
         #: the world changes that failed with the old state whole and were rolled back: a grow whose
         #: joiner went missing (under ``switch_safety="keep_old"``, or before anything moved)
@@ -138,6 +139,12 @@ class OnNodeChange(Callback):
 
     def _on_leave_signal(self, signum: int, frame: Any) -> None:
         self._leave_noticed = True
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """A joiner's history is rank 0's (restored with Lightning's state) and the grow that admitted it."""
+        if self._driver is not None and self._driver.admitted_by is not None:
+            self.changes.append(asdict(self._driver.admitted_by))
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,

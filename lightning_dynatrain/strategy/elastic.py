@@ -16,7 +16,10 @@ swap):
 3. the state: the planner and engine move every tensor from the old members to their new places
    (the joiner's ``receive_state`` in ``strategy.setup``, after its model and optimizer are built);
 4. Lightning's own state (loops, callbacks, data module; no tensors) from rank 0, restored as a
-   resumed fit restores it (``receive_trainer_state``).
+   resumed fit restores it (``receive_trainer_state``);
+5. the report of this change (``ChangeReport``, rank 0's), once the members have it: the joiner's
+   ``OnNodeChange.changes`` holds the grow that admitted it, as every member's does, so the job's
+   history survives the first members leaving.
 
 Between those steps the joiner's Lightning runs collectives of its own set-up (barriers, the log
 dir broadcast, the dataloader length check) that the old members passed long ago: while
@@ -37,7 +40,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -85,6 +88,8 @@ class ElasticDriver:
         self.catching_up = False
         self.left = False
         self.history: list[ChangeReport] = []
+        self.admitted_by: ChangeReport | None = None
+        """A joiner's: the grow that admitted it (rank 0's report, ``receive_trainer_state``)."""
         self._detected_at: float | None = None
         self._last_boundary: float | None = None
         self._clock = OverlapClock()  # step seconds, with and without a change pending
@@ -213,6 +218,9 @@ class ElasticDriver:
         scalars = (checkpoint.get("optimizer_states") or [{}])[0]
         if "schedule" in scalars:
             self.strategy.optimizer_handle.load_schedule(scalars["schedule"])
+        # (5) the report of the grow that admitted this process (rank 0's, once its figures are known)
+        self.admitted_by = ChangeReport(**_broadcast_object(None))
+        self.history.append(self.admitted_by)
 
     def end_catching_up(self) -> None:
         if self.catching_up:
@@ -248,6 +256,8 @@ class ElasticDriver:
         slowdown = self._clock.slowdown()
         if report is not None:
             report.overlap_slowdown = slowdown
+            if change.grows:  # (5) the joiners record the grow that admitted them, as the members do
+                _broadcast_object(asdict(report) if self.session.rank == 0 else None)
             self.history.append(report)
             rank_zero_info(str(report))
         return report

@@ -125,6 +125,9 @@ def test_grows_that_fail_with_the_old_state_whole_go_back_to_the_old_world_and_t
         assert "state is whole" in killed["error"], killed
         (joined,) = r["changes"]
         assert (joined["src"], joined["dst"]) == ("dp2-tp1-pp1", "dp3-tp1-pp1")
+    # the later joiner holds the grow that admitted it, as the old members do
+    joins = [[(c["step"], c["change"], c["src"], c["dst"]) for c in r["changes"]] for r in results.values()]
+    assert len(joins[0]) == 1 and joins.count(joins[0]) == 3, joins
     assert log.count("so it was rolled back") >= 2, log  # rank 0 warned, at each
     joined_at = old_members[0]["changes"][0]["step"]
 

@@ -69,10 +69,12 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
     assert {(r["world"], r["layout"]) for r in survivors} == {(3, layouts[3])}
     assert sorted(r["rank"] for r in survivors) == [0, 1, 2]
     assert len({r["shard"] for r in survivors}) == 1  # the data-parallel replicas are identical
-    # every change the longest-lived survivor saw: 2 -> 4 (the joiners together, or one at a time),
-    # 4 -> 3 (rank 0 left), 3 -> 4, 4 -> 3 (the last joiner left), each at the policy's layout, each
-    # moving state
-    changes = max((r["changes"] for r in survivors), key=len)
+    # every change of the job: 2 -> 4 (the joiners together, or one at a time), 4 -> 3 (rank 0 left),
+    # 3 -> 4, 4 -> 3 (the last joiner left), each at the policy's layout, each moving state; every
+    # survivor holds all of them, the joiners too (the grow that admitted them came from rank 0)
+    history = [[(c["step"], c["change"], c["src"], c["dst"]) for c in r["changes"]] for r in survivors]
+    assert all(h == history[0] for h in history), history
+    changes = survivors[0]["changes"]
     sizes = [2] + [int(c["change"].split(" -> ")[1].split()[0]) for c in changes]
     assert sizes in ([2, 4, 3, 4, 3], [2, 3, 4, 3, 4, 3]), changes
     # the last change returned to the world of 3 that the one before it left: kept, so no group was built
