@@ -120,8 +120,8 @@ class SwitchAttempt:
             lost_state = lost_state or watch.store.check([f"{key}/lost"])
         except Exception:  # noqa: BLE001
             lost_state = True
-        error = self._error(missing, phase, elapsed, cause,
-                            lost_state=lost_state or bool(self.holders & missing.keys()))
+        error = self._error(missing, phase, elapsed, cause, freed=lost_state,
+                            gone=sorted(self.holders & missing.keys()))
         if not error.lost_state:
             mark_refused(error)  # training can go on at the old layout
         return error
@@ -182,7 +182,10 @@ class SwitchAttempt:
         return missing
 
     def _error(self, missing: dict[int, str], phase: str, elapsed: float, cause: str, *,
-               lost_state: bool) -> SwitchFailedError:
+               freed: bool, gone: list[int]) -> SwitchFailedError:
+        """``freed``: a rank freed old state as it moved it; ``gone``: missing ranks that held a part of it.
+        The state of the step counts as lost with either."""
+        lost_state = freed or bool(gone)
         watch = self.watch
         if missing:
             who = "; ".join(f"rank {r} stopped answering in phase {p!r}" for r, p in missing.items())
@@ -193,8 +196,12 @@ class SwitchAttempt:
                    f"(deadline {self.deadline}): {cause}")
         resume = watch.resume_from()
         if lost_state:
-            message += (". The training state of this step is lost (the switch frees the old state as it moves it"
-                        + (", and a missing rank's part is gone)" if self.holders & missing.keys() else ")"))
+            many = len(gone) > 1
+            parts = (f"the part{'s' * many} rank{'s' * many} {', '.join(map(str, gone))} held went with "
+                     f"{'them' if many else 'it'}")
+            why = ("the switch frees the old state as it moves it" + (f", and {parts}" if gone else "")) if freed \
+                else f"no rank freed its old state, but {parts}"
+            message += f". The training state of this step is lost ({why})"
             hint = (f"resume the job from the last checkpoint, {resume}" if resume else
                     "no checkpoint of this run is known: restart it from the beginning (a ModelCheckpoint bounds "
                     "what a failed switch costs)")

@@ -149,3 +149,15 @@ def test_keep_old_rolls_back_when_a_rank_stalls_past_the_deadline(tmp_path: Path
         assert r["old_state_whole"], f"rank {r['rank']}: the rolled-back state differs from the state before"
         assert r["retried"] == "dp1-tp2-pp2", r
     print(f"seconds from the stall to each rank's SwitchFailedError: {[round(r['t_error'] - t_fault, 1) for r in ranks]}")
+
+
+def test_keep_old_with_a_killed_holder_says_which_part_went_with_it(tmp_path: Path) -> None:
+    """Safe mode and a SIGKILL in the transfer: no survivor freed anything, but rank 2's part of the
+    old state (dp4-zero1: its optimizer shard) went with it; the error says so, not that the switch
+    freed the state."""
+    t_fault, survivors = _run(tmp_path, "KILL", timeout_s=240, extra=("--keep-old",))
+    _check(t_fault, survivors, DEADLINE_S + STALE_S + SLACK_S)
+    for r in survivors:
+        assert f"no rank freed its old state, but the part rank {VICTIM} held went with it" in r["message"], \
+            r["message"]
+        assert "frees the old state" not in r["message"], r["message"]
