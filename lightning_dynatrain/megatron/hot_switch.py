@@ -211,7 +211,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     attempt = None
     if watch is not None:  # the watch's group spans ``group`` (or the world) rank for rank: a world change's too
         assert watch.group.size() == (group or dist.GroupMember.WORLD).size(), "the watch is another world's"
-        attempt = watch.begin(program, setup.link_costs, f"{src} -> {target}", holders=frozenset(members.src))
+        attempt = watch.begin(program, setup.link_costs, f"{src} -> {target}", holders=members.holders)
         group = watch.group
     try:
         if attempt is not None:
@@ -285,7 +285,7 @@ def receive_state(build: Callable[[], MegatronState], model: torch.nn.Module, sr
     attempt = None
     if watch is not None:
         assert group is None, "a watched switch runs over the world, on the watch's group"
-        attempt = watch().begin(program, setup.link_costs, f"joining at {target}", holders=frozenset(members.src))
+        attempt = watch().begin(program, setup.link_costs, f"joining at {target}", holders=members.holders)
     memory = PlainMemory()
 
     def fill(group: dist.ProcessGroup | None) -> tuple[MegatronState, int | None, SwitchReport]:
@@ -322,7 +322,7 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         materialize_optimizer_state(current.optimizer, 0)
     source = megatron_store(current.ddp, current.optimizer, setup.spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
-    attempt = watch.begin(program, setup.link_costs, f"leaving {src}", holders=frozenset(members.src)) \
+    attempt = watch.begin(program, setup.link_costs, f"leaving {src}", holders=members.holders) \
         if watch is not None else None
 
     def hand_off(group: dist.ProcessGroup | None) -> SwitchReport:

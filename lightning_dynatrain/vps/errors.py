@@ -22,3 +22,13 @@ class ModelSpecError(DynaTrainError):
 
 class PlanError(DynaTrainError):
     """A switch cannot be planned between two layouts (e.g. different models)."""
+
+
+class StateLostError(PlanError):
+    """Part of the training state was held only by processes that died: no survivor can source it.
+
+    ``lost``: the boxes that went (``vps.lost_state.LostBox``), ``ranks``: the dead source ranks."""
+
+    def __init__(self, message: str, *, hint: str | None = None, lost: tuple = (), ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message, hint=hint)
+        self.lost, self.ranks = lost, ranks

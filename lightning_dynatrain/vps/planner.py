@@ -11,6 +11,9 @@ it, and received exactly once otherwise; moved bytes are therefore the minimum p
 destination elements no source holds are vocabulary padding rows the source layout does not pad
 to; they are listed as ``fills`` (zeroed by the engine).
 
+After a death (``Members.after_loss``) the dead hold nothing: every box is read from a surviving
+holder, and a box no survivor holds fails the plan with ``StateLostError`` listing what went.
+
 The optimizer's state kinds share one geometry (they are sharded alike), so the geometry is
 computed once per tensor and expanded per kind.
 """
@@ -22,8 +25,9 @@ from typing import Iterable
 
 from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.vps.box import Box
-from lightning_dynatrain.vps.errors import PlanError
+from lightning_dynatrain.vps.errors import PlanError, StateLostError
 from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.lost_state import lost_bytes, lost_state
 from lightning_dynatrain.vps.mapping import state_placement
 from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
@@ -118,7 +122,8 @@ def _plan_rank(
     fills: list[Transfer] = []
     src_rank, dst_rank = members.src_rank(rank), members.dst_rank(rank)
     # layout ranks -> processes (the identity within one world)
-    as_src = (lambda holders: holders) if members.is_identity else (lambda h: tuple(members.src[r] for r in h))
+    as_src = (lambda holders: holders) if members.is_identity else \
+        (lambda h: tuple(p for p in (members.src[r] for r in h) if p is not None))  # the dead hold nothing
     as_dst = (lambda holders: holders) if members.is_identity else (lambda h: tuple(members.dst[r] for r in h))
     for group in (0, 1):  # params first, then the optimizer's state
         for tensor in spec.tensors:
@@ -135,6 +140,8 @@ def _plan_rank(
                     for dbox, _ in target.pieces(region.box):
                         for box, src_holders in source.pieces(dbox):
                             holders = as_src(src_holders)
+                            if not holders:
+                                raise _lost(spec, src, members, precision)
                             if rank in holders:
                                 retains.extend(Transfer(rank, tensor.name, k, box) for k in kinds)
                             else:
@@ -165,6 +172,18 @@ def _plan_rank(
         retains=tuple(sorted(retains, key=key)),
         fills=tuple(sorted(fills, key=key)),
     )
+
+
+def _lost(spec: ModelSpec, src: ParallelConfig, members: Members, precision: Precision) -> StateLostError:
+    """The error of a plan that needs a box only dead ranks held: every such box, counted."""
+    lost = lost_state(spec, src, members.lost, precision)
+    shown = "; ".join(map(str, lost[:3])) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
+    return StateLostError(
+        f"{len(lost)} boxes ({lost_bytes(spec, lost, precision) / 2**20:.2f} MiB) of the {src} state were held only "
+        f"by the dead rank{'s' * (len(members.lost) > 1)} {', '.join(map(str, members.lost))}: {shown}",
+        hint="recover from an in-memory snapshot or the last checkpoint; a layout with data-parallel replicas "
+             "(dp >= 2, without zero1 for the optimizer's state) keeps a copy of every box on another rank",
+        lost=lost, ranks=members.lost)
 
 
 def _beyond(box: Box, axis: int, limit: int) -> Box | None:

@@ -59,7 +59,7 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
     ``members``: which process holds each source and destination rank (default: the same)."""
     offsets = _offsets(spec, precision)
     members = members or Members.same(src.world_size, dst.world_size)
-    src_regions = {members.src[r]: rank_regions(spec, src, r, precision) for r in range(src.world_size)}
+    src_regions = {p: rank_regions(spec, src, r, precision) for r, p in enumerate(members.src) if p is not None}
     dst_regions = {members.dst[r]: rank_regions(spec, dst, r, precision) for r in range(dst.world_size)}
     # source storage: each region holds the global indices of its elements
     src_store = {
@@ -137,8 +137,8 @@ def minimum_moved(spec, src, dst, precision=Precision.FP32, members: Members | N
     """Elements destination ranks need, did not hold, and some source rank holds (brute force)."""
     members = members or Members.same(src.world_size, dst.world_size)
     src_regions = [rank_regions(spec, src, r, precision) for r in range(src.world_size)]
-    held: dict = {}  # each box once, however many replicas hold it
-    for regions in src_regions:
+    held: dict = {}  # each box once, however many replicas hold it (the dead hold nothing)
+    for regions in (regs for regs, p in zip(src_regions, members.src) if p is not None):
         for key, regs in regions.items():
             held.setdefault(key, set()).update(reg.box for reg in regs)
     total = 0
