@@ -24,7 +24,9 @@ launcher started together (one ``torchrun``, one ``srun`` step) join together: a
 every process of its launch has asked (at most ``launch_wait`` seconds). The first world forms
 from the first launch's processes, in their launch's rank order. A member of the running world
 that stops saying it is alive for ``dead_after`` seconds without leaving is recorded as failed in a
-new generation: the job must stop (every trainer's watchdog reads it), and every request after
+new generation, together with every member silent for nearly as long (``together`` seconds less:
+members that died at the same instant said they were alive last up to a heartbeat apart, and the
+record must name them all): the job must stop (every trainer's watchdog reads it), and every request after
 that is refused (also when the members stopped because their fit ended). A joiner that stops before
 its generation is installed only cancels that change (a generation with the running world's
 members, ``dropped``): training goes on.
@@ -61,10 +63,15 @@ class StoreServer:
     """The admission and membership loop over a master ``TCPStore`` (see the module docstring)."""
 
     def __init__(self, store: dist.Store, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
-                 launch_wait: float = 60.0, gather: float = 1.0, log: Callable[[str], None] = print) -> None:
+                 launch_wait: float = 60.0, gather: float = 1.0, together: float | None = None,
+                 log: Callable[[str], None] = print) -> None:
         self.store = dist.PrefixStore(PREFIX, store)
         self.signer = Signer(token)
         self.margin, self.dead_after, self.launch_wait, self.log = margin, dead_after, launch_wait, log
+        self.together = min(2.0, dead_after / 2) if together is None else together
+        if not 0 <= self.together < dead_after:
+            raise ValueError(f"together={together} must be at least 0 and below dead_after={dead_after}: the "
+                             "members silent that much less than dead_after when one is found dead count as dead too")
         self.gather = gather
         self.world = _World()
 
@@ -205,12 +212,15 @@ class StoreServer:
     def _check_alive(self) -> None:
         now = time.time()
 
-        def dead(member: str) -> bool:
+        def silent(member: str) -> float:
             key = f"alive/{member}"
-            return self.store.check([key]) and now - float(self.store.get(key)) > self.dead_after
+            return now - float(self.store.get(key)) if self.store.check([key]) else 0.0
 
-        failed = tuple(m for m in self.world.running if dead(m))
-        if failed:
+        def dead(member: str) -> bool:
+            return silent(member) > self.dead_after
+
+        if any(dead(m) for m in self.world.running):  # and whoever died with it (see the module docstring)
+            failed = tuple(m for m in self.world.running if silent(m) > self.dead_after - self.together)
             self.world.failed = True
             self._publish(self.world.members, self.world.effective_step, failed=failed)
             return
@@ -233,7 +243,7 @@ def _unsigned(blob: bytes) -> dict:
 def serve_forever(host: str, port: int, token: bytes | str, *, on_ready: Callable[[int], None] | None = None,
                   **options: float) -> None:
     """Host the job's store on ``host:port`` (0: a free port) until the process is stopped; ``options``
-    are ``StoreServer``'s (``margin``, ``dead_after``, ``launch_wait``, ``gather``)."""
+    are ``StoreServer``'s (``margin``, ``dead_after``, ``launch_wait``, ``gather``, ``together``)."""
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
     if on_ready is not None:
         on_ready(store.port)

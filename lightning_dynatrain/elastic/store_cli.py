@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a change takes effect this many optimizer steps after it is published (default 3)")
     p.add_argument("--dead-after", type=float, default=10.0,
                    help="seconds without a heartbeat after which a member counts as failed (default 10)")
+    p.add_argument("--together", type=float, default=None,
+                   help="members silent this many seconds less than --dead-after when one is found dead are "
+                        "recorded with it (they died at the same instant; default min(2, dead-after/2))")
     p.add_argument("--launch-wait", type=float, default=60.0,
                    help="seconds a join waits for the other processes of its launch (default 60)")
     p.add_argument("--gather", type=float, default=1.0,
@@ -51,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         serve_forever(args.host, args.port, token, margin=args.margin, dead_after=args.dead_after,
-                      launch_wait=args.launch_wait, gather=args.gather, on_ready=ready)
+                      launch_wait=args.launch_wait, gather=args.gather, together=args.together, on_ready=ready)
     except KeyboardInterrupt:
         return 0
     return 0

@@ -22,7 +22,7 @@ TOKEN = "job-secret"
 def served():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     logged: list[str] = []
-    server = StoreServer(master, TOKEN, margin=3, dead_after=1.0, log=logged.append)
+    server = StoreServer(master, TOKEN, margin=3, dead_after=1.0, together=0.5, log=logged.append)
     stop = threading.Event()
     thread = threading.Thread(target=server.serve, kwargs=dict(poll=0.005, should_stop=stop.is_set), daemon=True)
     thread.start()
@@ -176,3 +176,27 @@ def test_a_member_that_stops_saying_it_is_alive_is_recorded_as_failed(served):
     late = JobStore.connect(address, TOKEN)
     with pytest.raises(AdmissionError, match="there is no running world to join"):
         late.ask(JoinRequest(member=late.member_id, fingerprint="fp"), timeout=10)
+
+
+def test_members_that_die_at_the_same_instant_are_recorded_together(served):
+    """Their last heartbeats were apart (here 0.3 s): the record names both, not the first found."""
+    address, _, _ = served
+    clients = _join_first_world(address, 3)
+    for c in clients:
+        c.start_alive(interval=0.1)
+    clients[1].stop_alive()
+    time.sleep(0.3)
+    clients[2].stop_alive()
+    deadline = time.monotonic() + 10
+    while clients[0].generation() < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    world = clients[0].membership(1)
+    assert world.failed == (clients[1].member_id, clients[2].member_id)
+    clients[0].stop_alive()
+
+
+def test_together_must_stay_below_dead_after():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with pytest.raises(ValueError, match="below dead_after"):
+        StoreServer(master, TOKEN, dead_after=1.0, together=1.0)
+    assert StoreServer(master, TOKEN, dead_after=10.0).together == 2.0
