@@ -68,6 +68,8 @@ def test_the_trainers_connectors_are_where_the_layer_reads_them() -> None:
     from lightning.pytorch import Trainer
 
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    for name in ("_accelerator_connector", "_checkpoint_connector", "_signal_connector"):
+    for name in ("_accelerator_connector", "_checkpoint_connector", "_signal_connector", "_logger_connector"):
         assert hasattr(trainer, name), f"lightning {md.version('lightning')}: Trainer has no {name}"
     assert hasattr(trainer._checkpoint_connector, "_loaded_checkpoint")
+    for name in ("on_batch_end", "update_train_step_metrics"):
+        assert hasattr(trainer._logger_connector, name), f"lightning {md.version('lightning')}: no {name}"

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_dynatrain.compat.lightning_internals import log_this_step
 from lightning_dynatrain.elastic.policy import Policy, StepModel, parse_policy
 from lightning_dynatrain.elastic.session import MemberFailedError
 
@@ -154,7 +155,11 @@ class OnNodeChange(Callback):
             self._leave_noticed = False
             self._driver.leave(trainer.global_step)
         seen = len(self._driver.rolled_back)
-        report = self._driver.at_boundary(trainer)
+        try:
+            report = self._driver.at_boundary(trainer)
+        except BaseException:  # the fit ends here, before the loop would log this step
+            log_this_step(trainer)
+            raise
         self.rolled_back += self._driver.rolled_back[seen:]
         if report is not None:
             self.changes.append(asdict(report))

@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_dynatrain.compat.lightning_internals import log_this_step
 from lightning_dynatrain.engine.errors import SwitchFailedError, was_refused
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -208,7 +209,7 @@ class ScheduledReconfig(Callback):
         step = trainer.global_step
         if step in self.schedule and step not in self.done:
             self.done.add(step)
-            self._switch(trainer, step)
+            self._switch(trainer, step, in_step=True)
 
     def _prepare_next(self, trainer: "pl.Trainer") -> None:
         """Build the next entry that changes the layout ahead, in the background (``ahead``), unless
@@ -229,12 +230,16 @@ class ScheduledReconfig(Callback):
             rank_zero_warn(f"ScheduledReconfig: the switch to {layout} at step {step} cannot be "
                            f"built ahead ({type(err).__name__}: {err}); it will be built when it runs")
 
-    def _switch(self, trainer: "pl.Trainer", step: int) -> None:
+    def _switch(self, trainer: "pl.Trainer", step: int, *, in_step: bool = False) -> None:
+        """Switch to the entry of ``step``; ``in_step``: at the end of that step, whose metrics the
+        loop logs only after the callbacks (a switch that ends the fit logs them first)."""
         strategy = self._strategy(trainer)
         try:
             strategy.reconfigure(self.schedule[step])
         except DynaTrainError as err:
             if self.on_refused == "raise" or not was_refused(err):
+                if in_step:
+                    log_this_step(trainer)
                 raise
             self.refusals.append((step, str(self.schedule[step]), type(err).__name__, str(err)))
             rank_zero_warn(f"ScheduledReconfig: {refusal_message(step, self.schedule[step], err, strategy.layout)}")

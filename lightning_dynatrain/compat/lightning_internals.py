@@ -5,7 +5,8 @@ backend for a device), its reduction of a tensor over a group (``_sync_ddp_if_av
 launcher of processes for ``python train.py`` (``_SubprocessScriptLauncher``), and the Trainer's
 connectors a strategy or a callback reaches into: the accelerator connector (turning off its
 ``DistributedSampler``), the checkpoint connector (a joiner's Lightning state restored as a resume
-restores it) and the signal connector (``OnNodeChange`` wraps its handler registration).
+restores it), the signal connector (``OnNodeChange`` wraps its handler registration) and the logger
+connector (a step whose switch ends the fit is logged first).
 ``tests/test_private_names.py`` fails on a private name used elsewhere.
 """
 
@@ -52,5 +53,22 @@ def restore_as_loaded(trainer: Any, checkpoint: dict) -> None:
     connector.restore_callbacks()
 
 
+def log_this_step(trainer: Any) -> bool:
+    """Write the metrics the module logged in this step to the loggers now, as the training loop does
+    right after ``on_train_batch_end`` (a callback about to end the fit there would leave the step
+    out), and flush them. Not when a metric of the step is to be reduced over the ranks
+    (``sync_dist=True``): that collective would wait on the ranks that failed. Whether it logged."""
+    results = trainer._results
+    if results is not None and any(getattr(getattr(getattr(m, "meta", None), "sync", None), "should", False)
+                                   for m in results.values()):
+        return False
+    connector = trainer._logger_connector
+    connector.on_batch_end()
+    connector.update_train_step_metrics()
+    for logger in trainer.loggers:
+        logger.save()
+    return True
+
+
 __all__ = ["SubprocessScriptLauncher", "accelerator_connector", "checkpoint_connector", "default_backend_for_device",
-           "init_dist_connection", "restore_as_loaded", "signal_connector", "sync_ddp_if_available"]
+           "init_dist_connection", "log_this_step", "restore_as_loaded", "signal_connector", "sync_ddp_if_available"]

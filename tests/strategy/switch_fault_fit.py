@@ -3,7 +3,8 @@
 Started by ``test_switch_fault_fit.py`` as one process per rank with Lightning's variables
 (``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: no launcher runs),
 and ``DYNATRAIN_SWITCH_FAULT`` naming the rank that dies or stalls. A ``ModelCheckpoint`` saves
-every step; the switch after step 2 meets the fault. Each rank writes ``OUT/rank{r}.json``: what
+every step and a ``CSVLogger`` logs every step (rank 0 writes ``OUT/logs/metrics/version_0/metrics.csv``);
+the switch after step 2 meets the fault. Each rank writes ``OUT/rank{r}.json``: what
 ``trainer.fit`` raised (then raises it again: the process ends with it, as a user's script would),
 or, when the fit finished, its losses and switches.
 
@@ -43,7 +44,11 @@ def main() -> None:
                                  switch_safety="keep_old" if args.keep_old else "fast")
     checkpoints = ModelCheckpoint(dirpath=Path(args.out, "ckpt"), every_n_train_steps=1, save_top_k=-1)
     schedule = [] if args.no_switch else [ScheduledReconfig({2: "dp1-tp2-pp2"}, on_refused="continue")]
-    trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=args.steps, logger=False,
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(Path(args.out, "logs"), name="metrics", version=0)
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=args.steps, logger=logger,
+                      log_every_n_steps=1,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[*schedule, checkpoints])
     rank = int(os.environ["LOCAL_RANK"])
     try:

@@ -18,6 +18,7 @@ later step's loss is the one of a fit that never tried the switch.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -100,6 +101,10 @@ def test_fit_survivors_end_with_switch_failed(tmp_path: Path) -> None:
             seconds.append(r["t_error"] - t_kill)
         print(f"seconds from the kill to each survivor's SwitchFailedError: {[round(s, 1) for s in seconds]}")
         assert max(seconds) < SWITCH_TIMEOUT + 10, seconds
+        # the step whose switch ended the fit is in the metrics too (logged before the error went up)
+        with open(tmp_path / "logs" / "metrics" / "version_0" / "metrics.csv", newline="") as f:
+            logged = [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+        assert logged == [0, 1], logged  # batches 0 and 1: the switch came after global step 2
     finally:
         _kill(procs)
 
