@@ -38,8 +38,9 @@ class ElasticJob:
     """A store process and the training processes of one job (see the module docstring)."""
 
     def __init__(self, out: Path, *, max_steps: int, step_seconds: float, dead_after: float = 4.0,
-                 fit_args: tuple[str, ...] = ()) -> None:
+                 suspect_after: float | None = None, fit_args: tuple[str, ...] = ()) -> None:
         self.out, self.max_steps, self.step_seconds, self.dead_after = out, max_steps, step_seconds, dead_after
+        self.suspect_after = suspect_after
         self.fit_args = fit_args
         self.log_path = out / "job.log"
         self.procs: list[subprocess.Popen] = []
@@ -53,7 +54,8 @@ class ElasticJob:
         self.log = open(self.log_path, "w")
         self.store_proc = subprocess.Popen(
             [sys.executable, "-m", "lightning_dynatrain.cli", "store", "--host", "127.0.0.1", "--port", "0",
-             "--dead-after", str(self.dead_after)], env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True)
+             "--dead-after", str(self.dead_after),
+             *(("--suspect-after", str(self.suspect_after)) if self.suspect_after is not None else ())], env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True)
         port = self.store_proc.stdout.readline().strip().rsplit(":", 1)[-1]
         self.env["DYNATRAIN_STORE"] = f"127.0.0.1:{port}"
         self.client = JobStore.connect(self.env["DYNATRAIN_STORE"], TOKEN)

@@ -182,7 +182,8 @@ class OnNodeChange(Callback):
         if isinstance(exception, (MemberFailedError, SwitchFailedError)) or self._driver is None \
                 or self._driver.session is None:
             return
-        failure = self._driver.session.wait_for_failure(timeout=3 * self.heartbeat + 15.0)
+        failure = self._driver.session.wait_for_failure(timeout=3 * self.heartbeat + 15.0,
+                                                         cause=f"{type(exception).__name__}: {exception}")
         if failure is not None:
             raise MemberFailedError(failure, hint="see the failed process's log; restart the job from its last "
                                     "checkpoint") from exception

@@ -12,7 +12,9 @@ Keys (all but the liveness stamps signed, ``records.py``):
 - ``gen``: the latest generation; ``membership/{g}``: its ``Membership`` (store process only);
 - ``step``: the last optimizer step the job finished (rank 0 publishes it); ``installed``: the
   last generation whose world runs (its rank 0 says so after the swap);
-- ``alive/{member}``: the time a member last said it is alive (a background thread, every second).
+- ``alive/{member}``: the time a member last said it is alive (a background thread, every second);
+- ``suspect/{member}``, ``suspects``: a member's collective failed (the time and the cause; a count):
+  the store process then names the silent in seconds (``server.py``).
 
 Example::
 
@@ -140,6 +142,12 @@ class JobStore:
     def mark_installed(self, generation: int) -> None:
         """Generation ``generation``'s world runs (its rank 0, once): the next change may come."""
         self.store.set("installed", str(generation))
+
+    def suspect_failure(self, cause: str) -> None:
+        """A collective of this member failed (``cause``): a peer may be gone. The store process then
+        records a member silent for ``suspect_after`` seconds as failed, not ``dead_after``."""
+        self.store.set(f"suspect/{self.member_id}", f"{time.time()!r} {cause[:500]}")
+        self.store.add("suspects", 1)
 
     # ---------------------------------------------------------------------------- liveness
     def for_thread(self) -> "JobStore":

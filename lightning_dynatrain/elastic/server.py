@@ -26,7 +26,10 @@ from the first launch's processes, in their launch's rank order. A member of the
 that stops saying it is alive for ``dead_after`` seconds without leaving is recorded as failed in a
 new generation, together with every member silent for nearly as long (``together`` seconds less:
 members that died at the same instant said they were alive last up to a heartbeat apart, and the
-record must name them all): the job must stop (every trainer's watchdog reads it), and every request after
+record must name them all). Once a member reported a collective that failed (``suspect/{member}``,
+a count in ``suspects``: gloo says at once when a peer's connection closed), the bound is
+``suspect_after`` instead, a few heartbeats: the dead are named in seconds, not ``dead_after``
+(which stays for a member that hangs without anything failing): the job must stop (every trainer's watchdog reads it), and every request after
 that is refused (also when the members stopped because their fit ended). A joiner that stops before
 its generation is installed only cancels that change (a generation with the running world's
 members, ``dropped``): training goes on.
@@ -64,7 +67,7 @@ class StoreServer:
 
     def __init__(self, store: dist.Store, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
                  launch_wait: float = 60.0, gather: float = 1.0, together: float | None = None,
-                 log: Callable[[str], None] = print) -> None:
+                 suspect_after: float | None = None, log: Callable[[str], None] = print) -> None:
         self.store = dist.PrefixStore(PREFIX, store)
         self.signer = Signer(token)
         self.margin, self.dead_after, self.launch_wait, self.log = margin, dead_after, launch_wait, log
@@ -72,6 +75,10 @@ class StoreServer:
         if not 0 <= self.together < dead_after:
             raise ValueError(f"together={together} must be at least 0 and below dead_after={dead_after}: the "
                              "members silent that much less than dead_after when one is found dead count as dead too")
+        self.suspect_after = min(4.0, dead_after) if suspect_after is None else suspect_after
+        if not 0 < self.suspect_after <= dead_after:
+            raise ValueError(f"suspect_after={suspect_after} must be above 0 and at most dead_after={dead_after}: "
+                             "the silence that counts as dead once a member reported a failed collective")
         self.gather = gather
         self.world = _World()
 
@@ -216,11 +223,14 @@ class StoreServer:
             key = f"alive/{member}"
             return now - float(self.store.get(key)) if self.store.check([key]) else 0.0
 
+        bound = self.suspect_after if int(self.store.add("suspects", 0)) else self.dead_after
+
         def dead(member: str) -> bool:
-            return silent(member) > self.dead_after
+            return silent(member) > bound
 
         if any(dead(m) for m in self.world.running):  # and whoever died with it (see the module docstring)
-            failed = tuple(m for m in self.world.running if silent(m) > self.dead_after - self.together)
+            together = min(self.together, bound / 2)
+            failed = tuple(m for m in self.world.running if silent(m) > bound - together)
             self.world.failed = True
             self._publish(self.world.members, self.world.effective_step, failed=failed)
             return
@@ -243,7 +253,8 @@ def _unsigned(blob: bytes) -> dict:
 def serve_forever(host: str, port: int, token: bytes | str, *, on_ready: Callable[[int], None] | None = None,
                   **options: float) -> None:
     """Host the job's store on ``host:port`` (0: a free port) until the process is stopped; ``options``
-    are ``StoreServer``'s (``margin``, ``dead_after``, ``launch_wait``, ``gather``, ``together``)."""
+    are ``StoreServer``'s (``margin``, ``dead_after``, ``launch_wait``, ``gather``, ``together``,
+    ``suspect_after``)."""
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
     if on_ready is not None:
         on_ready(store.port)

@@ -353,8 +353,13 @@ class ElasticSession:
         if self.failure is not None:
             raise MemberFailedError(self.failure, hint="see the failed process's log; restart from the last checkpoint")
 
-    def wait_for_failure(self, timeout: float) -> str | None:
-        """After a collective failed: the store's account of who failed, if it comes in ``timeout`` s."""
+    def wait_for_failure(self, timeout: float, *, cause: str = "") -> str | None:
+        """After a collective failed (``cause``): the store's account of who failed, if it comes in
+        ``timeout`` s. The store process is told first, so it names the silent in seconds."""
+        try:
+            self.store.suspect_failure(cause)
+        except Exception:  # noqa: BLE001 - the store itself is gone: nothing more to learn
+            return self.failure
         deadline = time.monotonic() + timeout
         while self.failure is None and time.monotonic() < deadline:
             try:

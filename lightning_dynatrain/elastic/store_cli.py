@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a change takes effect this many optimizer steps after it is published (default 3)")
     p.add_argument("--dead-after", type=float, default=10.0,
                    help="seconds without a heartbeat after which a member counts as failed (default 10)")
+    p.add_argument("--suspect-after", type=float, default=None,
+                   help="seconds without a heartbeat after which a member counts as failed once a member reported "
+                        "a failed collective (default min(4, dead-after))")
     p.add_argument("--together", type=float, default=None,
                    help="members silent this many seconds less than --dead-after when one is found dead are "
                         "recorded with it (they died at the same instant; default min(2, dead-after/2))")
@@ -54,7 +57,8 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         serve_forever(args.host, args.port, token, margin=args.margin, dead_after=args.dead_after,
-                      launch_wait=args.launch_wait, gather=args.gather, together=args.together, on_ready=ready)
+                      launch_wait=args.launch_wait, gather=args.gather, together=args.together,
+                      suspect_after=args.suspect_after, on_ready=ready)
     except KeyboardInterrupt:
         return 0
     return 0

@@ -48,7 +48,11 @@ def _a_joiner_stops_and_only_its_change_is_cancelled(job: ElasticJob, fault: str
 
 
 def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_of_leaving(tmp_path):
-    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
+    """... and the member that dies is named within seconds of its peers' collective failing
+    (``suspect_after``), not after the store's ``dead_after`` (which the stalled joiners take)."""
+    dead_after, suspect_after = 12.0, 3.0
+    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=dead_after,
+                    suspect_after=suspect_after) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         members = job.installed()
@@ -74,6 +78,8 @@ def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_
         member.send_signal(signal.SIGTERM)  # asked to leave ...
         member.kill()  # ... it dies instead
         killed_at = time.monotonic()
+        job.wait_for(lambda: _latest(job).failed != (), what="the failure record", timeout=60)
+        recorded_after, failed = time.monotonic() - killed_at, _latest(job).failed
         code = job.wait(first, timeout=120)
         stopped_after = time.monotonic() - killed_at
         log = job.tail(400)
@@ -82,7 +88,10 @@ def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_
     # collective, printed by the session's watchdog before it ends the process
     assert re.search(rf"(MemberFailedError: |\[dynatrain\] (ending this process \(75\): )?)member\(s\) "
                      rf"{re.escape(victim)} \(rank 2\) stopped answering", log), log
-    assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
+    assert stopped_after < dead_after + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
+    print(f"the failure was recorded {recorded_after:.1f} s after the kill (dead_after {dead_after:.0f} s)")
+    assert recorded_after < suspect_after + 1.0 + 4.0, recorded_after  # + a heartbeat + slack on 2 busy cores
+    assert failed == (victim,)
 
 
 def test_grows_that_fail_with_the_old_state_whole_go_back_to_the_old_world_and_training_goes_on(tmp_path):
@@ -179,4 +188,7 @@ def test_a_process_killed_in_the_transfer_of_a_world_change_fails_it_naming_its_
     failures = re.findall(rf"SwitchFailedError: layout switch {change} failed: rank 2 stopped answering in phase "
                           r"'transfer'", log)
     assert len(failures) >= 2, log  # on both survivors
-    assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
+    assert stopped_after < dead_after + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
+    print(f"the failure was recorded {recorded_after:.1f} s after the kill (dead_after {dead_after:.0f} s)")
+    assert recorded_after < suspect_after + 1.0 + 4.0, recorded_after  # + a heartbeat + slack on 2 busy cores
+    assert failed == (victim,)

@@ -20,9 +20,18 @@ TOKEN = "job-secret"
 
 @pytest.fixture
 def served():
+    yield from _serve(dead_after=1.0, together=0.5)
+
+
+@pytest.fixture
+def served_with_a_long_dead_after():
+    yield from _serve(dead_after=30.0, suspect_after=1.0, together=0.3)
+
+
+def _serve(**options):
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     logged: list[str] = []
-    server = StoreServer(master, TOKEN, margin=3, dead_after=1.0, together=0.5, log=logged.append)
+    server = StoreServer(master, TOKEN, margin=3, log=logged.append, **options)
     stop = threading.Event()
     thread = threading.Thread(target=server.serve, kwargs=dict(poll=0.005, should_stop=stop.is_set), daemon=True)
     thread.start()
@@ -200,3 +209,24 @@ def test_together_must_stay_below_dead_after():
     with pytest.raises(ValueError, match="below dead_after"):
         StoreServer(master, TOKEN, dead_after=1.0, together=1.0)
     assert StoreServer(master, TOKEN, dead_after=10.0).together == 2.0
+
+
+def test_a_failed_collective_reported_names_the_silent_member_in_seconds(served_with_a_long_dead_after):
+    """dead_after is 30 s; once a member says its collective failed, 1 s of silence is enough."""
+    address, _, _ = served_with_a_long_dead_after
+    clients = _join_first_world(address, 2)
+    for c in clients:
+        c.start_alive(interval=0.1)
+    clients[1].stop_alive()  # it dies
+    time.sleep(2.0)
+    assert clients[0].generation() == 0, "without a report the bound is dead_after"
+    reported = time.monotonic()
+    clients[0].suspect_failure("DistBackendError: Connection closed by peer")
+    while clients[0].generation() < 1 and time.monotonic() - reported < 10:
+        time.sleep(0.02)
+    assert time.monotonic() - reported < 1.0
+    assert clients[0].membership(1).failed == (clients[1].member_id,)
+    clients[0].stop_alive()
+    with pytest.raises(ValueError, match="suspect_after"):
+        StoreServer(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False), TOKEN, dead_after=5.0,
+                    suspect_after=6.0)
