@@ -7,7 +7,8 @@ Accelerate (``DynaTrainEngine(accelerator, plugin, ...)``) or Lightning Fabric
 library goes through one small interface, ``host.LoopHost``. It is the loop counterpart of
 ``DynaTrainStrategy`` and calls the same plain functions:
 
-- building: ``megatron_step.init_groups`` / ``build_model`` / ``attach_optimizer``;
+- building: ``megatron_step.build_training_state`` (groups, the model shard checked against its
+  description, DDP and optimizer: the steps the strategy runs across Lightning's hooks);
 - one step: ``megatron_step.train_step`` (this rank's data-parallel share of the global batch,
   the step's learning rate, megatron's pipeline schedule: forward and backward over the
   micro-batches, finalize grads, optimizer step) -- one call, so pipeline stages need nothing
@@ -28,8 +29,8 @@ needs no further reduction (``accelerator.gather_for_metrics`` or ``fabric.all_g
 returns one equal copy per process).
 
 The learning rate of step ``k`` (0-based) is ``lr_at(k)``: a function of the step count, so it
-survives switches and resumes untouched, as under the Lightning strategy. Weight decay is
-``adam.weight_decay``, applied the way megatron's scheduler does (``set_lr_and_wd``).
+survives switches and resumes untouched, as under the Lightning strategy. Weight decay is the
+optimizer settings' ``weight_decay``, applied the way megatron's scheduler does (``set_lr_and_wd``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from lightning_dynatrain.callbacks.scheduled import next_to_prepare
 from lightning_dynatrain.loop.gather import every_rank
 from lightning_dynatrain.loop.host import LoopHost, as_host
-from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
+from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe, optimizer_config
 from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.switching import LayoutSwitcher
 from lightning_dynatrain.strategy.validation import validate_target
@@ -53,6 +54,7 @@ from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
+    from megatron.core.optimizer import OptimizerConfig
     from torch.utils.data import Dataset
 
     from lightning_dynatrain.accelerate.plugin import DynaTrainPlugin
@@ -81,16 +83,18 @@ class DynaTrainEngine:
         plugin: the layout, the switch schedule and budgets. Under Accelerate it is this argument
             (default: ``DynaTrainPlugin()``, from ``DYNATRAIN_*`` variables); under Fabric the
             strategy holds it (leave this ``None``).
-        recipe: the layout-free model and the batch sizes; ``params_dtype`` follows the host's
-            precision (leave it ``None``).
-        adam: megatron Adam's settings (peak LR, weight decay, betas, eps, gradient clipping).
-        lr_at: learning rate of optimizer step ``k`` (0-based); default the constant ``adam.lr``.
+        recipe: the layout-free model (the GPT preset's ``GPTShape`` or a ``ModelProvider``) and the
+            batch sizes; ``params_dtype`` follows the host's precision (leave it ``None``).
+        optimizer: megatron's ``OptimizerConfig`` (Adam or SGD; ``lr`` the peak rate) or
+            ``AdamSettings``.
+        adam: ``AdamSettings``, the same as ``optimizer=`` (give one of the two).
+        lr_at: learning rate of optimizer step ``k`` (0-based); default the constant ``lr``.
 
     Raises:
         AcceleratorSetupError / FabricSetupError: the host cannot run the megatron step (no process
             group, a sharding engine of its own, gradient accumulation, fp16, ...).
-        LoopSetupError: the recipe's dtype disagrees with the host's precision, or a plugin was
-            given where the host holds one.
+        LoopSetupError: the recipe's dtype disagrees with the host's precision, a plugin was given
+            where the host holds one, or not exactly one of ``optimizer`` and ``adam``.
         LayoutError / WorldSizeError / BatchSizeError / ScheduleError: the plugin's layout or a
             schedule entry does not fit the world, the model or the batch sizes.
 
@@ -101,10 +105,16 @@ class DynaTrainEngine:
     """
 
     def __init__(self, host: Any, plugin: "DynaTrainPlugin | None" = None, *, recipe: MegatronRecipe,
-                 adam: AdamSettings, lr_at: Callable[[int], float] | None = None) -> None:
+                 optimizer: "AdamSettings | OptimizerConfig | None" = None, adam: AdamSettings | None = None,
+                 lr_at: Callable[[int], float] | None = None) -> None:
         from lightning_dynatrain.loop.prepared import DynaTrainModel, DynaTrainScheduler, LoopOptimizer
-        from lightning_dynatrain.strategy.megatron_step import attach_optimizer, build_model, init_groups
+        from lightning_dynatrain.strategy.megatron_step import build_training_state
         from lightning_dynatrain.strategy.topology import gather_topology
+
+        if (optimizer is None) == (adam is None):
+            raise LoopSetupError("DynaTrainEngine takes the optimizer's settings once: " + (
+                "neither optimizer= nor adam= was given" if optimizer is None else "both optimizer= and adam="),
+                hint="pass optimizer=OptimizerConfig(optimizer='adam', lr=...) (or AdamSettings)")
 
         self.host: LoopHost = as_host(host)
         dtype = self.host.params_dtype
@@ -113,9 +123,12 @@ class DynaTrainEngine:
                 f"MegatronRecipe(params_dtype={recipe.params_dtype}) disagrees with the {self.host.name} "
                 f"precision ({dtype})", hint=f"leave params_dtype=None: the {self.host.name} precision says it")
         self.plugin = _plugin_of(self.host, plugin)
-        self.adam = adam
+        #: the optimizer's settings, as given (every layout's optimizer is built from them)
+        self.optimizer_settings: AdamSettings | OptimizerConfig = optimizer if optimizer is not None else adam
+        config = optimizer_config(self.optimizer_settings)
+        self.weight_decay = config.weight_decay
         self.recipe = replace(recipe, params_dtype=dtype)
-        self.lr_at: Callable[[int], float] = lr_at if lr_at is not None else _Constant(adam.lr)
+        self.lr_at: Callable[[int], float] = lr_at if lr_at is not None else _Constant(config.lr)
         self.world_size = dist.get_world_size()
         settings = self.plugin
         layout = settings.validate(world_size=self.world_size, model=recipe.model,
@@ -126,12 +139,11 @@ class DynaTrainEngine:
                                        switch_timeout=settings.switch_timeout,
                                        resume_from=lambda: self.last_checkpoint,
                                        keep_old=settings.switch_safety == "keep_old")
-        # the same order as DynaTrainStrategy: groups, node map, model shard, DDP + optimizer
-        groups = init_groups(layout, seed=settings.seed, groups=self.switcher.groups)
+        self._state: MegatronState | None = build_training_state(
+            self.recipe, layout, self.optimizer_settings, seed=settings.seed, rank=dist.get_rank(),
+            groups=self.switcher.groups, device=self.host.device)
         topology = gather_topology(self.host.cluster_environment())
         self.switcher.new_world(topology)
-        model = build_model(self.recipe, layout, groups, device=self.host.device)
-        self._state: MegatronState | None = attach_optimizer(model, self.recipe, layout, adam, groups)
         #: optimizer steps done
         self.step = 0
         #: the step of the checkpoint last loaded into the state (``loop.checkpoint``), else None
@@ -217,7 +229,7 @@ class DynaTrainEngine:
             _check_same_batch(batch, step=self.step)
             self._data_checked = True
         beside_build, start = self.switcher.building, time.perf_counter()
-        loss = train_step(self.state, batch, self.recipe, lr=self.lr_at(self.step), weight_decay=self.adam.weight_decay)
+        loss = train_step(self.state, batch, self.recipe, lr=self.lr_at(self.step), weight_decay=self.weight_decay)
         self.switcher.step_ran(time.perf_counter() - start, beside_build=beside_build)
         self.step += 1
         return loss
@@ -267,7 +279,7 @@ class DynaTrainEngine:
             return
         step, layout = entry
         try:
-            if not self.switcher.prepare(self.state, layout, recipe=self.recipe, optimizer=self.adam):
+            if not self.switcher.prepare(self.state, layout, recipe=self.recipe, optimizer=self.optimizer_settings):
                 self._not_ahead.add(step)  # a build failed in this run: switches build on demand
         except DynaTrainError as err:  # the same on every rank: the switch builds when it runs
             self._not_ahead.add(step)
@@ -291,7 +303,7 @@ class DynaTrainEngine:
             from lightning_dynatrain.megatron.state import release_state
 
             old = self.state
-            self._state, report = self.switcher.switch(old, layout, recipe=self.recipe, optimizer=self.adam,
+            self._state, report = self.switcher.switch(old, layout, recipe=self.recipe, optimizer=self.optimizer_settings,
                                                        step=self.step, deferred=False)
             release_state(old)  # taken apart: reference counting frees it (``megatron.state``)
             self.history.append(report)
@@ -368,7 +380,7 @@ def _plugin_of(host: LoopHost, given: "DynaTrainPlugin | None") -> "DynaTrainPlu
 
 
 class _Constant:
-    """``lr_at`` when none is given: ``adam.lr`` at every step."""
+    """``lr_at`` when none is given: the settings' ``lr`` at every step."""
 
     def __init__(self, lr: float) -> None:
         self.lr = lr

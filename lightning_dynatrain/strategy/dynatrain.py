@@ -308,15 +308,14 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
         validate_target(self.layout, world_size=self.world_size, model=recipe.model,
                         global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size,
                         execution=recipe.execution)
-        from lightning_dynatrain.strategy.megatron_step import build_model, check_model_description
+        from lightning_dynatrain.strategy.megatron_step import build_checked_model
 
         recipe = replace(recipe, params_dtype=resolve_params_dtype(recipe.params_dtype, self.precision_plugin))
         self._recipe = recipe
         assert self._pgs is not None, "setup_environment makes the groups"
-        self._gpt_model = build_model(recipe, self.layout, self._pgs, device=self.root_device,
-                                      unfilled=self._elastic is not None and self._elastic.fills_model_later)
-        check_model_description(recipe, self._gpt_model, self.layout, self.global_rank, self._pgs,
-                                agree=not self._collectives_are_local())
+        self._gpt_model = build_checked_model(recipe, self.layout, self._pgs, rank=self.global_rank,
+                                              device=self.root_device, agree=not self._collectives_are_local(),
+                                              unfilled=self._elastic is not None and self._elastic.fills_model_later)
         return self._gpt_model
 
     @override

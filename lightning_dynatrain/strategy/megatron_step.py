@@ -4,8 +4,11 @@ A layout's whole megatron state is one object (``megatron.state.MegatronState``)
 ``GPTModel`` shard, megatron's ``DistributedDataParallel`` and optimizer. Building it:
 
     groups  = init_groups(layout, seed=...)                    # megatron parallel_state (collective)
-    model   = build_model(recipe, layout, groups)             # this rank's shard of the logical model
+    model   = build_checked_model(recipe, layout, groups, rank=r)   # this rank's shard, its description checked
     state   = attach_optimizer(model, recipe, layout, optimizer, groups)   # DDP + optimizer
+
+``build_training_state`` is those three in one call (the loop engine's set-up); the Lightning
+strategy runs them across its hooks.
 
 A layout change turns the state of layout A into the state of layout B in memory
 (``megatron.hot_switch``).
@@ -33,7 +36,7 @@ from lightning_dynatrain.megatron.train_step import run_eval_step, run_train_ste
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe, optimizer_config
-from lightning_dynatrain.strategy.validation import BatchSizeError, num_microbatches
+from lightning_dynatrain.strategy.validation import BatchSizeError, num_microbatches, validate_optimizer
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 
@@ -80,6 +83,36 @@ def check_model_description(recipe: MegatronRecipe, model: torch.nn.Module, layo
             + (f" (rank {rank}: {'; '.join(problems[:3])})" if problems else " (on another rank: see its error)"),
             hint="a module whose shards depend on megatron's parallel_state globals rather than the "
                  "pg_collection it is given cannot be described ahead; build it from pg_collection")
+
+
+def build_checked_model(recipe: MegatronRecipe, layout: ParallelConfig, groups: ProcessGroupCollection, *, rank: int,
+                        device: torch.device | None = None, unfilled: bool = False, agree: bool = True
+                        ) -> torch.nn.Module:
+    """Every front end's model: this rank's shard at ``layout`` (``build_model``), checked against the
+    recipe's description (``check_model_description``: a ``ModelProvider``'s; with ``agree``,
+    collective)."""
+    model = build_model(recipe, layout, groups, device=device, unfilled=unfilled)
+    check_model_description(recipe, model, layout, rank, groups, agree=agree)
+    return model
+
+
+def build_training_state(recipe: MegatronRecipe, layout: ParallelConfig, optimizer: "AdamSettings | OptimizerConfig",
+                         *, seed: int, rank: int, groups: ProcessGroupCache | None = None,
+                         device: torch.device | None = None) -> MegatronState:
+    """A loop's whole set-up at ``layout``, in the order every front end runs it: the optimizer's
+    settings checked against the layout, megatron's groups, the model shard (checked against its
+    description), DDP and the optimizer. Collective over the world. (``DynaTrainStrategy`` runs
+    the same steps across Lightning's hooks: groups in ``setup_environment``, the model in
+    ``configure_model``, the optimizer in ``setup_optimizers``.)
+
+    Raises:
+        LayoutError: zero1 with an optimizer megatron's distributed optimizer does not take.
+        ModelSpecError: the model built does not hold what its description says.
+    """
+    validate_optimizer(optimizer_config(optimizer), layout)
+    pgs = init_groups(layout, seed=seed, groups=groups)
+    model = build_checked_model(recipe, layout, pgs, rank=rank, device=device)
+    return attach_optimizer(model, recipe, layout, optimizer, pgs)
 
 
 def microbatches(recipe: MegatronRecipe, layout: ParallelConfig) -> int:
@@ -179,6 +212,8 @@ def _inner(state: MegatronState) -> list[torch.optim.Optimizer | None]:
 __all__ = [
     "attach_optimizer",
     "build_model",
+    "build_checked_model",
+    "build_training_state",
     "check_model_description",
     "eval_step",
     "init_groups",

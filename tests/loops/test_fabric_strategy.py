@@ -78,3 +78,14 @@ def test_the_engines_settings_come_from_the_host_or_the_argument_never_two_diffe
     assert _plugin_of(_HostWithSettings(None), None) == DynaTrainPlugin()
     with pytest.raises(LoopSetupError, match="HINT: pass the layout, schedule and budgets to the Fabric strategy only"):
         _plugin_of(_HostWithSettings(held), given)
+
+
+def test_the_engine_takes_the_optimizers_settings_once() -> None:
+    """``optimizer=`` (megatron's OptimizerConfig or AdamSettings) or ``adam=``: refused before anything is set up."""
+    from lightning_dynatrain.loop import DynaTrainEngine
+    from lightning_dynatrain.strategy import AdamSettings
+
+    with pytest.raises(LoopSetupError, match="neither optimizer= nor adam= was given"):
+        DynaTrainEngine(object(), recipe=None)  # type: ignore[arg-type]
+    with pytest.raises(LoopSetupError, match="both optimizer= and adam="):
+        DynaTrainEngine(object(), recipe=None, optimizer=AdamSettings(lr=1e-3), adam=AdamSettings(lr=1e-3))  # type: ignore[arg-type]

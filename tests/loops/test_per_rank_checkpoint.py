@@ -1,10 +1,15 @@
-"""A per-rank checkpoint folder of an earlier version (every rank's model and optimizer shard, and
-``layout.json``) still loads into a ``DynaTrainEngine``: the engine switches to the folder's layout
-in memory, then reads the shards.
+"""The loop engine under a plain ``LoopHost`` (the default process group made by the test's
+launcher, no loop library), two gloo processes, one job:
 
-Two gloo processes run the engine under a plain ``LoopHost`` (the default process group made by
-the test's launcher, no loop library): the folder is written at ``dp1-tp2-pp1`` after one step the
-way earlier versions wrote it, then a second engine built at ``dp2`` loads it.
+- a per-rank checkpoint folder of an earlier version (every rank's model and optimizer shard, and
+  ``layout.json``) still loads: written at ``dp1-tp2-pp1`` after one step the way earlier versions
+  wrote it, a second engine built at ``dp2`` switches to the folder's layout in memory, then reads
+  the shards;
+- a model of the user's (``ModelProvider``: the GPT with its own MLP layer) with megatron's
+  ``OptimizerConfig`` (SGD with momentum) trains and switches ``dp2 -> tp2 -> dp2`` under the engine
+  (``verify=True``: the whole logical state compared around each switch), through the same set-up
+  as the strategy (``build_training_state``: its description checked on the live module), and
+  tracks an engine that never switched.
 """
 
 from __future__ import annotations
@@ -42,6 +47,38 @@ class PlainHost:
         return []
 
 
+def _own_model_engine(layout: str, *, verify: bool):
+    from megatron.core.optimizer import OptimizerConfig
+
+    from lightning_dynatrain.accelerate import DynaTrainPlugin
+    from lightning_dynatrain.loop import DynaTrainEngine
+    from lightning_dynatrain.strategy import MegatronRecipe
+    from tests.strategy.own_models import GLOBAL_BATCH, MICRO_BATCH, split_mlp_gpt
+
+    recipe = MegatronRecipe(model=split_mlp_gpt(), seed=11, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH)
+    return DynaTrainEngine(PlainHost(), DynaTrainPlugin(layout=layout, schedule_ahead=False, verify=verify),
+                           recipe=recipe, optimizer=OptimizerConfig(optimizer="sgd", lr=0.05, sgd_momentum=0.9,
+                                                                    weight_decay=0.01))
+
+
+def _own_model(rank: int, world: int) -> dict:
+    from lightning_dynatrain.data import StdlibBytes
+    from tests.strategy.own_models import SEQ
+
+    runs = {}
+    for name, layouts in (("switched", ["dp2-tp1-pp1", "dp1-tp2-pp1", "dp2-tp1-pp1"]), ("static", ["dp2-tp1-pp1"])):
+        engine = _own_model_engine(layouts[0], verify=name == "switched")
+        batches = iter(engine.dataloader(StdlibBytes(SEQ, max_bytes=40_000), seed=5))
+        losses = []
+        for step in range(6):
+            if step in (2, 4) and len(layouts) > 1:
+                engine.reconfigure(layouts[step // 2])
+            losses.append(engine.train_step(next(batches)))
+        runs[name] = {"losses": losses, "history": [(str(r.src), str(r.dst)) for r in engine.history]}
+        engine.close()
+    return runs
+
+
 def _engine(layout: str):
     from lightning_dynatrain.accelerate import DynaTrainPlugin
     from lightning_dynatrain.data import VOCAB_SIZE
@@ -61,6 +98,10 @@ def _params(engine) -> dict[str, torch.Tensor]:
 
 
 def _job(rank: int, world: int, folder: str) -> dict:
+    return {"per_rank": _per_rank(rank, world, folder), "own_model": _own_model(rank, world)}
+
+
+def _per_rank(rank: int, world: int, folder: str) -> dict:
     from lightning_dynatrain.data import StdlibBytes
     from lightning_dynatrain.loop.checkpoint import SHARDS, load_engine_state
     from lightning_dynatrain.strategy.checkpoint import save_rank_checkpoint
@@ -88,11 +129,27 @@ def _job(rank: int, world: int, folder: str) -> dict:
             "next_loss": (next_loss, second.train_step(batch))}
 
 
-def test_a_per_rank_folder_of_an_earlier_version_loads_by_switching_to_its_layout(tmp_path: Path) -> None:
-    results = run_distributed(_job, 2, str(tmp_path / "ckpt"), timeout_s=180)
-    for result in results:
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> tuple[Path, list[dict]]:
+    folder = tmp_path_factory.mktemp("loop") / "ckpt"
+    return folder, run_distributed(_job, 2, str(folder), timeout_s=300)
+
+
+def test_a_per_rank_folder_of_an_earlier_version_loads_by_switching_to_its_layout(job) -> None:
+    folder, results = job
+    for result in (r["per_rank"] for r in results):
         assert result["layout"] == "dp1-tp2-pp1"  # switched to the folder's layout, then read the shards
-        assert (result["loaded_step"], result["last"]) == (1, str(tmp_path / "ckpt"))
+        assert (result["loaded_step"], result["last"]) == (1, str(folder))
         assert result["same_params"]
         straight, resumed = result["next_loss"]
         assert resumed == straight  # the optimizer's state came back too: the next step is bit for bit
+
+
+def test_a_model_of_the_users_with_sgd_trains_and_switches_under_the_loop_engine(job) -> None:
+    _, results = job
+    for runs in (r["own_model"] for r in results):
+        switched, static = runs["switched"], runs["static"]
+        assert switched["history"] == [("dp2-tp1-pp1", "dp1-tp2-pp1"), ("dp1-tp2-pp1", "dp2-tp1-pp1")]
+        assert switched["losses"][:2] == static["losses"][:2]  # before the first switch: the same run
+        assert switched["losses"] == pytest.approx(static["losses"], rel=1e-4)
+        assert switched["losses"][-1] < switched["losses"][0]
