@@ -132,6 +132,7 @@ def compile_switch(
         buffer_bytes=max([r.buffer for r in raw], default=0),
         sources=sources, destinations=destinations,
         promotes=link_costs is not None, broadcast_groups=tuple(sorted({j.members for j in jobs})), steps=steps,
+        group_size=plan.world,
     )
 
 

@@ -216,6 +216,8 @@ class SwitchProgram:
             rank's broadcast groups before anything moves (a collective all ranks join).
         broadcast_groups: member sets (plan ranks) of the promoted broadcasts this rank joins, sorted.
         steps: the steps, in order.
+        group_size: the processes of the switch's group (0: the larger layout's world; a world
+            change that renumbers, or one after a death, says so).
     """
 
     rank: int
@@ -230,10 +232,12 @@ class SwitchProgram:
     promotes: bool
     broadcast_groups: tuple[tuple[int, ...], ...]
     steps: tuple[Step, ...]
+    group_size: int = 0
 
     @property
     def world(self) -> int:
-        return max(self.src.world_size, self.dst.world_size)
+        """The processes the switch spans."""
+        return self.group_size or max(self.src.world_size, self.dst.world_size)
 
     def counts(self) -> Counter[str]:
         """Steps by kind, and messages: ``{"exchange": 3, "messages": 8, "direct": 2, ...}``."""
