@@ -55,7 +55,8 @@ class ElasticJob:
         self.store_proc = subprocess.Popen(
             [sys.executable, "-m", "lightning_dynatrain.cli", "store", "--host", "127.0.0.1", "--port", "0",
              "--dead-after", str(self.dead_after),
-             *(("--suspect-after", str(self.suspect_after)) if self.suspect_after is not None else ())], env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True)
+             *(("--suspect-after", str(self.suspect_after)) if self.suspect_after is not None else ())],
+            env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True)
         port = self.store_proc.stdout.readline().strip().rsplit(":", 1)[-1]
         self.env["DYNATRAIN_STORE"] = f"127.0.0.1:{port}"
         self.client = JobStore.connect(self.env["DYNATRAIN_STORE"], TOKEN)

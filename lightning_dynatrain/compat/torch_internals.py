@@ -148,6 +148,7 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
 
 __all__ = ["Shard", "ShardMetadata", "ShardedTensor", "ShardedTensorMetadata", "TensorProperties",
            "backend_name", "build_default_group", "default_group", "default_store", "fake_process_group",
-           "group_count", "is_registered", "named_group_count", "register_default_group", "registered_groups", "run_backward",
+           "group_count", "is_registered", "named_group_count", "register_default_group", "registered_groups",
+           "run_backward",
            "set_default_group", "sharded_tensor_from_shards",
            "set_group_count", "set_group_timeout", "view_base"]

@@ -29,8 +29,8 @@ members that died at the same instant said they were alive last up to a heartbea
 record must name them all). Once a member reported a collective that failed (``suspect/{member}``,
 a count in ``suspects``: gloo says at once when a peer's connection closed), the bound is
 ``suspect_after`` instead, a few heartbeats: the dead are named in seconds, not ``dead_after``
-(which stays for a member that hangs without anything failing): the job must stop (every trainer's watchdog reads it), and every request after
-that is refused (also when the members stopped because their fit ended). A joiner that stops before
+(which stays for a member that hangs without anything failing). The job must stop then (every
+trainer's watchdog reads the record), and every request after that is refused (also when the members stopped because their fit ended). A joiner that stops before
 its generation is installed only cancels that change (a generation with the running world's
 members, ``dropped``): training goes on.
 """

@@ -144,7 +144,8 @@ class SubgroupNamingError(RuntimeError):
     """The members of a broadcast subgroup would create it under different names (and wait forever)."""
 
 
-def diverging_names(counts: Mapping[int, int], member_sets: Iterable[tuple[int, ...]]) -> list[tuple[tuple[int, ...], dict[int, int]]]:
+def diverging_names(counts: Mapping[int, int], member_sets: Iterable[tuple[int, ...]]
+                    ) -> list[tuple[tuple[int, ...], dict[int, int]]]:
     """The member sets, created in the given order with ``use_local_synchronization``, whose members
     would name the group differently: torch hashes each member's count of named groups into the
     name, and each creation adds one on its members only. ``counts``: rank -> that count before the
@@ -197,7 +198,8 @@ class SubgroupCache:
         wanted = sorted({tuple(m) for sets, _ in gathered for m in sets})  # type: ignore[misc]
         missing = [members for members in wanted if comm.global_ranks(members) not in self._groups]
         if not spans_world:
-            clashes = diverging_names({r: count for r, (_, count) in enumerate(gathered)}, missing)  # type: ignore[misc]
+            counts = {r: count for r, (_, count) in enumerate(gathered)}  # type: ignore[misc]
+            clashes = diverging_names(counts, missing)
             if clashes:
                 members, counts = clashes[0]
                 raise SubgroupNamingError(

@@ -303,7 +303,8 @@ class DynaTrainEngine:
             from lightning_dynatrain.megatron.state import release_state
 
             old = self.state
-            self._state, report = self.switcher.switch(old, layout, recipe=self.recipe, optimizer=self.optimizer_settings,
+            self._state, report = self.switcher.switch(old, layout, recipe=self.recipe,
+                                                       optimizer=self.optimizer_settings,
                                                        step=self.step, deferred=False)
             release_state(old)  # taken apart: reference counting frees it (``megatron.state``)
             self.history.append(report)

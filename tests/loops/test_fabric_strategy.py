@@ -88,4 +88,5 @@ def test_the_engine_takes_the_optimizers_settings_once() -> None:
     with pytest.raises(LoopSetupError, match="neither optimizer= nor adam= was given"):
         DynaTrainEngine(object(), recipe=None)  # type: ignore[arg-type]
     with pytest.raises(LoopSetupError, match="both optimizer= and adam="):
-        DynaTrainEngine(object(), recipe=None, optimizer=AdamSettings(lr=1e-3), adam=AdamSettings(lr=1e-3))  # type: ignore[arg-type]
+        DynaTrainEngine(object(), recipe=None, optimizer=AdamSettings(lr=1e-3),  # type: ignore[arg-type]
+                        adam=AdamSettings(lr=1e-3))

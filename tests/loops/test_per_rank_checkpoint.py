@@ -55,7 +55,8 @@ def _own_model_engine(layout: str, *, verify: bool):
     from lightning_dynatrain.strategy import MegatronRecipe
     from tests.strategy.own_models import GLOBAL_BATCH, MICRO_BATCH, split_mlp_gpt
 
-    recipe = MegatronRecipe(model=split_mlp_gpt(), seed=11, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH)
+    recipe = MegatronRecipe(model=split_mlp_gpt(), seed=11, global_batch_size=GLOBAL_BATCH,
+                            micro_batch_size=MICRO_BATCH)
     return DynaTrainEngine(PlainHost(), DynaTrainPlugin(layout=layout, schedule_ahead=False, verify=verify),
                            recipe=recipe, optimizer=OptimizerConfig(optimizer="sgd", lr=0.05, sgd_momentum=0.9,
                                                                     weight_decay=0.01))

@@ -46,7 +46,8 @@ def test_the_survivors_plan_is_exact_and_minimal_or_names_what_went(case):
     lost = lost_state(spec, src, dead, precision)
     assert all(set(b.holders) <= dead for b in lost)
     try:
-        plans = plan_all(spec, src, dst, members=members, precision=precision, topology=Topology.uniform(members.size, 2))
+        plans = plan_all(spec, src, dst, members=members, precision=precision,
+                         topology=Topology.uniform(members.size, 2))
     except StateLostError as err:
         event("state lost")
         assert lost and err.lost == lost and err.ranks == tuple(sorted(dead))
