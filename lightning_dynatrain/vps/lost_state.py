@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.mapping import is_sharded, state_placement
+from lightning_dynatrain.vps.mapping import held_boxes
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 
@@ -43,18 +43,8 @@ def lost_state(spec: ModelSpec, layout: ParallelConfig, dead: Iterable[int],
     """Every box of ``layout``'s state whose holders are all in ``dead`` (empty: the survivors hold
     the whole state), in the spec's tensor order."""
     dead = frozenset(dead)
-    out: list[LostBox] = []
-    for tensor in spec.tensors:
-        for kind, _ in precision.kinds_of(tensor):
-            sharded = is_sharded(layout, kind)
-            placement = state_placement(spec, layout, tensor.name, sharded, precision if sharded else Precision.FP32)
-            seen: set[Box] = set()
-            for rank in sorted(dead):
-                for region in placement.regions(rank):
-                    for box, holders in placement.pieces(region.box):
-                        if box not in seen and dead.issuperset(holders):
-                            seen.add(box)
-                            out.append(LostBox(tensor.name, kind, box, tuple(holders)))
+    out = [LostBox(tensor, kind, box, holders) for tensor, kind, box, holders in
+           held_boxes(spec, layout, precision, ranks=dead) if dead.issuperset(holders)]
     return tuple(out)
 
 

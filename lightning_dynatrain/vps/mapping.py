@@ -18,7 +18,7 @@ Both answer the same two questions, which is all the planner needs:
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 from lightning_dynatrain.vps.box import Box, decompose_flat, ravel
 from lightning_dynatrain.vps.grid import Cell, GridPlacement, grid_placement
@@ -236,3 +236,21 @@ def rank_regions(
             if regions:
                 out[(tensor.name, kind)] = regions if dtype == "float32" else [r._replace(dtype=dtype) for r in regions]
     return out
+
+
+def held_boxes(spec: ModelSpec, layout: ParallelConfig, precision: Precision = Precision.FP32,
+               ranks: Iterable[int] | None = None) -> Iterator[tuple[str, StateKind, Box, tuple[int, ...]]]:
+    """Every box of ``layout``'s state that one of ``ranks`` holds (default: every rank), once, with
+    all its holders: ``(tensor, kind, box, holders)``, in the spec's tensor order."""
+    ranks = range(layout.world_size) if ranks is None else sorted(ranks)
+    for tensor in spec.tensors:
+        for kind, _ in precision.kinds_of(tensor):
+            sharded = is_sharded(layout, kind)
+            placement = state_placement(spec, layout, tensor.name, sharded, precision if sharded else Precision.FP32)
+            seen: set[Box] = set()
+            for rank in ranks:
+                for region in placement.regions(rank):
+                    for box, holders in placement.pieces(region.box):
+                        if box not in seen:
+                            seen.add(box)
+                            yield tensor.name, kind, box, tuple(holders)

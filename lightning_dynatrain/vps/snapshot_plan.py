@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.lost_state import LostBox, lost_state
-from lightning_dynatrain.vps.mapping import is_sharded, state_placement
+from lightning_dynatrain.vps.mapping import held_boxes
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 from lightning_dynatrain.vps.topology import Topology
 
@@ -107,22 +107,13 @@ def snapshot_plan(spec: ModelSpec, layout: ParallelConfig, topology: Topology,
         return nxt[mine.index(sender) % len(nxt)]
 
     copies: list[SnapshotCopy] = []
-    itemsizes: dict[tuple[str, StateKind], int] = {}
-    for tensor in spec.tensors:
-        for kind, _ in precision.kinds_of(tensor):
-            itemsizes[(tensor.name, kind)] = spec.itemsize(tensor.name, kind, precision)
-            sharded = is_sharded(layout, kind)
-            placement = state_placement(spec, layout, tensor.name, sharded, precision if sharded else Precision.FP32)
-            seen: set[Box] = set()
-            for rank in range(world):
-                for region in placement.regions(rank):
-                    for box, holders in placement.pieces(region.box):
-                        if box in seen or len({domain_of[h] for h in holders}) > 1:
-                            continue
-                        seen.add(box)
-                        if len(domains) > 1:
-                            sender = sorted(holders)[len(seen) % len(holders)]
-                            copies.append(SnapshotCopy(tensor.name, kind, box, sender, keeper(sender)))
+    itemsizes = {(t.name, kind): spec.itemsize(t.name, kind, precision) for t in spec.tensors
+                 for kind, _ in precision.kinds_of(t)}
+    if len(domains) > 1:
+        for tensor, kind, box, holders in held_boxes(spec, layout, precision):
+            if len({domain_of[h] for h in holders}) == 1:  # one domain's loss would take it: copy it out
+                sender = sorted(holders)[len(copies) % len(holders)]
+                copies.append(SnapshotCopy(tensor, kind, box, sender, keeper(sender)))
     return SnapshotPlan(layout, precision, domains, tuple(copies), tuple(itemsizes.items()))
 
 
