@@ -1,4 +1,4 @@
-"""What one world change cost and moved (``ElasticDriver.change_world``; ``OnNodeChange`` logs it)."""
+"""What one world change cost and moved (``strategy.world_change.change_world``; ``OnNodeChange`` logs it)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ process's ``elastic.ElasticSession`` and does the Lightning and megatron work of
 **Entering** (``enter``, from ``setup_environment``): every process asks the job's store to join;
 the ones a launcher started together form the first world, a process started later joins the
 running job. A joiner then takes part in the new world's first collectives, in this order, which
-the old members run at the change's boundary (``change_world``; built ahead, the default, (1) and
-(2) run at the boundary before, see ``strategy/elastic_ahead.py``, and the Adam step comes at the
-swap):
+the old members run at the change's boundary (``world_change.change_world``; built ahead, the
+default, (1) and (2) run at the boundary before, see ``strategy/elastic_ahead.py``, and the Adam
+step comes at the swap):
 
 1. the *header* broadcast from the new world's rank 0: the target layout, the source layout, the
    global and Adam step (``enter``);
@@ -40,26 +40,23 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_dynatrain.compat.lightning_internals import checkpoint_connector, restore_as_loaded
-from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, moved_bytes, parse_policy
+from lightning_dynatrain.compat.lightning_internals import restore_as_loaded
+from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
 from lightning_dynatrain.elastic.session import JOIN_FAULT_ENV, ElasticSession, WorldChange
-from lightning_dynatrain.elastic.world import retire
-from lightning_dynatrain.elastic.world_cache import KeptWorld
-from lightning_dynatrain.engine.errors import was_refused
 from lightning_dynatrain.strategy.change_report import ChangeReport
 from lightning_dynatrain.strategy.elastic_environment import ElasticEnvironment, LauncherError, launch_id, set_rank_zero
-from lightning_dynatrain.strategy.loggers import continue_loggers, flush_loggers, logger_versions, pin_logger_versions
+from lightning_dynatrain.strategy.loggers import logger_versions, pin_logger_versions
 from lightning_dynatrain.strategy.elastic_ahead import AheadChange
 from lightning_dynatrain.strategy.step_clock import OverlapClock
-from lightning_dynatrain.strategy.switching import WorldGroupCaches
+from lightning_dynatrain.strategy.world_change import broadcast_object, change_world
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
@@ -69,7 +66,6 @@ if TYPE_CHECKING:
 
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
-    from lightning_dynatrain.vps.topology import Topology
 
 
 class ElasticDriver:
@@ -95,7 +91,8 @@ class ElasticDriver:
         self._clock = OverlapClock()  # step seconds, with and without a change pending
         self._ahead: AheadChange | None = None  # the pending change, built ahead (strategy/elastic_ahead.py)
         self.rolled_back: list[dict[str, Any]] = []
-        """World changes that failed with the old state whole and went back to the old world (``_go_back``)."""
+        """World changes that failed with the old state whole and went back to the old world
+        (``world_change.go_back``)."""
 
     @property
     def local_collectives(self) -> bool:
@@ -136,10 +133,10 @@ class ElasticDriver:
         loggers = self._loggers()
         change = self.session.joined_change
         if change is None:  # the first world: one version directory for whoever is rank 0 later
-            pin_logger_versions(loggers, _broadcast_object(logger_versions(loggers) if self.session.rank == 0 else None))
+            pin_logger_versions(loggers, broadcast_object(logger_versions(loggers) if self.session.rank == 0 else None))
             return None
         self.catching_up = True
-        self.header = _broadcast_object(None)  # (1) from the new world's rank 0, an old member
+        self.header = broadcast_object(None)  # (1) from the new world's rank 0, an old member
         pin_logger_versions(loggers, self.header["loggers"])
         rank_zero_info(f"[dynatrain] joined {change} at step {self.header['step']}")
         return ParallelConfig.parse(self.header["layout"])
@@ -192,7 +189,7 @@ class ElasticDriver:
                 return build()
 
         def step_at_the_swap() -> int:  # the others swapped: the switch has begun
-            step = int(_broadcast_object(None)["adam_step"])
+            step = int(broadcast_object(None)["adam_step"])
             if os.environ.get(JOIN_FAULT_ENV) == "STOP_IN_SWITCH":  # test hook (elastic.session)
                 os.kill(os.getpid(), signal.SIGSTOP)
             return step
@@ -213,13 +210,13 @@ class ElasticDriver:
     def receive_trainer_state(self, trainer: "pl.Trainer") -> None:
         """(4) Lightning's state from rank 0, restored as a resumed fit restores it (no tensors), and
         the rate the schedulers set last (the optimizer's: its tensors came through the engine)."""
-        checkpoint = _broadcast_object(None)
+        checkpoint = broadcast_object(None)
         restore_as_loaded(trainer, checkpoint)
         scalars = (checkpoint.get("optimizer_states") or [{}])[0]
         if "schedule" in scalars:
             self.strategy.optimizer_handle.load_schedule(scalars["schedule"])
         # (5) the report of the grow that admitted this process (rank 0's, once its figures are known)
-        self.admitted_by = ChangeReport(**_broadcast_object(None))
+        self.admitted_by = ChangeReport(**broadcast_object(None))
         self.history.append(self.admitted_by)
 
     def end_catching_up(self) -> None:
@@ -251,13 +248,14 @@ class ElasticDriver:
                 return None
             if not self._ahead.built_everywhere():
                 return None
-        report = self.change_world(change, trainer)
+        ahead, self._ahead = self._ahead, None
+        report = change_world(self, change, trainer, ahead=ahead, detected=self._detected_at)
         self._detected_at, self._last_boundary = None, time.perf_counter()  # the pause is not a step
         slowdown = self._clock.slowdown()
         if report is not None:
             report.overlap_slowdown = slowdown
             if change.grows:  # (5) the joiners record the grow that admitted them, as the members do
-                _broadcast_object(asdict(report) if self.session.rank == 0 else None)
+                broadcast_object(asdict(report) if self.session.rank == 0 else None)
             self.history.append(report)
             rank_zero_info(str(report))
         return report
@@ -281,7 +279,7 @@ class ElasticDriver:
                              precision=precision_of(strategy.megatron.model, strategy.megatron.optimizer),
                              members=change.members, memory_per_rank=self.memory_per_rank, model=self.step_model)
 
-    def _header(self, trainer: "pl.Trainer", target: ParallelConfig) -> dict[str, Any]:
+    def join_header(self, trainer: "pl.Trainer", target: ParallelConfig) -> dict[str, Any]:
         """(1) what a joiner learns first: the layouts, the step, the loggers' versions, whether the
         target is built ahead (its Adam step then comes in a broadcast of its own at the swap)."""
         from lightning_dynatrain.megatron.state_bridge import adam_step
@@ -301,135 +299,13 @@ class ElasticDriver:
         borrowed = None if change.leaving else self.session.borrow()
         if change.grows:  # (1) for the joiners, waiting on the next world
             with borrowed:
-                _broadcast_object(self._header(trainer, choice.layout) if change.new.rank_of(change.me) == 0 else None)
+                first = change.new.rank_of(change.me) == 0
+                broadcast_object(self.join_header(trainer, choice.layout) if first else None)
         kept = self.session.pending_kept
         self._ahead = AheadChange.start(self.strategy, change, choice, borrowed,
                                         kept=kept.extra if kept is not None else None)
         rank_zero_info(f"[dynatrain] step {trainer.global_step}: {change}: building {choice.layout} ahead "
                        f"({time.perf_counter() - start:.3f} s for its groups)")
-
-    def change_world(self, change: WorldChange, trainer: "pl.Trainer") -> ChangeReport | None:
-        """Swap to ``change.new`` at this boundary and move the state (see the module docstring)."""
-        from lightning_dynatrain.megatron.hot_switch import hot_switch, send_state
-        from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
-        from lightning_dynatrain.megatron.state_bridge import adam_step, precision_of
-        from lightning_dynatrain.strategy.topology import gather_topology
-
-        assert self.session is not None
-        strategy, start = self.strategy, time.perf_counter()
-        detected = self._detected_at or start
-        ahead, self._ahead = self._ahead, None
-        choice = ahead.choice if ahead is not None else self.choose(change)
-        src, target, step = strategy.layout, choice.layout, trainer.global_step
-        old_world = dist.GroupMember.WORLD
-        build_seconds = self.session.build_seconds()
-        # a shrink's switch runs over the old world, under its switch watch (every old member, leavers too)
-        old_watch = strategy.switcher.world_watch() if not change.grows else None
-        if change.leaving:
-            if strategy.global_rank == 0:  # written before the survivors can go on: the next rank 0 appends
-                flush_loggers(trainer.loggers)
-            setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)
-            send_state(strategy.megatron, target, setup, members=change.members, group=old_world, watch=old_watch)
-            self.left = True
-            trainer.should_stop = True
-            self.session.close()
-            rank_zero_info(f"[dynatrain] this process left the job at step {step} ({change})")
-            print(f"[dynatrain] process {self.session.me} handed its state off at step {step} and leaves",
-                  flush=True)
-            return None
-        prepared = ahead.prepared() if ahead is not None else None
-        was_rank_zero = strategy.global_rank == 0
-        kept = self.session.pending_kept  # a return to a kept world: its groups are all there
-        left_world = self.session.swap(change, borrowed=ahead.borrowed if ahead is not None else None)
-        old_caches = strategy.switcher.world_caches()
-        if old_watch is not None:
-            strategy.switcher.detach_watch()  # kept until the shrink's switch over the old world ends
-        set_rank_zero(self.session.rank)
-        groups = strategy.switcher.new_world_groups(ahead.groups if ahead is not None else None,
-                                                    kept=kept.extra if kept is not None else None)
-        if change.grows:  # the joiners wait for (1)-(4) in this order (see the module docstring)
-            old_topology = strategy.switcher.topology
-            if ahead is None:
-                _broadcast_object(self._header(trainer, target) if self.session.rank == 0 else None)  # (1)
-                initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (2)
-                strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
-            else:  # (1), (2) and the switch watch came at the prepare boundary; the joiners wait for the Adam step
-                strategy.switcher.new_world(ahead.topology)
-                if ahead.watch is not None:
-                    strategy.switcher.adopt_watch(ahead.watch)
-                _broadcast_object({"adam_step": adam_step(strategy.megatron.optimizer) or 0}
-                                  if self.session.rank == 0 else None)
-            setup = ahead.setup if ahead is not None else \
-                strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings, grows=True)
-            # (3) under the new world's switch watch (its deadline; a joiner that dies or stalls is named)
-            try:
-                result = hot_switch(strategy.megatron, target, setup, groups=groups, members=change.members,
-                                    prepared=prepared, watch=strategy.switcher.world_watch(),
-                                    restore_source_groups=False)
-            except Exception as err:
-                if not was_refused(err):  # the state of this step is lost (or a rank holding it is gone)
-                    raise
-                self._go_back(change, step, err, RetainedWorld(left_world, old_caches, old_topology))
-                return None
-            self.session.confirm(change)
-            self.session.retire(left_world, extra=old_caches)  # (kept until here: a failed switch goes back to it)
-            strategy._install(result.state)
-            _broadcast_object(self._trainer_state(trainer) if self.session.rank == 0 else None)  # (4)
-        else:  # the leavers send over the old world; the survivors build the target on the new one
-            if ahead is None:
-                # the old world's topology
-                setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)
-                initialize_for_layout(target, seed=strategy.seed, groups=groups)
-            else:
-                setup = ahead.setup
-            try:
-                result = hot_switch(strategy.megatron, target, setup, groups=groups, group=old_world,
-                                    members=change.members, prepared=prepared, watch=old_watch)
-            finally:
-                assert old_watch is not None
-                old_watch.close()
-            strategy._install(result.state)
-            self.session.retire(left_world, extra=old_caches)
-            strategy.switcher.new_world(ahead.topology if ahead is not None
-                                        else gather_topology(strategy.cluster_environment))
-            if self.session.rank == 0 and not was_rank_zero:  # the old rank 0 left (its files are written)
-                continue_loggers(trainer.loggers)
-        pause = time.perf_counter() - start
-        moved = moved_bytes(setup.spec, src, target, precision_of(strategy.megatron.model, strategy.megatron.optimizer),
-                            change.members)  # the plan's total: no collective (the joiners have gone on)
-        return ChangeReport(step=step, change=str(change), src=str(src), dst=str(target), reason=choice.reason,
-                            detect_to_swap_seconds=start - detected, pause_seconds=pause,
-                            transfer_seconds=result.phases.get("engine", 0.0), build_seconds=build_seconds,
-                            rebuild_seconds=result.rebuild_seconds, moved_bytes=moved,
-                            ahead_build_seconds=result.ahead_build_seconds, kept_world=kept is not None)
-
-    def _go_back(self, change: WorldChange, step: int, err: Exception, old: "RetainedWorld") -> None:
-        """A grow's switch failed with the old state whole on every old member (a joiner went
-        missing or stalled, under ``switch_safety="keep_old"`` or before anything moved; or the
-        switch was refused): the old world, its groups and its layout's megatron groups come back,
-        the new world's groups are destroyed, and training goes on. The joiners fail; the store,
-        which was not told of the new world, cancels the change once their heartbeats stop."""
-        from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
-
-        assert self.session is not None and old.world is not None
-        strategy = self.strategy
-        new_world = self.session.swap_back(change, old.world)
-        strategy.switcher.new_world_groups(kept=old.caches)  # the new world's watch and subgroups go
-        retire(new_world.groups)
-        initialize_for_layout(strategy.layout, seed=strategy.seed, groups=old.caches.groups)  # cached: makes none
-        assert old.topology is not None
-        strategy.switcher.new_world(old.topology)
-        set_rank_zero(self.session.rank)
-        self.rolled_back.append({"step": step, "change": str(change), "layout": str(strategy.layout),
-                                 "error": f"{type(err).__name__}: {err}"})
-        rank_zero_warn(f"[dynatrain] step {step}: {change} failed with the old state whole, so it was rolled back: "
-                       f"training goes on at {strategy.layout} on the world of {len(change.old.members)} "
-                       f"({type(err).__name__}: {err})")
-
-    def _trainer_state(self, trainer: "pl.Trainer") -> dict:
-        """Lightning's checkpoint dict: loops, callbacks, data module, schedulers; no tensors (the
-        strategy's holds the optimizer's scalars only, the weights go under logical keys)."""
-        return checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
 
     def leave(self, step: int = -1) -> None:
         """Ask to leave the job at the boundary after optimizer step ``step`` (the state goes then)."""
@@ -439,23 +315,6 @@ class ElasticDriver:
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
-
-
-@dataclass(frozen=True)
-class RetainedWorld:
-    """What a grow's old members keep of their world until its switch succeeded (``_go_back``)."""
-
-    world: KeptWorld | None  # its default group and groups (``ElasticSession.swap`` returned them)
-    caches: WorldGroupCaches  # the strategy's caches of its megatron and switch groups
-    topology: "Topology | None"
-
-
-def _broadcast_object(obj: Any) -> Any:
-    """One object from rank 0 of the world to every rank (a real collective, whatever the strategy's
-    collectives do while catching up)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 __all__ = ["ChangeReport", "ElasticDriver", "ElasticEnvironment", "LauncherError"]
