@@ -95,7 +95,7 @@ THIRD_PARTY: tuple[QuietWarning, ...] = (
         FutureWarning, r"torch\.distributed\.c10d_logger", "`torch.distributed.all_gather_into_tensor` is deprecated",
         "megatron-core 0.16.1's distributed optimizer gathers params with the old name (param_and_grad_buffer.py)"),
     QuietWarning(
-        UserWarning, r"(lightning_dynatrain\.megatron\.cpu_patches|torch\.optim\.)",
+        UserWarning, r"(lightning_dynatrain\.devices\.host\.megatron_patches|torch\.optim\.)",
         "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
         "megatron-core 0.16.1's distributed optimizer keeps the shards of fp32 params as views of them and sets "
         "their .grad itself (distrib_optimizer._copy_model_grads_to_main_grads); torch warns at its first read, in "

@@ -6,7 +6,7 @@ name or module of theirs, an attribute starting with ``_`` taken on one of their
 ``parallel_state._global_process_group_list``), and their objects' private attributes the package is
 known to reach (``trainer._checkpoint_connector``, ``group._get_backend_name``). They may appear in
 ``lightning_dynatrain/compat/`` (each module there says the version it was checked on) and in the
-CPU adapter ``lightning_dynatrain/megatron/cpu_patches/``, which patches megatron's private functions
+CPU adapter ``lightning_dynatrain/devices/host/megatron_patches/``, which patches megatron's private functions
 by design, one commented patch each. Anywhere else the test fails, naming the file and the name.
 """
 
@@ -21,7 +21,7 @@ PACKAGE = ROOT / "lightning_dynatrain"
 #: (the tests may read internals to check them)
 USER_CODE = ("benchmarks", "examples", "scripts")
 THIRD_PARTY = ("torch", "megatron", "lightning", "lightning_fabric", "lightning_utilities", "accelerate")
-ALLOWED = ("compat", "megatron/cpu_patches")
+ALLOWED = ("compat", "devices/host/megatron_patches")
 #: private attributes of their *objects* (not modules) the package takes: a new one must be added
 #: here when it is moved into the compatibility layer
 OBJECT_PRIVATES = {

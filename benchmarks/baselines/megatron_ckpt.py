@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.state import MegatronState
 
 #: The distributed optimizer's resharding format (see the module docstring).
@@ -119,11 +119,16 @@ def _slowest(*seconds: float) -> list[float]:
     return t.tolist()
 
 
+def _megatron_context(state: MegatronState):
+    """Megatron's calls on ``state``'s device (its device kind's context)."""
+    return device_kind(next(state.model.parameters()).device).megatron_context()
+
+
 def save(state: MegatronState, path: str) -> MegatronCkptTimes:
     """Write ``state`` with ``dist_checkpointing.save`` (collective; ``path`` exists, is empty)."""
     dist.barrier()
     t0 = time.perf_counter()
-    with megatron_on_cpu():
+    with _megatron_context(state):
         sharded = _sharded_state_dict(state, is_loading=False)
         t1 = time.perf_counter()
         dist_checkpointing.save(sharded, path)
@@ -137,7 +142,7 @@ def load(state: MegatronState, path: str) -> MegatronCkptTimes:
     """Fill ``state`` (built empty at the new layout, Adam state materialised) from ``path``."""
     dist.barrier()
     t0 = time.perf_counter()
-    with megatron_on_cpu(), _skip_step_on_load():
+    with _megatron_context(state), _skip_step_on_load():
         sharded = _sharded_state_dict(state, is_loading=True)
         t1 = time.perf_counter()
         loaded = dist_checkpointing.load(sharded, path)

@@ -13,13 +13,8 @@ no model needs to be built to know it.
 from __future__ import annotations
 
 from lightning_dynatrain.engine.compiler import switch_program
-from lightning_dynatrain.megatron.memory_check import (
-    GRAD_BYTES_PER_ELEMENT,
-    host_available_bytes,
-    local_numels,
-    proc_field_bytes,
-    switch_need_bytes,
-)
+from lightning_dynatrain.devices.host.meminfo import host_available_bytes, proc_field_bytes
+from lightning_dynatrain.megatron.memory_check import GRAD_BYTES_PER_ELEMENT, local_numels, switch_need_bytes
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 from lightning_dynatrain.vps.topology import Topology

@@ -11,7 +11,7 @@ and every checkpoint the resumed run writes is layout-free. The strategy no long
 format; ``save_rank_checkpoint`` stays as its definition (tests write fixtures with it).
 
 A tensor is written with its whole storage (``torch.save``). After a switch, a kept slice of an old
-tensor or a tensor carved from an old storage (``memory.recycler``) may live in a storage much
+tensor or a tensor carved from an old storage (``devices.host.recycler``) may live in a storage much
 larger than the tensors the checkpoint names in it; such tensors are written as compact copies
 (``compact_storages``), so a file holds the state, not the old layouts' leftovers.
 

@@ -39,7 +39,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from lightning_dynatrain.checkpoint.identity import CheckpointError, CheckpointMismatchError
-from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.devices import device_kind
 
 if TYPE_CHECKING:
     from lightning_dynatrain.megatron.state import MegatronState
@@ -168,7 +168,8 @@ def load_megatron_checkpoint(path: str | Path, *, model: torch.nn.Module, state:
 
     path = str(path)
     saved = _check_is_megatron(path)
-    with megatron_on_cpu():
+    kind = device_kind(next(model.parameters()).device)
+    with kind.megatron_context():
         sharded = model.sharded_state_dict(metadata=dict(_METADATA))
     entries = _param_entries(model, sharded)
     _check_model(entries, saved, path)
@@ -180,7 +181,7 @@ def load_megatron_checkpoint(path: str | Path, *, model: torch.nn.Module, state:
         kinds = {"main": main, **{m: m for m in _MOMENTS}} if main else {m: m for m in _MOMENTS}
         request["optimizer"] = {name: {what: _state_request(entry, f"optimizer.state.{prefix}.{entry.key}")
                                        for what, prefix in kinds.items()} for name, entry in entries.items()}
-    with megatron_on_cpu():
+    with kind.megatron_context():
         loaded = dist_checkpointing.load(request, path)
     model.load_state_dict(loaded["model"])
     if state is not None:

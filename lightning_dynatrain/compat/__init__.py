@@ -5,4 +5,4 @@ checked on: ``torch_internals`` (c10d's registry of groups, a default group buil
 ``lightning_internals`` (process-group set-up, the launcher, the Trainer's connectors). Public API
 that differs between the supported megatron-core releases: ``megatron_versions``. The rest of
 the package calls these, never the private name (``tests/test_private_names.py``); the CPU adapter
-``megatron/cpu_patches/`` patches megatron's private functions by design."""
+``devices/host/megatron_patches/`` patches megatron's private functions by design."""

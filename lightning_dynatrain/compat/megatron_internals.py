@@ -6,7 +6,7 @@ the adapter destroys them and keeps cached ones, ``megatron/parallel_state_adapt
 globals that hold each group and its rank and size (``groups_as_globals``: a module built to read
 its description sees the probe's groups, ``megatron/probe.py``); the distributed optimizer's map
 from a parameter to the range of it this rank's shard holds (``_get_model_param_range_map``).
-The CPU adapter (``megatron/cpu_patches/``) patches private functions of megatron by design, each
+The CPU adapter (``devices/host/megatron_patches/``) patches private functions of megatron by design, each
 patch naming the line it answers. ``tests/test_private_names.py`` fails on a private name used
 elsewhere.
 """

@@ -5,7 +5,7 @@ group (WORLD), the counter ``new_group`` names unnamed groups by, and the regist
 construction of a default group built outside ``init_process_group`` (``elastic/world.py``'s worlds
 with a life cycle); a group's own timeout (``_set_pg_timeout``); torch's ``FakeProcessGroup``
 (``megatron/probe.py``); ``Tensor._base``; the autograd engine entry megatron's own
-``custom_backward`` calls (``megatron/cpu_patches/cuda_mode.py``); and the ``ShardedTensor`` of
+``custom_backward`` calls (``devices/host/megatron_patches/cuda_mode.py``); and the ``ShardedTensor`` of
 ``torch.distributed._shard`` that DCP saves with global offsets (``checkpoint/logical.py``).
 ``tests/test_private_names.py`` fails when a private name of torch, megatron-core or Lightning is
 used outside ``lightning_dynatrain/compat/``.

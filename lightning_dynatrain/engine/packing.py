@@ -53,7 +53,7 @@ def unpack_box(dest: TensorOf, region: Region, tensor: str, kind: StateKind, box
 
 
 class StagingPages(Protocol):
-    """Where a staging buffer's memory comes from and goes back to (``recycling.StorageRecycler``)."""
+    """Where a staging buffer's memory comes from and goes back to (the host's ``StorageRecycler``, ``devices.host``)."""
 
     def fill(self, tensor: torch.Tensor) -> int:
         """Back ``tensor`` (just allocated, written before it is read) by memory already touched."""

@@ -59,7 +59,7 @@ def execute_switch(program: SwitchProgram, source: MutableMapping[StoreKey, torc
     Args:
         program: this rank's program (``compile_switch``); its ranks are ranks of ``group``.
         source: the rank's state in the source layout (``{(tensor, kind, stack): local tensor}``); consumed.
-        memory: the memory policy (``switch_memory``); default ``PlainMemory()``.
+        memory: the memory policy (a device kind's ``switch_memory``); default ``PlainMemory()``.
         group: the process group holding the union of both worlds; default the global group.
         subgroups: where promoted broadcasts' subgroups are kept across switches (needed when the
             program was compiled with link costs).

@@ -12,10 +12,10 @@ earlier, while training steps on:
    DDP and optimizer on those groups, without weight init, and gives their memory back: every
    parameter, fp32 main param and DDP buffer keeps its tensor objects (and megatron's views into
    them) over a storage resized to nothing (``UntypedStorage.resize_(0)``, as FSDP frees
-   unsharded parameters). On CPU DDP's buffers are built untouched (``CarveBuffers`` over an
-   empty recycler: no page is touched, DDP's copies of the uninitialised params skipped), so two
-   full copies of the training state never coexist there; on a GPU the build holds the target
-   shard's memory until it gives it back;
+   unsharded parameters). On CPU DDP's buffers are built untouched (the device kind's
+   ``unfilled_buffer_mode``: ``CarveBuffers`` over an empty recycler, no page touched, DDP's copies
+   of the uninitialised params skipped), so two full copies of the training state never coexist
+   there; on a GPU the build holds the target shard's memory until it gives it back;
 3. ``hot_switch(..., prepared=...)`` installs the target's groups (cached), gives each released
    storage its size back, hands DDP's buffers to the memory policy (on CPU the old gradient
    buffers' pages go into the new ones) and runs the engine: the pause is the transfer and the
@@ -50,17 +50,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.engine.comm import group_rank
 from lightning_dynatrain.engine.compiler import switch_program
 from lightning_dynatrain.engine.program import SwitchProgram
 from lightning_dynatrain.megatron.build_collectives import build_collectives
-from lightning_dynatrain.megatron.carve_buffers import switch_buffers
 from lightning_dynatrain.megatron.model_source import build_unfilled
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, optimizer_state_views
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, prepare_groups
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import precision_of
-from lightning_dynatrain.memory.recycler import StorageRecycler
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.members import Members
@@ -255,9 +254,8 @@ def build_unfilled_state(setup, target: ParallelConfig, pgs, *, params_dtype: to
     construction-time collective but megatron optimizer's all-gather (``model_source.build_unfilled``)."""
     model = build_unfilled(setup.model, target, seed=setup.seed, params_dtype=params_dtype, pg_collection=pgs,
                                  execution=setup.execution, device=device)
-    untouched = switch_buffers(StorageRecycler(idle_cap=0)) if device.type == "cpu" else None
     ddp, optimizer = build_ddp_and_optimizer(model, target, config=setup.optimizer, pg_collection=pgs,
-                                             torch_function_mode=untouched)
+                                             torch_function_mode=device_kind(device).unfilled_buffer_mode())
     return MegatronState(layout=target, groups=pgs, ddp=ddp, optimizer=optimizer)
 
 

@@ -6,7 +6,7 @@ weight from its layout-free name (see ``init.py``), so dp1-tp1-pp1 and dp1-tp2-p
 identical logical weights and give the same first loss.
 
 Only megatron's *local* layer spec is used (``get_gpt_layer_local_spec``): Transformer Engine and
-Apex are not required, and it runs on CPU through ``cpu_patches``.
+Apex are not required, and it runs on CPU through the host's megatron patches (``devices.host``).
 
 Example::
 
@@ -31,7 +31,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
-from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.init import init_layout_independent
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
@@ -369,7 +369,7 @@ def build_gpt_model(
     pp_rank = pgs.pp.rank()
     if reseed or initialize:
         torch.manual_seed(seed)
-    with megatron_on_cpu():
+    with device_kind(device if device is not None else "cpu").megatron_context():
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(shape),

@@ -10,10 +10,10 @@ On every rank, between two optimizer steps:
 3. **rebuild**: megatron's groups for the target (kept in ``groups``), the target's model, DDP
    buffers and optimizer, built *without* initialising weights, on those groups, and Adam state
    at the current step, uninitialised (the program writes every element);
-4. **execute**: the engine walks the program (``engine.walker``) with the memory policy chosen
-   once from the device (``memory.switch_memory``): on accelerators plain allocation, on CPU new
-   state written into the old state's memory (``memory.RecyclingMemory``; megatron's DDP buffers
-   built into the old gradient buffers, ``carve_buffers``);
+4. **execute**: the engine walks the program (``engine.walker``) with the memory policy the
+   device's kind chooses once (``devices.device_kind(device).switch_memory``): on accelerators
+   plain allocation, on CPU new state written into the old state's memory (the host's
+   ``RecyclingMemory``; megatron's DDP buffers built into the old gradient buffers);
 5. the new ``MegatronState``, for the caller to install.
 
 A switch refused before anything moved (memory, a budget below a row, state that does not match,
@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig
 
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.engine.collectives import LinkCosts, SubgroupCache
 from lightning_dynatrain.engine.comm import group_rank
 from lightning_dynatrain.engine.errors import mark_refused, was_refused
@@ -52,7 +53,6 @@ from lightning_dynatrain.engine.switch_attempt import SwitchAttempt
 from lightning_dynatrain.engine.watch import SwitchWatch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.ahead import PreparedSwitch, process_program
-from lightning_dynatrain.megatron.carve_buffers import switch_buffers
 from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.gpt import release_rope_caches
 from lightning_dynatrain.megatron.model_source import ModelSource
@@ -67,7 +67,7 @@ from lightning_dynatrain.megatron.state_bridge import (
     megatron_store,
     precision_of,
 )
-from lightning_dynatrain.memory.policy import KeepOldMemory, MemoryFigures, PlainMemory, switch_memory
+from lightning_dynatrain.memory.policy import KeepOldMemory, MemoryFigures, PlainMemory
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.members import Members
@@ -97,7 +97,7 @@ class SwitchSetup:
     check_memory: bool = True
     """Compare every host's (device's) need with its free memory before anything moves."""
     recycle: bool | None = None
-    """Write new state into old memory (default: on CPU, ``memory.switch_memory``)."""
+    """Write new state into old memory (host memory only; default: on CPU, ``HostKind.switch_memory``)."""
     topology: Topology | None = None
     """The node of every rank (default: nodes of 8 ranks)."""
     link_costs: LinkCosts | None = None
@@ -204,8 +204,8 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
             materialize_optimizer_state(current.optimizer, 0)
         source = megatron_store(current.ddp, current.optimizer, spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
-    memory = switch_memory(device, recycle=setup.recycle, idle_cap=setup.staging_budget, buffer_mode=switch_buffers,
-                           keep_old=setup.keep_old)
+    memory = device_kind(device).switch_memory(recycle=setup.recycle, idle_cap=setup.staging_budget,
+                                               keep_old=setup.keep_old)
     old_grads = sum(t.nbytes for t in current.gradient_buffers())
     cached_groups = groups.keys() if groups is not None else frozenset()
     attempt = None

@@ -4,8 +4,9 @@ A switch takes memory on top of the state it starts from: the new model's buffer
 gradient buffer; under zero1 a flat param buffer too; bf16 main params), whatever the engine's
 order holds of new state before old state is given back, and the stage buffer
 (``engine.memory_fold``). ``switch_need_bytes`` bounds that per rank from the compiled program alone. Ranks draw on shared
-pools (on CPU every rank of a host shares its RAM; on an accelerator, each device is one pool), so
-``check_switch_memory`` gathers every rank's need and its pool's free bytes (one small
+pools (on CPU every rank of a host shares its RAM; on an accelerator, each device is one pool: the
+device's kind names the pool and reads its free bytes, ``devices.DeviceKind.pool_name`` and
+``free_bytes``), so ``check_switch_memory`` gathers every rank's need and its pool's free bytes (one small
 all-gather) and compares, pool by pool, the sum of the needs with what the pool has free. Every
 rank reaches the same verdict from the same numbers: all go on, or all raise ``SwitchMemoryError``
 with nothing moved, naming the pool, the figures and what to change.
@@ -21,7 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import socket
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.engine.comm import default_device
 from lightning_dynatrain.engine.memory_fold import switch_peak_bytes
 from lightning_dynatrain.engine.program import SwitchProgram
@@ -90,40 +91,6 @@ def switch_need_bytes(program: SwitchProgram, *, old_grad_bytes: int, held_bytes
     return max(0, new_buffer_bytes(program) - freed_first + engine + held_bytes)
 
 
-def proc_field_bytes(path: str, field: str) -> int | None:
-    """Bytes of a ``Field:  N kB`` line of a ``/proc`` file, or ``None`` without that line (or file)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def host_available_bytes() -> int | None:
-    """The host's ``MemAvailable`` (Linux), or ``None`` where the kernel does not say."""
-    return proc_field_bytes("/proc/meminfo", "MemAvailable")
-
-
-def free_bytes(device: torch.device) -> int | None:
-    """Bytes a switch may still take on ``device``'s pool: the host's RAM for the CPU; for an
-    accelerator, the device's free memory plus what this process's caching allocator holds unused."""
-    if device.type == "cpu":
-        return host_available_bytes()
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return None
-
-
-def pool_name(device: torch.device) -> str:
-    """Which memory ``device`` draws on: ``host`` RAM, or ``host/cuda:i``."""
-    host = socket.gethostname()
-    return host if device.type == "cpu" else f"{host}/{device.type}:{device.index or 0}"
-
-
 def _pool_id(name: str) -> int:
     """A pool's name as the integer the all-gather carries."""
     return zlib.crc32(name.encode())
@@ -143,8 +110,9 @@ def gather_readings(need: int, device: torch.device, group: dist.ProcessGroup | 
                     read_free: bool = True) -> list[MemoryReading]:
     """Every rank's reading (collective over ``group``: one all-gather of three integers per rank).
     ``read_free=False`` reports the free memory as unknown (only a limit is then checked)."""
-    free = free_bytes(device) if read_free else None
-    mine = torch.tensor([need, _pool_id(pool_name(device)), -1 if free is None else free], dtype=torch.int64,
+    kind = device_kind(device)
+    free = kind.free_bytes() if read_free else None
+    mine = torch.tensor([need, _pool_id(kind.pool_name()), -1 if free is None else free], dtype=torch.int64,
                         device=default_device(group))
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
@@ -197,7 +165,7 @@ def check_switch_memory(need: int, *, device: torch.device, what: str, limit_byt
     """Gather every rank's need and free memory, and raise ``SwitchMemoryError`` on every rank if
     the switch does not fit (collective). Returns the readings when it fits."""
     readings = gather_readings(need, device, group, read_free=read_free)
-    name = pool_name(device)
+    name = device_kind(device).pool_name()
     error = refusal(readings, what=what, limit_bytes=limit_bytes, pool_names={_pool_id(name): name})
     if error is not None:
         raise error
@@ -209,12 +177,9 @@ __all__ = [
     "MemoryReading",
     "SwitchMemoryError",
     "check_switch_memory",
-    "free_bytes",
     "gather_readings",
-    "host_available_bytes",
     "local_numels",
     "new_buffer_bytes",
-    "proc_field_bytes",
     "refusal",
     "switch_need_bytes",
 ]

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dynatrain.compat.megatron_internals import shard_range
 from lightning_dynatrain.compat.megatron_versions import ddp_layout_kwargs
-from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -65,7 +65,8 @@ def build_ddp_and_optimizer(
     decay skips biases and 1-D params (megatron's default overrides); Adam is megatron's ``adam``
     (decoupled weight decay, i.e. ``torch.optim.AdamW`` without Apex/TE).
     ``torch_function_mode``: a mode both are built under (``hot_switch`` passes ``CarveBuffers``);
-    on CPU it runs inside the CPU adapter's mode (``megatron_on_cpu(inner=...)``).
+    it runs inside the megatron context of the model's device kind (``megatron_context(inner=...)``:
+    on CPU, inside the adapter's mode).
 
     Returns:
         ``(ddp_model, optimizer)``; the optimizer is megatron's ``ChainedOptimizer`` (one for the
@@ -85,7 +86,7 @@ def build_ddp_and_optimizer(
         use_distributed_optimizer=opt_config.use_distributed_optimizer,
         bucket_size=None,
     )
-    with megatron_on_cpu(inner=torch_function_mode):
+    with device_kind(next(model.parameters()).device).megatron_context(inner=torch_function_mode):
         ddp_model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
                                             pg_collection=pgs, **ddp_layout_kwargs(model, ddp_config, pgs))
         optimizer = get_megatron_optimizer(

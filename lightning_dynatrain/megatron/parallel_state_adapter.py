@@ -29,7 +29,8 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from lightning_dynatrain.compat.megatron_internals import forget_megatron_groups, megatron_groups
 from lightning_dynatrain.compat.torch_internals import is_registered
-from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.devices import device_kind
+from lightning_dynatrain.engine.comm import default_device
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -107,8 +108,9 @@ def initialize_for_layout(layout: ParallelConfig, *, seed: int, groups: ProcessG
 
     Runs ``destroy()`` first if groups exist, then ``initialize_model_parallel`` with the layout's
     tp/pp/cp/ep/etp sizes (data parallel is what remains) in order ``tp-cp-ep-dp-pp``, then
-    ``model_parallel_cuda_manual_seed(seed)`` (on CPU through the CPU RNG tracker of
-    ``cpu_patches``). Collective: every rank of WORLD must call it with the same arguments.
+    ``model_parallel_cuda_manual_seed(seed)``, in the megatron context of the device kind WORLD's
+    collectives run on (``engine.comm.default_device``; on CPU the host's megatron patches, with their
+    CPU RNG tracker). Collective: every rank of WORLD must call it with the same arguments.
     With ``groups``, groups come from (and stay in) that cache. ``timeout``: the new groups' own
     timeout, their creation's included (default megatron's 30 minutes; a switch passes its deadline).
 
@@ -131,7 +133,8 @@ def initialize_for_layout(layout: ParallelConfig, *, seed: int, groups: ProcessG
             hint=f"choose sizes whose product dp*tp*pp*cp is {world}",
         )
     destroy(keep=groups)
-    with megatron_on_cpu(), (groups.serving() if groups is not None else nullcontext()):
+    kind = device_kind(default_device())
+    with kind.megatron_context(), (groups.serving() if groups is not None else nullcontext()):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,

@@ -28,7 +28,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.compat.megatron_internals import groups_as_globals
 from lightning_dynatrain.compat.torch_internals import fake_process_group
-from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.describe import describe_module
 from lightning_dynatrain.vps.derive import Probes
 from lightning_dynatrain.vps.errors import LayoutError
@@ -66,7 +66,7 @@ def describe_at(build: ProbeBuild, layout: ParallelConfig, rank: int, *, as_glob
     layout's, to find out whether the module reads them)."""
     groups = probe_groups(layout, rank)
     with groups_as_globals(groups) if as_globals else nullcontext():
-        with torch.device("meta"), megatron_on_cpu():
+        with torch.device("meta"), device_kind("meta").megatron_context():
             module = build(layout, groups)
         return describe_module(module, layout=layout, rank=rank, dp_cp_group=groups.dp_cp)
 

@@ -36,7 +36,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
-from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.tp_attributes import tag_tensor_parallel_weights
 from lightning_dynatrain.vps.description import DerivedSpec
@@ -184,7 +184,7 @@ class ModelProvider:
                                 on_device=on_device)
         if reseed or initialize:
             torch.manual_seed(seed)
-        with megatron_on_cpu():
+        with device_kind(device if device is not None else "cpu").megatron_context():
             model = self._call(config, pg_collection)
         if not initialize:
             strides = self._strides()

@@ -1,18 +1,19 @@
-"""Where a switch's memory comes from and goes to: one policy per device kind.
+"""Where a switch's memory comes from and goes to, on any device.
 
-``policy`` (``PlainMemory`` for accelerators and any CPU, ``RecyclingMemory`` for CPU memory, and
-``switch_memory`` that picks one from the device), ``old_storage`` (giving the old state's storages
-back as the engine finishes with them), ``recycler`` (carving new state out of old storages) and
-``page_moves`` (moving whole pages between address ranges, Linux).
+``policy`` (``PlainMemory``, every device's plain policy; ``KeepOldMemory``, which holds the old
+state until the switch is confirmed; the ``Destination`` and ``BufferMode`` they talk to) and
+``old_storage`` (giving the old state's storages back as the engine finishes with them). Which
+policy a switch gets is its device kind's choice (``devices.device_kind(device).switch_memory``):
+the host's recycling policy and what it needs (page moves, carved buffers) live in ``devices.host``.
 """
 
 from lightning_dynatrain.memory.policy import (
+    BufferMode,
     Destination,
     FreshDestination,
+    KeepOldMemory,
     MemoryFigures,
     PlainMemory,
-    RecyclingMemory,
-    switch_memory,
 )
 
-__all__ = ["Destination", "FreshDestination", "MemoryFigures", "PlainMemory", "RecyclingMemory", "switch_memory"]
+__all__ = ["BufferMode", "Destination", "FreshDestination", "KeepOldMemory", "MemoryFigures", "PlainMemory"]

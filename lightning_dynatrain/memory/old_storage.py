@@ -2,8 +2,8 @@
 
 The objects that held the old state (a megatron model and optimizer) keep their tensors until the
 switch returns, so dropping the engine's reference to a source tensor frees nothing.
-``OldStorage`` frees the storage itself, through a ``Sink``: the OS (``ReturnToOS``) or a
-``StorageRecycler`` that carves new state out of it (CPU):
+``OldStorage`` frees the storage itself, through a ``Sink``: the OS (``ReturnToOS``) or the
+host's ``StorageRecycler`` that carves new state out of it (``devices.host.recycler``):
 
 - a storage once the engine has released every local tensor that lives in it: a tensor alone, a
   zero1 model's flat param buffer once every param view in it is done. Tensors the new state
@@ -11,7 +11,11 @@ switch returns, so dropping the engine's reference to a source tensor frees noth
 - a storage the new state keeps part of (a tensor kept in place that shares its storage with
   others, or a slice of an old tensor kept in place, ``kept``): the memory of every other tensor in
   it, and of the parts of the sliced tensor outside its slice, as the engine releases them, by
-  ranges (the OS takes them back by their pages).
+  ranges (the OS takes them back by their pages, where the memory's device kind can:
+  ``devices.DeviceKind.release_pages``).
+
+Every ``Sink`` sorts what it is given into groups: ``state_group`` of a state kind, and
+``BUFFER_GROUP`` for the old gradient buffers a rebuild replaces.
 """
 
 from __future__ import annotations
@@ -21,8 +25,24 @@ from typing import Protocol
 
 import torch
 
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.engine.program import StoreKey
-from lightning_dynatrain.memory.recycler import can_release_pages, free_storage, release_pages, state_group
+
+#: the group of old gradient buffers held for the new model's DDP buffers (the host's ``CarveBuffers``)
+BUFFER_GROUP = "buffer"
+
+
+def state_group(kind) -> str:
+    """The group of a state kind: params (and fp32 main params) or the optimizer's moments."""
+    return "moment" if kind.is_optimizer_state else "param"
+
+
+def free_storage(storage: torch.UntypedStorage) -> None:
+    """Give the memory back now (the old state's tensors that still view it are never read again).
+    A storage that cannot be resized (memory mapped from a file, or borrowed from another library)
+    is left to its owner: it goes with its last reference."""
+    if storage.resizable():
+        storage.resize_(0)
 
 
 class Sink(Protocol):
@@ -40,7 +60,7 @@ class ReturnToOS:
         free_storage(storage)
 
     def give_range(self, storage: torch.UntypedStorage, start: int, end: int, group: str) -> int:
-        return release_pages(storage.device, storage.data_ptr() + start, storage.data_ptr() + end)
+        return device_kind(storage.device).release_pages(storage.data_ptr() + start, storage.data_ptr() + end)
 
 
 class OldStorage:
@@ -57,12 +77,11 @@ class OldStorage:
         self._kept: set[int] = set()  # storages the new state keeps part of (``kept``)
         self._waiting: dict[int, list[tuple[StoreKey, torch.Tensor]]] = {}  # released, storage still in use
         self.freed_bytes = 0
-
-    @property
-    def gives_pages_back(self) -> bool:
-        """Whether the rest of a partly kept storage can be given back (CPU memory on Linux): only
-        then may a view into a shared storage, or a slice of an old tensor, be kept in place."""
-        return can_release_pages() and all(s.device.type == "cpu" for s in self._storages.values())
+        devices = {s.device for s in self._storages.values()}
+        self.gives_pages_back = all(device_kind(d).gives_pages_back for d in devices)
+        """Whether the rest of a partly kept storage can be given back (each storage's device kind
+        says: the host's memory on Linux): only then may a view into a shared storage, or a slice of
+        an old tensor, be kept in place."""
 
     def kept(self, key: StoreKey, tensor: torch.Tensor) -> None:
         """``tensor`` (a view into a storage shared with other old tensors, or a slice of an old
@@ -95,4 +114,4 @@ class OldStorage:
         self._sink.give_range(storage, offset, offset + tensor.nbytes, state_group(key[1]))
 
 
-__all__ = ["OldStorage", "ReturnToOS", "Sink"]
+__all__ = ["BUFFER_GROUP", "OldStorage", "ReturnToOS", "Sink", "free_storage", "state_group"]

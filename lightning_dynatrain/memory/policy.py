@@ -1,6 +1,7 @@
 """The memory policy of a switch: where new state's memory comes from and where old state's goes.
 
-The engine's walker asks one object, chosen once per switch from the device (``switch_memory``):
+The engine's walker asks one object, chosen once per switch by the device's kind
+(``devices.device_kind(device).switch_memory``):
 
 - ``start(source)``: the old state, once every rank agreed to go on (nothing is freed before);
 - ``allocate(key, numel, dtype, device)``: a destination local tensor, at its first write: the
@@ -14,11 +15,12 @@ The engine's walker asks one object, chosen once per switch from the device (``s
 
 ``PlainMemory`` is every accelerator's policy (the caching allocator reuses what is freed) and
 works on any CPU: new tensors are allocated, old storages freed as soon as their last tensor is
-read, whole tensors that own their storage kept in place. ``RecyclingMemory`` (CPU) writes new
-state into old memory instead (``recycler.StorageRecycler``): carved out of old storages, or backed
-by their pages, and copies retained pieces by their pages where it can. Both also serve a rebuild
-that replaces old buffers (megatron's gradient buffers, ``take_old_buffers``) and builds new ones
-(``buffer_mode``) between the plan and the engine.
+read, whole tensors that own their storage kept in place. The host's ``RecyclingMemory``
+(``devices.host.recycling``) is a ``PlainMemory`` that writes new state into old memory instead.
+Each also serves a rebuild that replaces old buffers (megatron's gradient buffers,
+``take_old_buffers``) and builds new ones (``buffer_mode``) between the plan and the engine.
+``KeepOldMemory`` (``switch_safety="keep_old"``, any device) holds the old state until the switch
+is confirmed.
 
 Example (an engine-only switch)::
 
@@ -27,7 +29,7 @@ Example (an engine-only switch)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,8 +37,7 @@ import torch
 
 from lightning_dynatrain.engine.adoption import owns_storage
 from lightning_dynatrain.engine.program import StoreKey
-from lightning_dynatrain.memory.old_storage import OldStorage, ReturnToOS, Sink
-from lightning_dynatrain.memory.recycler import BUFFER_GROUP, StorageRecycler, state_group
+from lightning_dynatrain.memory.old_storage import BUFFER_GROUP, OldStorage, ReturnToOS, Sink
 
 
 class Destination(Protocol):
@@ -65,7 +66,7 @@ class FreshDestination:
 
 class BufferMode(Protocol):
     """A torch-function mode under which library code builds new buffers into old memory
-    (``megatron.carve_buffers.CarveBuffers``)."""
+    (the host's ``devices.host.carve_buffers.CarveBuffers``)."""
 
     skipped_copy_bytes: int
 
@@ -120,7 +121,7 @@ class PlainMemory:
     # ------------------------------------------------------------------------------ the rebuild
     def take_old_buffers(self, tensors: Iterable[torch.Tensor]) -> int:
         """Old buffers the rebuild replaces by as much (gradient buffers): freed now, or held for
-        the new buffers (``RecyclingMemory``). Their bytes."""
+        the new buffers (the host's ``RecyclingMemory``). Their bytes."""
         total = 0
         for tensor in tensors:
             storage = tensor.untyped_storage()
@@ -212,89 +213,6 @@ class PlainMemory:
         return MemoryFigures(freed_bytes=freed)
 
 
-class RecyclingMemory(PlainMemory):
-    """New state written into old memory (CPU): see the module docstring and ``recycler.py``.
-
-    Args:
-        idle_cap: bytes of old storage held for carving beyond what is reserved (the switch's
-            staging budget is a good value: the memory bound counts it).
-        buffer_mode: makes the mode library code builds its new buffers under, from the recycler
-            (``CarveBuffers``); ``None``: the buffers are allocated as usual.
-    """
-
-    def __init__(self, destination: Destination | None = None, *, idle_cap: int,
-                 buffer_mode: Callable[[StorageRecycler], BufferMode] | None = None) -> None:
-        super().__init__(destination)
-        self.recycler = StorageRecycler(idle_cap=idle_cap)
-        self._mode = buffer_mode(self.recycler) if buffer_mode is not None else None
-
-    @property
-    def sink(self) -> Sink:
-        return self.recycler
-
-    @property
-    def held_bytes(self) -> int:
-        return self.recycler.idle_cap
-
-    def take_old_buffers(self, tensors: Iterable[torch.Tensor]) -> int:
-        taken = super().take_old_buffers(tensors)
-        if self._mode is None:  # nothing will carve them: held memory would only add up
-            self.recycler.drop_group(BUFFER_GROUP)
-        return taken
-
-    def buffer_mode(self) -> BufferMode | None:
-        return self._mode
-
-    def adopt_buffers(self, buffers: Iterable[tuple[torch.Tensor, bool]]) -> None:
-        # the old buffers' pages go into them, as into a buffer built here that no held storage fits
-        for buffer, written in buffers:
-            self.recycler.fill(buffer, BUFFER_GROUP)
-            if self._mode is not None:
-                self._mode.adopt(buffer, written_later=written)
-
-    def buffers_built(self) -> None:
-        # what is left of the old buffers goes; what old state the engine frees beyond the idle
-        # cap is held for the new buffers left untouched (counted in the memory bound already)
-        self.recycler.drop_group(BUFFER_GROUP)
-        if self._mode is not None:
-            self.recycler.reserve(self._mode.untouched_bytes)
-
-    def allocate(self, key: StoreKey, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self.destination.can_rebind(key):  # an old storage the engine is done with
-            carved = self.recycler.take(key, numel, dtype, state_group(key[1]))
-            if carved is not None and self.destination.rebind(key, carved):
-                return carved
-        tensor = super().allocate(key, numel, dtype, device)
-        self.recycler.fill(tensor)  # the engine writes all of it: touched pages instead of fresh ones
-        return tensor
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, last_read: bool) -> int:
-        moved = self.recycler.copy_by_pages(dst, src) if last_read else None
-        if moved is None:
-            dst.copy_(src)
-        return moved or 0
-
-    def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        buffer = super().staging(nbytes, device)
-        self.recycler.fill(buffer)
-        return buffer
-
-    def unstage(self, buffer: torch.Tensor) -> None:
-        self.recycler.give_pages(buffer)
-
-    def finish(self) -> None:
-        if self._mode is not None:  # buffers left untouched get their memory now, not in the next step
-            self._mode.fault_in_untouched()
-        self.recycler.close(self.destination.rebind)
-
-    def figures(self) -> MemoryFigures:
-        plain = super().figures()
-        return MemoryFigures(freed_bytes=plain.freed_bytes,
-                             recycled_bytes=self.recycler.reused_bytes + self.recycler.moved_in_bytes,
-                             moved_page_bytes=self.recycler.moved_in_bytes,
-                             skipped_copy_bytes=self._mode.skipped_copy_bytes if self._mode is not None else 0)
-
-
 class _Held:
     """A ``Sink`` that frees nothing until told: what ``KeepOldMemory`` gives back waits here."""
 
@@ -340,20 +258,4 @@ class KeepOldMemory(PlainMemory):
         self.restore_old_buffers()
 
 
-def switch_memory(device: torch.device, *, recycle: bool | None = None, idle_cap: int,
-                  buffer_mode: Callable[[StorageRecycler], BufferMode] | None = None,
-                  keep_old: bool = False) -> PlainMemory:
-    """The policy for a switch on ``device``, chosen once: ``KeepOldMemory`` with ``keep_old``, else
-    ``RecyclingMemory`` on CPU (unless ``recycle=False``), ``PlainMemory`` on an accelerator, whose
-    caching allocator reuses memory."""
-    if keep_old:
-        return KeepOldMemory()
-    if recycle is None:
-        recycle = device.type == "cpu"
-    if recycle:
-        return RecyclingMemory(idle_cap=idle_cap, buffer_mode=buffer_mode)
-    return PlainMemory()
-
-
-__all__ = ["BufferMode", "Destination", "FreshDestination", "KeepOldMemory", "MemoryFigures", "PlainMemory",
-           "RecyclingMemory", "switch_memory"]
+__all__ = ["BufferMode", "Destination", "FreshDestination", "KeepOldMemory", "MemoryFigures", "PlainMemory"]

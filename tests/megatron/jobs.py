@@ -72,7 +72,7 @@ def _uneven_gather_probe(rank: int) -> list[float]:
     """Patch E directly: a TP gather with per-rank row counts 1 and 3 (gloo refuses it unpatched)."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+    from lightning_dynatrain.devices.host.megatron_patches import megatron_on_cpu
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
     from lightning_dynatrain.vps.layout import ParallelConfig
 

@@ -203,7 +203,7 @@ def test_a_larger_gradient_buffer_takes_the_pages_of_old_state(walk):
     """dp2-tp2 -> dp4 doubles the gradient buffer: no old buffer holds it, so it stays untouched
     while the engine runs, and at the end the pages of old tensors the engine freed are moved into
     it (``StorageRecycler.fill``), all but the last piece: no fresh memory for it."""
-    from lightning_dynatrain.memory.page_moves import MIN_PIECE, can_move_pages
+    from lightning_dynatrain.devices.host.page_moves import MIN_PIECE, can_move_pages
 
     if not can_move_pages():
         pytest.skip("mremap is Linux")
@@ -234,7 +234,7 @@ def test_retained_params_go_into_the_zero1_param_buffer_by_their_pages(zero1_rou
     those that sit at the same offset in a page as their old tensor change places with the buffer's
     pages (``StorageRecycler.copy_by_pages``) instead of being copied byte by byte, and the state
     stays bit-identical there and back; never with recycle=False."""
-    from lightning_dynatrain.memory.page_moves import can_move_pages
+    from lightning_dynatrain.devices.host.page_moves import can_move_pages
 
     if not can_move_pages():
         pytest.skip("mremap is Linux")

@@ -167,7 +167,7 @@ def _router_buffers(results: dict) -> None:
 
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from lightning_dynatrain.megatron.cpu_patches import megatron_on_cpu
+    from lightning_dynatrain.devices.host.megatron_patches import megatron_on_cpu
     from lightning_dynatrain.megatron.gpt import transformer_config
     from lightning_dynatrain.megatron.parallel_state_adapter import (
         current_process_groups,

@@ -3,7 +3,7 @@
 Megatron's ``DistributedDataParallel`` allocates its contiguous gradient buffers (and, for the
 distributed optimizer, its param buffers) with one ``torch.zeros(n, dtype=...)`` each, then copies
 each parameter into the param buffer. During a switch that building happens while the old
-gradient buffers are held by the recycler (``memory.recycler``, group ``BUFFER_GROUP``):
+gradient buffers are held by the recycler (``recycler.py``, group ``BUFFER_GROUP``):
 ``CarveBuffers`` serves those ``torch.zeros`` calls from them, and knows which of DDP's copies it
 may skip (the new model's params are uninitialised: the engine writes the param buffer).
 """
@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lightning_dynatrain.memory.page_moves import can_move_pages, populate_pages, untouched_runs
-from lightning_dynatrain.memory.recycler import BUFFER_GROUP, StorageRecycler
+from lightning_dynatrain.devices.host.page_moves import can_move_pages, populate_pages, untouched_runs
+from lightning_dynatrain.devices.host.recycler import StorageRecycler
+from lightning_dynatrain.memory.old_storage import BUFFER_GROUP
 
 
 class CarveBuffers(TorchFunctionMode):
@@ -116,8 +117,6 @@ class CarveBuffers(TorchFunctionMode):
                 if not populate_pages(lo, hi):
                     flat[lo - buffer.data_ptr(): hi - buffer.data_ptr()].zero_()
         return sum(b.nbytes for b in pending)
-
-
 
 
 def switch_buffers(recycler: StorageRecycler) -> CarveBuffers:

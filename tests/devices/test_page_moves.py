@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from lightning_dynatrain.memory.page_moves import (
+from lightning_dynatrain.devices.host.page_moves import (
     MIN_PIECE,
     can_move_pages,
     move_pages,
@@ -19,7 +19,7 @@ from lightning_dynatrain.memory.page_moves import (
     untouched_runs,
     within,
 )
-from lightning_dynatrain.memory.recycler import StorageRecycler, release_pages
+from lightning_dynatrain.devices.host.recycler import StorageRecycler, release_pages
 
 pytestmark = pytest.mark.skipif(not (sys.platform.startswith("linux") and can_move_pages()),
                                 reason="mremap and mincore are Linux")

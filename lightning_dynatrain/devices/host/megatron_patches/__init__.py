@@ -3,7 +3,8 @@
 Megatron-core assumes a CUDA device in a handful of places (scratch buffers, the RNG tracker,
 ``device="cuda"`` allocations in the schedules, ``torch.cuda.Stream`` in the MoE dispatcher, ...).
 On a machine without CUDA this package answers each of them. When CUDA is available only patch D
-(below) is applied: on GPUs megatron otherwise runs unpatched.
+(below) is applied: on GPUs megatron otherwise runs unpatched. The host's device kind enters it
+(``devices.host.HostKind.megatron_context``); an accelerator's kind never imports it.
 
 Two parts, with different lifetimes:
 
@@ -21,9 +22,9 @@ Example::
     with megatron_on_cpu():
         model = GPTModel(...)          # model building calls Tensor.cuda() on the tied embedding
 
-One module per patched subsystem: ``memory_buffer`` (A), ``rng`` (B), ``cuda_mode`` (C), ``norm``
-(D: not a CUDA assumption but megatron's Apex-free norm refusing sequence parallelism, so it is
-applied on GPUs too), ``moe`` (E, F).
+One module per patched subsystem: ``memory_buffer`` (A), ``rng`` (B), ``cuda_mode`` (C), ``moe``
+(E, F). Patch D (``megatron/norm_patch.py``) is not a CUDA assumption but megatron's Apex-free norm
+refusing sequence parallelism: every device kind applies it.
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lightning_dynatrain.megatron.cpu_patches.cuda_mode import CudaAsCpuMode, swap_cuda_attrs
-from lightning_dynatrain.megatron.cpu_patches.memory_buffer import patch_global_memory_buffer
-from lightning_dynatrain.megatron.cpu_patches.moe import patch_moe, patch_uneven_all_gather
-from lightning_dynatrain.megatron.cpu_patches.norm import patch_torch_norm
-from lightning_dynatrain.megatron.cpu_patches.rng import patch_rng_tracker
+from lightning_dynatrain.devices.host.megatron_patches.cuda_mode import CudaAsCpuMode, swap_cuda_attrs
+from lightning_dynatrain.devices.host.megatron_patches.memory_buffer import patch_global_memory_buffer
+from lightning_dynatrain.devices.host.megatron_patches.moe import patch_moe, patch_uneven_all_gather
+from lightning_dynatrain.devices.host.megatron_patches.rng import patch_rng_tracker
+from lightning_dynatrain.megatron.norm_patch import patch_torch_norm
 
 _PATCH_LOCK = threading.Lock()
 _PATCHED = False
@@ -79,7 +80,7 @@ def megatron_on_cpu(inner: TorchFunctionMode | None = None) -> Iterator[None]:
     the ``torch.cuda`` stand-ins are process-wide while any thread is inside.
 
     ``inner``: a ``TorchFunctionMode`` the enclosed calls should also run under, seeing CPU devices
-    (``hot_switch`` builds DDP's buffers under ``carve_buffers.CarveBuffers``). On CPU, at the
+    (``hot_switch`` builds DDP's buffers under ``devices.host.carve_buffers.CarveBuffers``). On CPU, at the
     outermost entry, the adapter's mode calls its handler directly after the rewrite: every torch
     call, a tensor's attribute reads included, then pays one mode's dispatch instead of two (megatron's
     DDP and optimizer construction makes thousands). Nested, it runs inside an adapter mode of its

@@ -3,7 +3,7 @@
 A switch on CPU frees old state and writes new state. Writing a fresh page costs a fault and a
 kernel zero (on a virtual machine that gave the page back to its host, a host fault as well);
 writing a page the process already touched does not (``benchmarks/fresh_memory.py``). Carving new
-tensors out of old storages (``recycling.StorageRecycler.take``) avoids fresh pages only where a
+tensors out of old storages (``recycler.StorageRecycler.take``) avoids fresh pages only where a
 new tensor fits in one old storage's free run. Moving pages does not need that: ``mremap`` hands
 the physical pages under one virtual range to another, so the whole pages inside any new tensor
 can come from any number of old storages, and the new tensor keeps its own storage.

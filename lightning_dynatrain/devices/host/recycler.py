@@ -8,7 +8,7 @@ large blocks back to the OS, so ``StorageRecycler`` keeps the storages the switc
 
 The same goes for buffers built inside library code: a whole old storage held for them
 (``give(..., hold=True)``: the old gradient buffers) serves them (``take_whole``), with no fresh
-pages (megatron's DDP buffers: ``megatron.carve_buffers.CarveBuffers``).
+pages (megatron's DDP buffers: ``carve_buffers.CarveBuffers``).
 
 A new tensor that fits no free run of one old storage, or one that must keep its own storage (a
 buffer megatron built, a tensor that cannot be rebound), takes old memory by its pages instead:
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_dynatrain.memory.page_moves import (
+from lightning_dynatrain.devices.host.page_moves import (
     MIN_PIECE,
     can_move_pages,
     discard_pages,
@@ -61,10 +61,9 @@ from lightning_dynatrain.memory.page_moves import (
     within,
 )
 from lightning_dynatrain.engine.program import StoreKey
+from lightning_dynatrain.memory.old_storage import free_storage
 
 MiB = 2**20
-#: the group of old gradient buffers held for the new model's DDP buffers (``CarveBuffers``)
-BUFFER_GROUP = "buffer"
 #: the group of memory only ``fill`` takes (by its pages), never carved: the tail of an old gradient
 #: buffer a new DDP buffer lives in, a staging buffer
 PAGES_GROUP = "pages"
@@ -143,19 +142,6 @@ def _own_cpu_memory(storage: torch.UntypedStorage) -> bool:
     cannot be resized is someone else's (a file mapped into memory, where a write would reach the
     file; memory borrowed from another library): never carved from."""
     return storage.device.type == "cpu" and storage.resizable()
-
-
-def free_storage(storage: torch.UntypedStorage) -> None:
-    """Give the memory back now (the old state's tensors that still view it are never read again).
-    A storage that cannot be resized (memory mapped from a file, or borrowed from another library)
-    is left to its owner: it goes with its last reference."""
-    if storage.resizable():
-        storage.resize_(0)
-
-
-def can_release_pages() -> bool:
-    """Whether ``release_pages`` can give CPU memory back here (Linux ``madvise``)."""
-    return can_move_pages()
 
 
 def release_pages(device: torch.device, start: int, end: int) -> int:
@@ -399,9 +385,4 @@ class StorageRecycler:
         self.idle_bytes = 0
 
 
-def state_group(kind) -> str:
-    """The arena group of a state kind: params (and fp32 main params) or the optimizer's moments."""
-    return "moment" if kind.is_optimizer_state else "param"
-
-
-__all__ = ["ALIGNMENT", "BUFFER_GROUP", "PAGES_GROUP", "StorageRecycler", "can_release_pages", "free_storage", "release_pages", "release_tail", "state_group"]
+__all__ = ["ALIGNMENT", "PAGES_GROUP", "StorageRecycler", "release_pages", "release_tail"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from lightning_dynatrain.megatron.cpu_patches import apply_cpu_patches, cuda_is_used, megatron_on_cpu
+from lightning_dynatrain.devices.host.megatron_patches import apply_cpu_patches, cuda_is_used, megatron_on_cpu
 
 pytestmark = pytest.mark.skipif(cuda_is_used(), reason="the CPU patches are not applied when CUDA is used")
 

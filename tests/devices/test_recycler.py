@@ -7,15 +7,10 @@ import sys
 import pytest
 import torch
 
-from lightning_dynatrain.memory.page_moves import MIN_PIECE, can_move_pages, untouched_runs
-from lightning_dynatrain.megatron.carve_buffers import CarveBuffers
-from lightning_dynatrain.memory.recycler import (
-    ALIGNMENT,
-    StorageRecycler,
-    release_pages,
-    release_tail,
-    state_group,
-)
+from lightning_dynatrain.devices.host.carve_buffers import CarveBuffers
+from lightning_dynatrain.devices.host.page_moves import MIN_PIECE, can_move_pages, untouched_runs
+from lightning_dynatrain.devices.host.recycler import ALIGNMENT, StorageRecycler, release_pages, release_tail
+from lightning_dynatrain.memory.old_storage import state_group
 from lightning_dynatrain.vps.spec import StateKind
 
 MiB = 2**20
