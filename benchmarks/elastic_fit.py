@@ -21,7 +21,9 @@ built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; `
 ``CSVLogger`` there (every step logged: its metrics file must continue whoever is rank 0);
 ``--on-demand`` builds each change's target in its pause (``OnNodeChange(ahead=False)``);
 ``--switch-safety keep_old`` holds the old state through each switch (a failed grow goes back);
-``--switch-timeout`` sets every switch's deadline.
+``--switch-timeout`` sets every switch's deadline; ``--schedule STEP:LAYOUT`` adds a
+``ScheduledReconfig`` of that one switch; ``--zero1`` shards the optimizer's state
+(ZeRO-1) at every layout of the policy with data parallelism.
 """
 
 from __future__ import annotations
@@ -67,17 +69,26 @@ def main() -> None:
     parser.add_argument("--on-demand", action="store_true", help="build each change's target in its pause")
     parser.add_argument("--switch-safety", default="fast", choices=["fast", "keep_old"])
     parser.add_argument("--switch-timeout", type=float, default=None, help="every switch's deadline (seconds)")
+    parser.add_argument("--zero1", action="store_true", help="ZeRO-1 at every layout with dp > 1")
+    parser.add_argument("--schedule", default=None, help="STEP:LAYOUT: one scheduled layout switch")
     parser.add_argument("--switch-while-building", action="store_true",
                         help="ask for a layout switch at the first boundary where a world change is built ahead")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    model = MODELS[args.model]
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID`: every thread's stack in the log
+    model = dict(MODELS[args.model])
+    if args.zero1:
+        model["policy"] = {n: f"{layout}-zero1" if not layout.startswith("dp1-") else layout
+                           for n, layout in model["policy"].items()}
 
     import torch
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_dynatrain import DynaTrainStrategy, GPTLightningModule, OnNodeChange
+    from lightning_dynatrain import DynaTrainStrategy, GPTLightningModule, OnNodeChange, ScheduledReconfig
     from lightning_dynatrain.data import StdlibTextDataModule
     from lightning_dynatrain.megatron.gpt import GPTShape
 
@@ -167,6 +178,9 @@ def main() -> None:
         callbacks.append(StopInStore())
     if not args.static:
         callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0, ahead=not args.on_demand))
+    if args.schedule:
+        at, layout = args.schedule.split(":")
+        callbacks.append(ScheduledReconfig({int(at): layout}))
     if args.switch_while_building:
         callbacks.append(SwitchWhileBuilding())  # after OnNodeChange: sees the change it started building
     logger = CSVLogger(args.log_dir, name="metrics") if args.log_dir else False
@@ -184,7 +198,8 @@ def main() -> None:
     result = {"pid": os.getpid(), "losses": module.losses, "lrs": record.lrs, "global_step": trainer.global_step,
               "left": record.left,
               **record.result, "changes": node_change.changes if node_change else [],
-              "rolled_back": node_change.rolled_back if node_change else [], "started_at": STARTED_AT,
+              "rolled_back": node_change.rolled_back if node_change else [],
+              "recoveries": node_change.recoveries if node_change else [], "started_at": STARTED_AT,
               "ready_at": record.ready_at,
               "switch_while_building": next((c.answer for c in callbacks if isinstance(c, SwitchWhileBuilding)), None)}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,21 @@ class ElasticJob:
     def start_python(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         return self.start([sys.executable, *self._args(*extra)], env=env)
 
+    def start_launch(self, nproc: int, *extra: str, env: dict[str, str] | None = None,
+                     rank_env: dict[int, dict[str, str]] | None = None) -> list[subprocess.Popen]:
+        """``nproc`` processes of one launch, each its own child of this process (as ``srun`` starts
+        them: one dying ends none of the others), the launcher's variables set as torchrun would;
+        ``rank_env``: more variables for some of them."""
+        import socket
+
+        with socket.socket() as s:  # the launch's identity (no store listens there)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+                    "LOCAL_WORLD_SIZE": str(nproc), "NODE_RANK": "0"}
+        return [self.start_python(*extra, env={**(env or {}), **launcher, "RANK": str(r), "LOCAL_RANK": str(r),
+                                               **(rank_env or {}).get(r, {})}) for r in range(nproc)]
+
     def start(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """Run ``cmd`` as a process of this job (its store in the environment, its output in the log)."""
         proc = subprocess.Popen(cmd, env={**self.env, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,

@@ -5,7 +5,10 @@ With this callback the strategy is elastic: every process enters the job through
 The processes a launcher starts together form the first world. The same script started later
 (``torchrun``, ``srun`` of a new step, or one ``python train.py``) joins the running fit at the
 current step. A process that gets SIGTERM (or SLURM's SIGUSR1 warning) leaves: it hands its state
-off at the next change boundary and exits 0. At each change ``policy`` picks the new world's layout.
+off at the next change boundary and exits 0. A process that dies without leaving (SIGKILL, a lost
+node) is named by the store within seconds; the survivors rebuild the state from the replicas they
+hold and go on (``recover``; ``strategy/recovery.py``). At each change ``policy`` picks the new
+world's layout.
 
 Example::
 
@@ -19,7 +22,9 @@ Each change is logged (``[dynatrain] step N: world 2 -> 4 ...``, and the metrics
 ``dynatrain/world_size``, ``dynatrain/change_pause_seconds``, ``dynatrain/change_transfer_seconds``,
 ``dynatrain/change_build_seconds``, ``dynatrain/change_moved_bytes``, and
 ``dynatrain/change_overlap_slowdown``: how much slower the steps run while the next world was built
-were than the steps before) and kept in ``changes``.
+were than the steps before) and kept in ``changes``. Each recovery is logged too (``[dynatrain] step
+N: member(s) ... lost; world 4 -> 3 ...``, the metrics ``dynatrain/recovery_pause_seconds`` and
+``dynatrain/recovery_steps_redone``) and kept in ``recoveries``.
 """
 
 from __future__ import annotations
@@ -64,12 +69,18 @@ class OnNodeChange(Callback):
             included) for a return to the same processes, which then builds no group (a shrink that
             gives borrowed processes back). On NCCL each kept world holds its communicators' memory;
             0 keeps none.
+        recover: when a member dies without leaving, the survivors go on in a world of their own, from
+            the state their replicas hold (the step in flight is redone at the new layout, or counts
+            as done where its result survived). Where the dead held the only copy of some state
+            (ZeRO-1 shards, tp/pp shards at dp1) the job ends with ``MemberFailedError`` naming it.
+            ``False``: any death ends the job.
 
     Raises:
         LayoutError: (at construction) the policy cannot be read; (at a change) it has no valid
             layout for the new world.
         LauncherError, AdmissionError: (at start) the launcher or the store cannot carry the job.
-        MemberFailedError: a member stopped without leaving; the message names it.
+        MemberFailedError: a member stopped without leaving and the survivors cannot go on (state
+            lost, ``recover=False``, or a collective failed outside a step); the message names it.
         SwitchFailedError: a world change's switch lost a process and the state of the step (a
             shrink, or a grow under ``switch_safety="fast"`` once state moved). A grow that fails
             with the old state whole goes back to the old world instead, with a warning, and
@@ -78,7 +89,7 @@ class OnNodeChange(Callback):
 
     def __init__(self, policy: Policy = "auto", *, memory_per_rank: int | None = None,
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
-                 ahead: bool = True, keep_worlds: int = 2) -> None:
+                 ahead: bool = True, keep_worlds: int = 2, recover: bool = True) -> None:
         parse_policy(policy)  # fail at construction, not at the first change
         if isinstance(keep_worlds, bool) or not isinstance(keep_worlds, int) or keep_worlds < 0:
             raise ValueError(f"OnNodeChange(keep_worlds={keep_worlds!r}): give a count of worlds, 0 or more "
@@ -86,12 +97,16 @@ class OnNodeChange(Callback):
         self.policy = policy if not isinstance(policy, (str, Path)) or str(policy).lower() == "auto" else Path(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
         self.heartbeat, self.exit_after, self.ahead, self.keep_worlds = heartbeat, exit_after, ahead, keep_worlds
+        self.recover = recover
         #: every world change of the job, in order: a joiner gets rank 0's list with Lightning's state and
         #: adds the grow that admitted it, so every process holds the same history
         self.changes: list[dict[str, Any]] = []
         #: the world changes that failed with the old state whole and were rolled back: a grow whose
         #: joiner went missing (under ``switch_safety="keep_old"``, or before anything moved)
         self.rolled_back: list[dict[str, Any]] = []
+        #: every recovery from members lost without leaving (``RecoveryReport`` as a dict)
+        self.recoveries: list[dict[str, Any]] = []
+        self._recoveries_logged = 0
         self._driver: ElasticDriver | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._signal_connector: Any = None  # Lightning's, while its handler registration is wrapped
@@ -104,7 +119,7 @@ class OnNodeChange(Callback):
         self._listen_for_leave()  # from before this process enters the job: a notice during its set-up counts
         self._driver = ElasticDriver(strategy, policy=self.policy, memory_per_rank=self.memory_per_rank,
                                      step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after,
-                                     ahead=self.ahead, keep_worlds=self.keep_worlds)
+                                     ahead=self.ahead, keep_worlds=self.keep_worlds, recover=self.recover)
         return self._driver
 
     @override
@@ -161,6 +176,13 @@ class OnNodeChange(Callback):
             log_this_step(trainer)
             raise
         self.rolled_back += self._driver.rolled_back[seen:]
+        for recovery in self._driver.recoveries[self._recoveries_logged:]:  # in this step or at this boundary
+            self._recoveries_logged += 1
+            self.recoveries.append(asdict(recovery))
+            pl_module.log_dict({"dynatrain/world_size": float(trainer.world_size),
+                                "dynatrain/recovery_pause_seconds": recovery.pause_seconds,
+                                "dynatrain/recovery_steps_redone": float(recovery.steps_redone)},
+                               on_step=True, on_epoch=False, batch_size=1)
         if report is not None:
             self.changes.append(asdict(report))
             metrics = {"dynatrain/world_size": float(trainer.world_size),
@@ -199,12 +221,14 @@ class OnNodeChange(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"changes": list(self.changes), "rolled_back": list(self.rolled_back)}
+        return {"changes": list(self.changes), "rolled_back": list(self.rolled_back),
+                "recoveries": list(self.recoveries)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.changes = list(state_dict.get("changes", []))
         self.rolled_back = list(state_dict.get("rolled_back", []))
+        self.recoveries = list(state_dict.get("recoveries", []))
 
 
 __all__ = ["LEAVE_SIGNALS", "OnNodeChange"]

@@ -6,7 +6,8 @@ launcher of processes for ``python train.py`` (``_SubprocessScriptLauncher``), a
 connectors a strategy or a callback reaches into: the accelerator connector (turning off its
 ``DistributedSampler``), the checkpoint connector (a joiner's Lightning state restored as a resume
 restores it), the signal connector (``OnNodeChange`` wraps its handler registration) and the logger
-connector (a step whose switch ends the fit is logged first).
+connector (a step whose switch ends the fit is logged first); and the collectives its training loop
+runs before each step (a step redone after a recovery runs them again).
 ``tests/test_private_names.py`` fails on a private name used elsewhere.
 """
 
@@ -70,5 +71,18 @@ def log_this_step(trainer: Any) -> bool:
     return True
 
 
+def step_start_collectives(trainer: Any) -> None:
+    """The collectives Lightning's training loop runs over the world before each training step
+    (2.6: ``_broadcast_sigterm_tensor``, rank 0's SIGTERM flag), run now: a survivor that redoes a
+    step inside it after a recovery runs them again, as the survivors that go through the loop to
+    that step do, so that every survivor's collectives stay in the same order."""
+    import torch.distributed as dist
+
+    broadcast = getattr(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", None)
+    if broadcast is not None and dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+        broadcast()
+
+
 __all__ = ["SubprocessScriptLauncher", "accelerator_connector", "checkpoint_connector", "default_backend_for_device",
-           "init_dist_connection", "log_this_step", "restore_as_loaded", "signal_connector", "sync_ddp_if_available"]
+           "init_dist_connection", "log_this_step", "restore_as_loaded", "signal_connector", "step_start_collectives",
+           "sync_ddp_if_available"]

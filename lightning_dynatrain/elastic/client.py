@@ -64,6 +64,11 @@ class JobStore:
         self._alive: threading.Thread | None = None
         self._stop = threading.Event()
 
+    @property
+    def port(self) -> int:
+        """The store's port (its connections are not a world's: ``abandon.abandon_world`` keeps them)."""
+        return int(getattr(self.raw, "port", 0))
+
     @classmethod
     def connect(cls, address: str, token: bytes | str, *, timeout: float = 60.0) -> "JobStore":
         host, port = parse_address(address)

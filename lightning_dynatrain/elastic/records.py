@@ -97,7 +97,9 @@ class LeaveRequest:
 class Membership:
     """The world of one generation: member ids in rank order, from optimizer step ``effective_step``
     on (the change runs at that step's boundary). ``joined``/``left``: what changed from the last
-    generation; ``failed``: a member that stopped without leaving (the job must stop); ``dropped``: below."""
+    generation; ``failed``: members that stopped without leaving (``members`` are the survivors, who
+    recover into this world; when none survived, ``members`` are the last world's and the job is
+    over: ``survived``); ``dropped``: below."""
 
     generation: int
     members: tuple[str, ...]
@@ -108,6 +110,11 @@ class Membership:
     dropped: tuple[str, ...] = ()
     """Joiners of the last generation that stopped before it took effect: that change is cancelled
     (this generation has the members of the world that runs)."""
+
+    @property
+    def survived(self) -> bool:
+        """A failure record whose members are the survivors (they go on in this world)."""
+        return bool(self.failed) and not set(self.failed) & set(self.members)
 
     def rank_of(self, member: str) -> int | None:
         return self.members.index(member) if member in self.members else None

@@ -29,10 +29,13 @@ members that died at the same instant said they were alive last up to a heartbea
 record must name them all). Once a member reported a collective that failed (``suspect/{member}``,
 a count in ``suspects``: gloo says at once when a peer's connection closed), the bound is
 ``suspect_after`` instead, a few heartbeats: the dead are named in seconds, not ``dead_after``
-(which stays for a member that hangs without anything failing). The job must stop then (every
-trainer's watchdog reads the record), and every request after that is refused (also when the members stopped because their fit ended). A joiner that stops before
-its generation is installed only cancels that change (a generation with the running world's
-members, ``dropped``): training goes on.
+(which stays for a member that hangs without anything failing). That generation is the survivors'
+world, effective at once: its members are the running world's without the failed ones (a change
+not yet installed is dropped with it), and the survivors recover into it (``strategy/recovery.py``)
+or, where the state the dead held is gone, stop. When no member survives, the job is over and every
+request after that is refused (also when the members stopped because their fit ended). A joiner
+that stops before its generation is installed only cancels that change (a generation with the
+running world's members, ``dropped``): training goes on.
 """
 
 from __future__ import annotations
@@ -231,8 +234,16 @@ class StoreServer:
         if any(dead(m) for m in self.world.running):  # and whoever died with it (see the module docstring)
             together = min(self.together, bound / 2)
             failed = tuple(m for m in self.world.running if silent(m) > bound - together)
-            self.world.failed = True
-            self._publish(self.world.members, self.world.effective_step, failed=failed)
+            survivors = tuple(m for m in self.world.running if m not in failed)
+            if not survivors:  # nobody is left to go on
+                self.world.failed = True
+                self._publish(self.world.members, self.world.effective_step, failed=failed)
+                return
+            # the survivors' world, from now (they are stuck or recovering, not stepping): a change
+            # pending (joiners not yet installed) is dropped with it; its joiners ask again
+            self._publish(survivors, self._current_step(), failed=failed)
+            self.world.running = survivors  # their liveness is what counts now
+            self.store.set("suspects", "0")  # the next death waits for a new report (or dead_after)
             return
         dropped = tuple(m for m in self.world.members if m not in self.world.running and dead(m))
         if dropped:  # joiners gone before their world was installed: cancel the change

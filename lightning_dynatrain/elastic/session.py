@@ -14,10 +14,12 @@ background, polling the store meanwhile (a change cancelled because another join
 ask again), and installs it; the old members install theirs at the voted boundary.
 
 Liveness: a daemon thread says every ``heartbeat`` seconds that this member is alive; the store
-process records a member silent for ``dead_after`` seconds as failed. A watchdog thread reads the
-generation every second: on a failure it records ``failure`` (the callback raises
-``MemberFailedError`` with it) and, when the main thread is stuck in a collective that will never
-complete (gloo and NCCL wait for their long timeouts), ends the process after ``exit_after``
+process records a member silent for ``dead_after`` seconds (``suspect_after`` once a collective
+failed) as failed, in a generation whose members are the survivors. A watchdog thread reads the
+generation every second (``failure_watch.FailureWatch``): a survivor recovers into that world
+(``recover_into``, called by the strategy, ``strategy/recovery.py``); when the job cannot go on the
+watchdog records ``failure`` (the callback raises ``MemberFailedError`` with it) and, when the main
+thread is stuck in a collective that will never complete, ends the process after ``exit_after``
 seconds with that message, so a job never hangs silently.
 """
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,24 +35,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.compat.torch_internals import registered_groups
+from lightning_dynatrain.elastic.abandon import abandon_world
 from lightning_dynatrain.elastic.client import JobStore
+from lightning_dynatrain.elastic.failure_watch import (
+    EXIT_MEMBER_FAILED,
+    FailureWatch,
+    MemberFailedError,
+    MemberLostError,
+)
 from lightning_dynatrain.elastic.records import AdmissionError, JoinRequest, LeaveRequest, Membership
 from lightning_dynatrain.elastic.world import BorrowedWorld, NextWorld, install, retire
 from lightning_dynatrain.elastic.world_cache import KeptWorld, WorldCache, WorldGroups
-from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.members import Members
 
-#: exit status of a process the watchdog ends (a member failed and a collective would hang)
-EXIT_MEMBER_FAILED = 75
 #: test hook: ``DYNATRAIN_JOIN_FAULT=STOP`` stops a joiner (SIGSTOP) right after it is admitted, before
 #: the world that admits it is built, so that the change must be cancelled; ``STOP_IN_BUILD`` once its
 #: peers build the target ahead, before its own build; ``STOP_IN_SWITCH`` once they swapped to the new
 #: world and started the switch that fills it (built ahead; ``strategy.elastic``)
 JOIN_FAULT_ENV = "DYNATRAIN_JOIN_FAULT"
-
-
-class MemberFailedError(DynaTrainError):
-    """A member of the running world stopped without leaving: the job cannot go on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,26 +100,26 @@ class ElasticSession:
         device: on NCCL, the device whose communicator each world connects eagerly.
         timeout: collectives' timeout in every world; also how long a world's build may take.
         heartbeat, exit_after: see the module docstring.
+        recover: survivors of a member that died go on (``False``: the job ends, ``MemberFailedError``).
     """
 
     def __init__(self, store: JobStore, *, backend: str, device: torch.device | None = None,
                  timeout: timedelta = timedelta(minutes=30), heartbeat: float = 1.0, exit_after: float = 30.0,
-                 keep_worlds: int = 2) -> None:
+                 keep_worlds: int = 2, recover: bool = True) -> None:
         self.store, self.backend, self.device, self.timeout = store, backend, device, timeout
         self.kept = WorldCache(keep_worlds)
         """Worlds left for one whose members are all still in the job (``world_cache``)."""
         self.heartbeat, self.exit_after = heartbeat, exit_after
         self.world: Membership | None = None
         self.joined_change: WorldChange | None = None
-        self.failure: str | None = None
+        self.failures = FailureWatch(store, me=self.me, recover=recover, abandon=self.abandon_world,
+                                     exit_after=exit_after, grace=max(2.0, 2 * heartbeat))
         self.leave_requested = False
         self._leave_nonce: str | None = None
         self._seen = -1
         self._pending: Membership | None = None
         self._cancel: Membership | None = None
         self._next: NextWorld | None = None
-        self._watchdog: threading.Thread | None = None
-        self._closed = threading.Event()
 
     @property
     def me(self) -> str:
@@ -167,9 +169,10 @@ class ElasticSession:
             # change's record, with the running world's members)
             self.joined_change = WorldChange(old=self.store.membership(world.generation - 1), new=world, me=self.me)
         self.world, self._seen = world, world.generation
+        self.failures.world = world
         if self.rank == 0:
             self.store.mark_installed(world.generation)
-        self._start_watchdog()
+        self.failures.start()
         return world
 
     def _wait_built(self, nxt: NextWorld, world: Membership) -> bool:
@@ -195,9 +198,13 @@ class ElasticSession:
         one small all-reduce (the vote) per boundary, on every rank alike.
 
         Raises:
-            MemberFailedError: a member of the running world failed (every rank raises it).
+            MemberLostError: a member of the running world failed; this process goes on in the
+                survivors' world (``recover_into``).
+            MemberFailedError: a member of the running world failed and the job cannot go on.
         """
-        self._raise_failure()
+        self.failures.raise_failure()
+        if self.failures.lost is not None:
+            raise MemberLostError(self.failures.lost)
         if self._leave_nonce is not None and (verdict := self.store.verdict(self._leave_nonce)) is not None:
             self._leave_nonce = None
             if not verdict.get("admitted"):
@@ -209,7 +216,11 @@ class ElasticSession:
             self._seen = latest
             record = self.store.membership(latest)
             if record.failed:
-                self._failed(record)
+                self.failures.read(record)
+                self.failures.raise_failure()
+                if self.failures.lost is not None:
+                    raise MemberLostError(self.failures.lost)
+                return None  # a failure this process recovered from already
             self._consider(record)
         self._apply_cancel(step)
         pending = self._pending
@@ -341,70 +352,48 @@ class ElasticSession:
                   file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------------------ failures
-    def _failed(self, record: Membership) -> None:
-        assert self.world is not None
-        ranks = {m: self.world.rank_of(m) for m in record.failed}
-        self.failure = (f"member(s) {', '.join(f'{m} (rank {r})' for m, r in ranks.items())} stopped answering "
-                        f"without leaving (no heartbeat); the job cannot go on")
-        raise MemberFailedError(self.failure, hint="see the failed process's log; restart the job from its last "
-                                "checkpoint (a member that leaves on SIGTERM hands its state off instead)")
-
-    def _raise_failure(self) -> None:
-        if self.failure is not None:
-            raise MemberFailedError(self.failure, hint="see the failed process's log; restart from the last checkpoint")
+    @property
+    def failure(self) -> str | None:
+        """Why the job cannot go on in this process (a member failed), once known."""
+        return self.failures.failure
 
     def wait_for_failure(self, timeout: float, *, cause: str = "") -> str | None:
-        """After a collective failed (``cause``): the store's account of who failed, if it comes in
-        ``timeout`` s. The store process is told first, so it names the silent in seconds."""
-        try:
-            self.store.suspect_failure(cause)
-        except Exception:  # noqa: BLE001 - the store itself is gone: nothing more to learn
-            return self.failure
-        deadline = time.monotonic() + timeout
-        while self.failure is None and time.monotonic() < deadline:
-            try:
-                record = self.store.membership(self.store.generation())
-            except Exception:  # noqa: BLE001 - the store itself is gone: nothing more to learn
-                return None
-            if record.failed:
-                try:
-                    self._failed(record)
-                except MemberFailedError:
-                    pass
-            time.sleep(0.2)
-        return self.failure
+        """After a collective failed where the strategy does not recover (``cause``): the store's
+        account of who failed, if it comes in ``timeout`` s."""
+        record = self.failures.await_survivors(timeout, cause=cause)
+        return self.failures.describe(record) if record is not None else self.failures.failure
 
-    def _start_watchdog(self) -> None:
-        store = self.store.for_thread()  # never queued behind the main thread's store waits
+    def abandon_world(self) -> None:
+        """Make every collective still waiting on this process's worlds fail at once, here and on
+        its peers (``abandon.abandon_world``; the job's stores stay connected)."""
+        launcher_store = int(os.environ.get("MASTER_PORT", "0") or 0)  # torchrun's and Lightning's store
+        abandon_world(registered_groups(), keep_ports=(self.store.port, launcher_store))
 
-        def watch() -> None:
-            while not self._closed.wait(1.0):
-                if self.failure is None:  # (a step that failed may have learnt it first: wait_for_failure)
-                    try:
-                        record = store.membership(store.generation())
-                    except Exception:  # noqa: BLE001 - the store went away: the job is over
-                        return
-                    if not record.failed:
-                        continue
-                    try:
-                        self._failed(record)
-                    except MemberFailedError:
-                        pass
-                print(f"[dynatrain] {self.failure}", file=sys.stderr, flush=True)
-                # still running after exit_after (stuck in a collective, or in teardown's): end it
-                if not self._closed.wait(self.exit_after):
-                    print(f"[dynatrain] ending this process ({EXIT_MEMBER_FAILED}): {self.failure}",
-                          file=sys.stderr, flush=True)
-                    os._exit(EXIT_MEMBER_FAILED)
-                return
-
-        self._watchdog = threading.Thread(target=watch, name="dynatrain-watchdog", daemon=True)
-        self._watchdog.start()
+    def recover_into(self, record: Membership) -> WorldGroups:
+        """Install the survivors' world ``record`` (a failure record this process is a member of),
+        built now over the store by every survivor; returns the old world's groups, to ``retire``
+        (abandoned: they must not communicate). Every kept world goes too (its connections were
+        shut with the old world's), and so does a change that was pending."""
+        self.failures.abandon(record)  # (done already where this process noticed first)
+        self.failures.take(record)
+        rank = record.rank_of(self.me)
+        assert rank is not None, "only a survivor recovers"
+        group = NextWorld(self.store.for_thread().raw, generation=record.generation, rank=rank,
+                          size=len(record.members), backend=self.backend, timeout=self.timeout, device=self.device,
+                          background=False).group(timeout=self.timeout.total_seconds())
+        retire(self.kept.prune(()))
+        old = install(group, self.store.raw, generation=record.generation)
+        self.world, self._seen = record, max(self._seen, record.generation)
+        self.failures.world = record
+        self._pending, self._next, self._cancel = None, None, None
+        if self.rank == 0:
+            self.store.mark_installed(record.generation)
+        return old
 
     def close(self) -> None:
         """Stop the heartbeat and the watchdog (end of fit, or after leaving)."""
-        self._closed.set()
+        self.failures.close()
         self.store.stop_alive()
 
 
-__all__ = ["EXIT_MEMBER_FAILED", "ElasticSession", "MemberFailedError", "WorldChange"]
+__all__ = ["EXIT_MEMBER_FAILED", "ElasticSession", "MemberFailedError", "MemberLostError", "WorldChange"]

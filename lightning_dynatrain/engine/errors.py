@@ -35,12 +35,15 @@ class SwitchFailedError(DynaTrainError):
             rank holding a part of it is gone): resume from ``resume_from``. ``False``: the old state
             is whole on every rank and training can go on at the old layout.
         resume_from: the last checkpoint of the run, if the caller knows one.
+        freed: a surviving rank freed some of its old state (``lost_state`` also counts the parts the
+            missing ranks held, which replicas on survivors may still hold: ``strategy/recovery.py``).
     """
 
     def __init__(self, message: str, *, hint: str, rank: int | None, phase: str, lost_state: bool,
-                 resume_from: str | None) -> None:
+                 resume_from: str | None, freed: bool | None = None) -> None:
         super().__init__(message, hint=hint)
         self.rank, self.phase, self.lost_state, self.resume_from = rank, phase, lost_state, resume_from
+        self.freed = lost_state if freed is None else freed
 
 
 class EngineInternalError(RuntimeError):

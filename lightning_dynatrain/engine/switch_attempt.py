@@ -213,7 +213,7 @@ class SwitchAttempt:
                     "switch_timeout")
         first = min(missing) if missing else None
         return SwitchFailedError(message, hint=hint, rank=first, phase=missing.get(first, phase) if missing else phase,
-                                 lost_state=lost_state, resume_from=resume)
+                                 lost_state=lost_state, resume_from=resume, freed=freed)
 
 
 def _encode_missing(missing: dict[int, str]) -> str:

@@ -26,6 +26,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.devices.host.megatron_patches import megatron_on_cpu
+from lightning_dynatrain.megatron.step_progress import StepProgress
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -55,6 +56,7 @@ def run_train_step(
     forward_step: Callable | None = None,
     seq_length: int | None = None,
     pg_collection: ProcessGroupCollection | None = None,
+    progress: StepProgress | None = None,
 ) -> float:
     """One optimizer step over this data-parallel rank's ``batch``; returns the global mean loss.
 
@@ -65,6 +67,7 @@ def run_train_step(
         num_microbatches: micro-batches the local batch is split into (1F1B schedule when pp > 1).
         forward_step: megatron's ``forward_step(data_iterator, model)`` (default: the GPT preset's).
         seq_length: tokens per sequence for the pipeline's buffers (default: ``tokens``' dim 1).
+        progress: filled as the step goes (``step_progress``): what a recovery reads if it fails.
 
     Returns:
         The loss reported over all micro-batches and data-parallel ranks: the sum over their
@@ -77,9 +80,16 @@ def run_train_step(
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
         reports = _pipeline_schedule(ddp_model, micro, forward_step, seq_length, forward_only=False)
+        if progress is not None:
+            progress.reached("forward_backward")
         finalize_model_grads([ddp_model], pg_collection=pgs)
         optimizer.step()
-    return _global_mean_loss(reports, pgs, device)
+        if progress is not None:
+            progress.reached("optimizer")
+    loss = _global_mean_loss(reports, pgs, device)
+    if progress is not None:
+        progress.loss = loss
+    return loss
 
 
 def run_eval_step(

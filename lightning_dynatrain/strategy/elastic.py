@@ -50,7 +50,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_dynatrain.compat.lightning_internals import restore_as_loaded
 from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
+from lightning_dynatrain.elastic.failure_watch import MemberLostError, is_communication_failure
 from lightning_dynatrain.elastic.session import JOIN_FAULT_ENV, ElasticSession, WorldChange
+from lightning_dynatrain.megatron.step_progress import StepFault, StepProgress
 from lightning_dynatrain.strategy.change_report import ChangeReport
 from lightning_dynatrain.strategy.elastic_environment import ElasticEnvironment, LauncherError, launch_id, set_rank_zero
 from lightning_dynatrain.strategy.loggers import logger_versions, pin_logger_versions
@@ -64,8 +66,11 @@ if TYPE_CHECKING:
 
     import lightning.pytorch as pl
 
+    from lightning_dynatrain.elastic.records import Membership
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+    from lightning_dynatrain.strategy.recovery import Recovered, RecoveryReport
+    from lightning_dynatrain.vps.members import Members
 
 
 class ElasticDriver:
@@ -73,8 +78,15 @@ class ElasticDriver:
 
     def __init__(self, strategy: "DynaTrainStrategy", *, policy: Any, memory_per_rank: int | None = None,
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
-                 ahead: bool = True, keep_worlds: int = 2) -> None:
+                 ahead: bool = True, keep_worlds: int = 2, recover: bool = True) -> None:
         self.strategy = strategy
+        self.recover_from_loss = recover
+        self.recoveries: list[RecoveryReport] = []
+        """Every recovery from a member lost without leaving (``strategy/recovery.py``)."""
+        self._step_fault = StepFault.from_environment()  # test hook (megatron.step_progress)
+        self.last_loss: tuple[int, float] | None = None
+        """The last step this process completed and its loss (a recovery hands it to a survivor
+        whose own reduction of that loss failed)."""
         self.ahead_requested, self.keep_worlds = ahead, keep_worlds
         self.policy = parse_policy(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
@@ -125,7 +137,8 @@ class ElasticDriver:
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
         self.session = ElasticSession(JobStore.from_environment(), backend=strategy.process_group_backend,
                                       device=device, timeout=strategy._timeout, heartbeat=self.heartbeat,
-                                      exit_after=self.exit_after, keep_worlds=self.keep_worlds)
+                                      exit_after=self.exit_after, keep_worlds=self.keep_worlds,
+                                      recover=self.recover_from_loss)
         self.session.enter(self.fingerprint(), launch_rank=launcher.global_rank(), launch_size=launcher_world,
                            launch_id=launch_id(launcher, self.session.me))
         strategy.cluster_environment = ElasticEnvironment(launcher, self.session)
@@ -233,7 +246,16 @@ class ElasticDriver:
             return None
         self.session.publish_step(step)
         self._time_step(pending=self._detected_at is not None)
-        change = self.session.poll(step)
+        try:
+            change = self.session.poll(step)
+        except MemberLostError as lost:  # the store's record came before any collective failed here
+            self.recover(trainer, record=lost.record)
+            return None
+        except Exception as err:  # the vote's all-reduce, with a member gone
+            if not self.recovers(err):
+                raise
+            self.recover(trainer, error=err)
+            return None
         pending = self.session.pending
         if self._ahead is not None and (pending is None or pending.generation != self._ahead.generation):
             self._ahead.drop()  # cancelled (a joiner died)
@@ -269,15 +291,52 @@ class ElasticDriver:
 
     def choose(self, change: WorldChange) -> LayoutChoice:
         """The target layout for the new world (the same on every old member: a pure function)."""
+        return self.choose_for(len(change.new.members), members=change.members)
+
+    def choose_for(self, world: int, *, members: "Members") -> LayoutChoice:
+        """The target layout for a world of ``world`` processes, the state held as ``members`` says."""
         from lightning_dynatrain.megatron.state_bridge import precision_of
 
         strategy = self.strategy
         recipe = strategy.recipe
-        return choose_layout(self.policy, world=len(change.new.members), source=recipe.model,
+        return choose_layout(self.policy, world=world, source=recipe.model,
                              global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size,
                              current=strategy.layout,
                              precision=precision_of(strategy.megatron.model, strategy.megatron.optimizer),
-                             members=change.members, memory_per_rank=self.memory_per_rank, model=self.step_model)
+                             members=members, memory_per_rank=self.memory_per_rank, model=self.step_model)
+
+    # ------------------------------------------------------------------------------ failures
+    def progress(self, step: int) -> StepProgress:
+        """A record of the step that ends at global step ``step`` as it goes (read by ``recover``)."""
+        return StepProgress(step=step, rank=self.strategy.global_rank, fault=self._step_fault)
+
+    def recovers(self, err: BaseException) -> bool:
+        """``err`` is a collective that failed, or a switch a rank went missing in (that freed none of
+        the old state: ``SwitchFailedError.freed``), and the survivors go on after it (``recover``)."""
+        from lightning_dynatrain.engine.errors import SwitchFailedError
+
+        if not self.recover_from_loss or self.session is None or self.left:
+            return False
+        if isinstance(err, SwitchFailedError):
+            return not err.freed and (err.rank is not None or is_communication_failure(err))
+        return is_communication_failure(err)
+
+    def recover(self, trainer: "pl.Trainer", *, error: BaseException | None = None,
+                record: "Membership | None" = None, progress: StepProgress | None = None) -> Recovered:
+        """Go on in the survivors' world (``strategy/recovery.py``); what the step in flight does next."""
+        from lightning_dynatrain.strategy.recovery import recover
+
+        self._detected_at, self._step_fault = None, None  # (a test's fault fires in the first world only)
+        outcome = recover(self, trainer, error=error, record=record, progress=progress)
+        self.recoveries.append(outcome.report)
+        self._last_boundary = time.perf_counter()  # the pause is not a step
+        return outcome
+
+    def drop_ahead(self) -> None:
+        """Forget a world change built ahead (its world will not come)."""
+        if self._ahead is not None:
+            self._ahead.drop()
+            self._ahead = None
 
     def join_header(self, trainer: "pl.Trainer", target: ParallelConfig) -> dict[str, Any]:
         """(1) what a joiner learns first: the layouts, the step, the loggers' versions, whether the

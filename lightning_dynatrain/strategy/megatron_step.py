@@ -35,6 +35,7 @@ from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
 from lightning_dynatrain.megatron.train_step import run_eval_step, run_train_step
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
+from lightning_dynatrain.megatron.step_progress import StepProgress
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe, optimizer_config
 from lightning_dynatrain.strategy.validation import BatchSizeError, num_microbatches, validate_optimizer
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -166,14 +167,15 @@ def local_share(batch: Mapping[str, torch.Tensor], *, dp_rank: int, dp_size: int
 
 
 def train_step(state: MegatronState, batch: Mapping[str, torch.Tensor], recipe: MegatronRecipe, *,
-               lr: float, weight_decay: float) -> float:
-    """One optimizer step of the global ``batch`` at ``state``'s layout; the global mean loss (same on every rank)."""
+               lr: float, weight_decay: float, progress: StepProgress | None = None) -> float:
+    """One optimizer step of the global ``batch`` at ``state``'s layout; the global mean loss (same on
+    every rank). ``progress``: how far it got (``megatron.step_progress``)."""
     local = local_share(batch, dp_rank=state.dp_rank, dp_size=state.dp_size,
                         global_batch_size=recipe.global_batch_size)
     set_lr_and_wd(state.optimizer, lr=lr, weight_decay=weight_decay)
     return run_train_step(state.ddp, state.optimizer, local, state.layout, microbatches(recipe, state.layout),
                           forward_step=recipe.model.forward_step, seq_length=recipe.model.seq_length,
-                          pg_collection=state.groups)
+                          pg_collection=state.groups, progress=progress)
 
 
 def eval_step(model: torch.nn.Module, groups: ProcessGroupCollection, layout: ParallelConfig,

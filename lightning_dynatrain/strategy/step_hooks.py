@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.utilities.types import ReduceOp
 from typing_extensions import override
 
-from lightning_dynatrain.compat.lightning_internals import sync_ddp_if_available
+from lightning_dynatrain.compat.lightning_internals import step_start_collectives, sync_ddp_if_available
 
 
 class StepHooks:
@@ -37,13 +37,34 @@ class StepHooks:
         ``None``: what the optimizer's schedule group holds (``DynaTrainOptimizer``: the config's, or
         what a scheduler set). Lightning counts it as an optimizer step (``trainer.global_step`` advances).
         """
-        from lightning_dynatrain.strategy.megatron_step import train_step
-
         handle = self._lightning_optimizers[0]
         scheduled_lr, scheduled_wd = self.optimizer_handle.scheduled
-        closure = partial(train_step, self.megatron, batch, self.recipe, lr=scheduled_lr if lr is None else lr,
+        closure = partial(self._optimizer_step, batch, lr=scheduled_lr if lr is None else lr,
                           weight_decay=scheduled_wd if weight_decay is None else weight_decay)
         return handle.step(closure=closure)
+
+    def _optimizer_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float) -> float:
+        """The megatron step; under ``OnNodeChange``, a member lost in it is recovered from here
+        (``strategy/recovery.py``) and the step runs again at the survivors' layout on the same
+        global batch, or counts as done where its result survived."""
+        from lightning_dynatrain.strategy.megatron_step import train_step
+
+        elastic = self._elastic
+        while True:
+            progress = elastic.progress(self.lightning_module.trainer.global_step + 1) if elastic is not None else None
+            try:
+                loss = train_step(self.megatron, batch, self.recipe, lr=lr, weight_decay=weight_decay,
+                                  progress=progress)
+                if elastic is not None:
+                    elastic.last_loss = (progress.step, loss)
+                return loss
+            except Exception as err:
+                if elastic is None or not elastic.recovers(err):
+                    raise
+                outcome = elastic.recover(self.lightning_module.trainer, error=err, progress=progress)
+            if not outcome.redo:
+                return outcome.loss
+            step_start_collectives(self.lightning_module.trainer)  # as the survivors that step through the loop
 
     def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """The global mean loss of the global ``batch``, forward only, at the current layout (call

@@ -129,8 +129,14 @@ class SwitchHooks:
             report = ReconfigReport(step=step, src=str(src), dst=str(src), deferred=deferred)
         else:
             assert self._switcher is not None and self._optimizer_settings is not None
-            state, report = self._switcher.switch(self.megatron, layout, recipe=self.recipe,
-                                                  optimizer=self._optimizer_settings, step=step, deferred=deferred)
+            try:
+                state, report = self._switcher.switch(self.megatron, layout, recipe=self.recipe,
+                                                      optimizer=self._optimizer_settings, step=step, deferred=deferred)
+            except Exception as err:  # a member died in the switch with the old state whole: survivors go on
+                if self._elastic is None or not self._elastic.recovers(err):
+                    raise
+                self._elastic.recover(self._trainer(), error=err)
+                return ReconfigReport(step=step, src=str(src), dst=str(self.layout), deferred=deferred)
             self._install(state)
             self.switch_history.append(report)
         log_switch(self._trainer(), report, is_global_zero=self.is_global_zero)

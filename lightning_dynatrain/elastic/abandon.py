@@ -1,0 +1,101 @@
+"""Abandoning a world a member died in: every collective still waiting on it fails at once.
+
+When a member dies, the survivors' collectives that include it fail at once (its connections close
+as the kernel ends it). A survivor can also wait in a collective with another survivor that has
+already given up on the old world (its own collective with the dead one failed first): that one
+would wait until the group's timeout (minutes). So a survivor that gives up on the old world first
+abandons it here: its peers' waits on it then fail at once too, and every survivor reaches the
+recovery in seconds.
+
+- NCCL: ``ProcessGroup.abort()`` aborts the communicators (torch's documented way).
+- gloo: ``abort()`` and ``shutdown()`` leave the connections open (measured on torch 2.13: a peer
+  waiting on the group still waits until this process exits), so the TCP connections this process
+  holds are shut down (Linux: found under ``/proc/self``), except the connections to the job's
+  stores (``keep_ports``). The peer's wait then fails with gloo's "Connection closed by peer", as
+  for a member that died.
+
+Nothing here builds or registers groups; the old groups are destroyed afterwards as any retired
+world's (``world.retire``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+
+import torch.distributed as dist
+
+from lightning_dynatrain.compat.torch_internals import backend_name
+
+#: TCP state "established" in /proc/net/tcp
+_ESTABLISHED = "01"
+
+
+def abandon_world(groups: Iterable[dist.ProcessGroup], *, keep_ports: Iterable[int]) -> int:
+    """Abort ``groups`` (an old world's, its default group included) so that every collective waiting
+    on them, here or on a peer, fails now; returns how many gloo connections were shut down."""
+    groups = list(groups)
+    gloo = False
+    for group in groups:
+        gloo = gloo or backend_name(group) == "gloo"
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - a backend without abort (or already aborted): nothing to stop
+            pass
+    return shut_connections(keep_ports=keep_ports) if gloo else 0
+
+
+def shut_connections(*, keep_ports: Iterable[int]) -> int:
+    """Shut down every established TCP connection of this process whose local or remote port is
+    not in ``keep_ports``; the number shut. Linux only (0 elsewhere: waits end at the timeout)."""
+    keep = {int(p) for p in keep_ports if p}
+    inodes = _established_inodes(keep)
+    if not inodes:
+        return 0
+    shut = 0
+    for fd in _fds():
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if not (link.startswith("socket:[") and link[8:-1] in inodes):
+            continue
+        duplicate = socket.socket(fileno=os.dup(fd))  # shutdown acts on the connection, not the descriptor
+        try:
+            duplicate.shutdown(socket.SHUT_RDWR)
+            shut += 1
+        except OSError:  # already closed by the peer
+            pass
+        finally:
+            duplicate.close()
+    return shut
+
+
+def _fds() -> list[int]:
+    try:
+        return [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return []
+
+
+def _established_inodes(keep: set[int]) -> set[str]:
+    """The socket inodes of this process's established TCP connections not to or from a port in ``keep``."""
+    inodes: set[str] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) < 10 or fields[3] != _ESTABLISHED:
+                continue
+            local, remote = int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)
+            if local not in keep and remote not in keep:
+                inodes.add(fields[9])
+    return inodes
+
+
+__all__ = ["abandon_world", "shut_connections"]

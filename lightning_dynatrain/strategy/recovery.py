@@ -1,0 +1,200 @@
+"""Survivors go on: a member died without leaving; the others rebuild the state in a world of their own.
+
+Every survivor runs this in its main thread (``ElasticDriver.recover``) after one of its collectives
+failed (inside a training step, ``StepHooks.train_step``, or at a step boundary), or at a boundary
+where the store's record came first (``MemberLostError``):
+
+1. **abandon** the old world (``ElasticSession.abandon_world``): a peer waiting on this process fails
+   at once and comes here too;
+2. **agree**: the store's record of the survivors' world (the store process names the silent within
+   ``suspect_after`` of the first report; ``elastic/server.py``);
+3. **world**: every survivor builds and installs that world, with fresh group caches;
+4. **gather** what each survivor holds: the step its state is the result of (``StepProgress``: did
+   megatron's optimizer step return?) and where its Lightning loop is;
+5. **source**: the newest step whose holders among the survivors hold every box
+   (``vps.recovery_source``); survivors at another step receive like every destination. When no
+   step is whole (a ZeRO-1 shard, a tp/pp shard at dp1 went with the dead), the job ends with
+   ``MemberFailedError`` naming the boxes and the checkpoint to resume from: never a mix of steps;
+6. **switch** to the layout the policy picks for the survivors' world (``hot_switch`` over the new
+   world, every box from a holder at that step), installed as training's state;
+7. **redo**: a step in flight whose state is the step before is run again at the new layout on the
+   same global batch (``redo``); one whose result survived counts as done, once, with its loss.
+   Steps whose result is lost and computed again (``steps_redone``) are 0 when replicas hold it all.
+
+The figures of each recovery (``RecoveryReport``) are logged like a world change's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_dynatrain.elastic.failure_watch import MemberFailedError
+from lightning_dynatrain.elastic.world import retire
+from lightning_dynatrain.strategy.elastic_environment import set_rank_zero
+from lightning_dynatrain.strategy.loggers import continue_loggers
+from lightning_dynatrain.vps.errors import StateLostError
+from lightning_dynatrain.vps.recovery_source import SurvivorState, recovery_source
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_dynatrain.elastic.records import Membership
+    from lightning_dynatrain.megatron.step_progress import StepProgress
+    from lightning_dynatrain.strategy.elastic import ElasticDriver
+
+#: how long a survivor waits for the store to name the dead (beyond its ``suspect_after``)
+AGREE_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What one recovery cost (the same on every survivor but ``redone``'s loss)."""
+
+    step: int
+    """The optimizer step the new world's state is the result of (training goes on with the next)."""
+    failed: tuple[str, ...]
+    old_world: int
+    new_world: int
+    src: str
+    dst: str
+    steps_redone: int
+    """Steps completed on some survivor whose result is lost (the newest whole step is older)."""
+    restarted: bool
+    """This survivor's step in flight restarted at the new layout (it had not completed anywhere)."""
+    agree_seconds: float
+    """From the failure noticed here to the store's record of the survivors."""
+    world_seconds: float
+    """Building and installing the survivors' world and its topology."""
+    transfer_seconds: float
+    rebuild_seconds: float
+    pause_seconds: float
+    """From the failure noticed here to the new layout's state installed (the redo not included)."""
+    finished_at: float
+    """Wall-clock time (``time.time()``) the new layout's state was installed here."""
+
+    def __str__(self) -> str:
+        return (f"[dynatrain] step {self.step}: member(s) {', '.join(self.failed)} lost; world {self.old_world} -> "
+                f"{self.new_world}, {self.src} -> {self.dst} from the state of step {self.step} in "
+                f"{self.pause_seconds:.2f} s (agreement {self.agree_seconds:.2f} s, world {self.world_seconds:.2f} s, "
+                f"build {self.rebuild_seconds:.2f} s, transfer {self.transfer_seconds:.3f} s); "
+                f"{self.steps_redone} step(s) redone")
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What the step in flight does next: run again at the new layout (``redo``), or count as done
+    with ``loss`` (``nan`` where no survivor had reduced it)."""
+
+    redo: bool
+    loss: float
+    report: RecoveryReport
+
+
+def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseException | None = None,
+            record: "Membership | None" = None, progress: "StepProgress | None" = None) -> Recovered:
+    """Steps 1-6 of the module docstring on this survivor; ``error``: the collective that failed,
+    ``record``: the survivors' world when the store's record came first, ``progress``: the step in
+    flight (``None`` at a boundary)."""
+    from lightning_dynatrain.megatron.hot_switch import hot_switch
+    from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
+    from lightning_dynatrain.megatron.state_bridge import precision_of
+    from lightning_dynatrain.strategy.topology import gather_topology
+
+    session, strategy = driver.session, driver.strategy
+    assert session is not None and session.world is not None
+    start = time.perf_counter()
+    session.abandon_world()  # (1)
+    if record is None:  # (2)
+        cause = f"{type(error).__name__}: {error}" if error is not None else "a member failed"
+        record = session.failures.await_survivors(AGREE_TIMEOUT, cause=cause)
+        if record is None:
+            raise MemberFailedError(session.failure or f"a collective failed ({cause}) and the job's store named no "
+                                    f"failed member in {AGREE_TIMEOUT:.0f} s",
+                                    hint="see the other processes' logs; restart the job from its last checkpoint") \
+                from error
+    agreed = time.perf_counter()
+    old = session.world
+    old_rank, src = old.rank_of(session.me), strategy.layout
+    assert old_rank is not None
+    driver.drop_ahead()
+    old_caches = strategy.switcher.world_caches()
+    was_rank_zero = strategy.global_rank == 0
+    old_groups = session.recover_into(record)  # (3)
+    set_rank_zero(session.rank)
+    groups = strategy.switcher.new_world_groups()
+    strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
+    in_step = progress is not None
+    losses = dict([driver.last_loss] if driver.last_loss is not None else [])
+    if in_step and progress.loss is not None:
+        losses[progress.step] = progress.loss
+    mine = {"old_rank": old_rank, "global_step": trainer.global_step, "in_step": in_step,
+            "state": trainer.global_step + int(in_step and progress.stepped), "losses": losses}
+    everyone: list[dict] = [{}] * len(record.members)
+    dist.all_gather_object(everyone, mine)  # (4)
+    world_built = time.perf_counter()
+    precision = precision_of(strategy.megatron.model, strategy.megatron.optimizer)
+    setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)
+    try:  # (5)
+        source = recovery_source(setup.spec, src, precision, old_size=len(old.members),
+                                 survivors=[SurvivorState(e["old_rank"], e["state"]) for e in everyone])
+    except StateLostError as err:
+        raise MemberFailedError(f"member(s) {', '.join(record.failed)} died holding state no survivor has: {err}",
+                                hint=f"restart the job from {last_checkpoint(trainer)} (a layout with data-parallel "
+                                "replicas, without zero1, survives the loss of a rank)") from err
+    _check_the_loops_agree(everyone, source.step)
+    choice = driver.choose_for(len(record.members), members=source.members)
+    target = choice.layout
+    initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (6)
+    result = hot_switch(strategy.megatron, target, setup, groups=groups, members=source.members,
+                        watch=strategy.switcher.world_watch(), restore_source_groups=False)
+    strategy._install(result.state)
+    old_caches.subgroups.close()  # the old world's groups: abandoned, destroyed here (local)
+    old_caches.groups.close()
+    retire(old_groups.groups)
+    if session.rank == 0 and not was_rank_zero:  # the old rank 0 died: its files are as it left them
+        continue_loggers(trainer.loggers)
+    redo = in_step and source.step == trainer.global_step  # (7)
+    known = {step: loss for e in everyone for step, loss in e["losses"].items()}
+    report = RecoveryReport(
+        step=source.step, failed=record.failed, old_world=len(old.members), new_world=len(record.members),
+        src=str(src), dst=str(target), steps_redone=max(e["state"] for e in everyone) - source.step, restarted=redo,
+        agree_seconds=agreed - start, world_seconds=world_built - agreed,
+        transfer_seconds=result.phases.get("engine", 0.0), rebuild_seconds=result.rebuild_seconds,
+        pause_seconds=time.perf_counter() - start, finished_at=time.time())
+    rank_zero_warn(str(report))
+    return Recovered(redo=redo, loss=known.get(trainer.global_step + 1, float("nan")), report=report)
+
+
+def last_checkpoint(trainer: "pl.Trainer") -> str:
+    """The newest checkpoint this fit's ``ModelCheckpoint`` callbacks wrote, in words."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    paths = [p for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)
+             for p in (cb.last_model_path, cb.best_model_path) if p]
+    if not paths:
+        return "its last checkpoint (this fit wrote none: add a ModelCheckpoint)"
+    import os
+
+    return f"its last checkpoint, {max(paths, key=lambda p: os.path.getmtime(p) if os.path.exists(p) else 0)}"
+
+
+def _check_the_loops_agree(everyone: list[dict], step: int) -> None:
+    """After the recovery every survivor runs step ``step + 1`` next: one inside step ``g + 1``
+    (``g``: its global step) redoes it when ``step == g`` or ends it, done, when ``step == g + 1``
+    (a survivor that passed the step's last collective may be a step ahead of one that failed in
+    it); one at the boundary after ``g`` needs ``step == g``."""
+    cannot = [e["old_rank"] for e in everyone
+              if step not in ((e["global_step"], e["global_step"] + 1) if e["in_step"] else (e["global_step"],))]
+    if cannot:
+        where = sorted((e["old_rank"], e["global_step"], e["in_step"]) for e in everyone)
+        raise MemberFailedError(f"the state of step {step} cannot be continued from on the survivors of old rank(s) "
+                                f"{cannot} (old rank, global step, inside a step: {where})",
+                                hint="restart the job from its last checkpoint")
+
+
+__all__ = ["AGREE_TIMEOUT", "Recovered", "RecoveryReport", "recover"]

@@ -1,0 +1,85 @@
+"""Which survivors source the state after members died mid-step (pure).
+
+A member that dies inside an optimizer step leaves the survivors at two steps at most: those that
+passed megatron's ``optimizer.step()`` hold the step's result, the others the step before. A new
+world must start from one step: every box comes from a survivor at that step, never some from each.
+``recovery_source`` takes the newest step whose holders among the survivors still hold every box of
+the old layout (data-parallel replicas make that likely); survivors at another step and the dead
+hold nothing (``Members.src`` is ``None`` for them) and receive their part like every destination.
+When no step is whole (a ZeRO-1 shard, or a tp/pp shard at dp1, went with the dead),
+``StateLostError`` names what went.
+
+Example (dp2-tp2, rank 1 died after its optimizer step, ranks 0 and 3 had stepped too, rank 2 not)::
+
+    >>> source = recovery_source(spec, ParallelConfig.parse("dp2-tp2"), Precision.FP32, old_size=4,
+    ...                          survivors=(SurvivorState(0, 6), SurvivorState(2, 5), SurvivorState(3, 6)))
+    >>> source.step, source.members.src
+    (6, (0, None, None, 2))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_dynatrain.vps.errors import StateLostError
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.lost_state import lost_bytes, lost_state
+from lightning_dynatrain.vps.members import Members
+from lightning_dynatrain.vps.spec import ModelSpec, Precision
+
+
+@dataclass(frozen=True)
+class SurvivorState:
+    """A survivor's rank in the old world and the optimizer step its state is the result of."""
+
+    old_rank: int
+    step: int
+
+
+@dataclass(frozen=True)
+class RecoverySource:
+    """The step the new world starts from and who holds it (``members``: old ranks at that step as
+    sources, the survivors in order as the destination's processes)."""
+
+    step: int
+    members: Members
+    stale: tuple[int, ...]
+    """Old ranks of survivors at another step: they hold nothing of ``step``'s state."""
+
+
+def recovery_source(spec: ModelSpec, layout: ParallelConfig, precision: Precision, *, old_size: int,
+                    survivors: Sequence[SurvivorState]) -> RecoverySource:
+    """The newest step whole among ``survivors`` (in the new world's rank order) of a world of
+    ``old_size`` at ``layout`` (see the module docstring).
+
+    Raises:
+        StateLostError: no step's holders hold every box; the newest step's missing boxes.
+    """
+    if not survivors:
+        raise StateLostError("no survivor holds any state", hint="restart the job from its last checkpoint")
+    process = {s.old_rank: p for p, s in enumerate(survivors)}
+    first_lost = None
+    for step in sorted({s.step for s in survivors}, reverse=True):
+        holders = {s.old_rank for s in survivors if s.step == step}
+        empty = frozenset(r for r in range(old_size) if r not in holders)
+        lost = lost_state(spec, layout, empty, precision)
+        if not lost:
+            members = Members(tuple(process[r] if r in holders else None for r in range(old_size)),
+                              tuple(range(len(survivors))), len(survivors))
+            stale = tuple(s.old_rank for s in survivors if s.step != step)
+            return RecoverySource(step=step, members=members, stale=stale)
+        first_lost = first_lost or (step, lost, empty)
+    assert first_lost is not None
+    step, lost, empty = first_lost
+    dead = sorted(set(range(old_size)) - set(process))
+    shown = "; ".join(map(str, lost[:3])) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
+    raise StateLostError(
+        f"{len(lost)} boxes ({lost_bytes(spec, lost, precision) / 2**20:.2f} MiB) of the {layout} state at step {step} "
+        f"are held by no survivor (dead: rank{'s' * (len(dead) > 1)} {', '.join(map(str, dead))}): {shown}",
+        hint="restart the job from its last checkpoint; a layout with data-parallel replicas (dp >= 2, without "
+             "zero1 for the optimizer's state) keeps a copy of every box on another rank",
+        lost=lost, ranks=tuple(sorted(empty)))
+
+
+__all__ = ["RecoverySource", "SurvivorState", "recovery_source"]

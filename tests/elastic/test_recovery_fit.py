@@ -1,0 +1,157 @@
+"""A member killed mid-step (SIGKILL, no goodbye) costs seconds, not the job: the survivors go on.
+
+Four processes of one launch (each its own child, as ``srun`` starts them) train the tiny GPT at
+``dp2-tp2-pp1`` under ``OnNodeChange`` with a real store process. One of them kills itself inside
+step ``FAULT_STEP`` (``DYNATRAIN_STEP_FAULT``): rank 3 once its micro-batches ran, before the
+gradients are reduced (nobody has stepped: the step is redone at the new layout), or rank 0 once
+megatron's optimizer step returned (every survivor stepped too: the step counts as done, once).
+The three survivors agree on the world without it through the store, rebuild the whole state from
+the data-parallel replicas they hold at ``dp3-tp1-pp1`` and train to the end.
+
+Against a static fit of the same model and data at ``dp2-tp2-pp1`` (no failure): every loss up to
+the failure is equal bit for bit, every later one within 1e-4 (another layout's float rounding);
+each step is counted once; the replicas end identical; the recovery's figures are logged.
+
+At ``dp2-tp2-pp1-zero1`` the dead rank's optimizer shard had no other holder: every survivor ends
+with ``MemberFailedError`` naming what was lost and where to resume from, never a mix of steps.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from benchmarks.elastic_job import ElasticJob
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS, FAULT_STEP = 12, 6
+
+
+@pytest.fixture(scope="module")
+def static_losses(tmp_path_factory) -> dict[int, float]:
+    """The same fit at dp2-tp2-pp1 on four processes that never fail."""
+    with ElasticJob(tmp_path_factory.mktemp("static"), max_steps=MAX_STEPS, step_seconds=0.0,
+                    fit_args=("--static",)) as job:
+        procs = job.start_launch(4)
+        codes = [job.wait(p) for p in procs]
+        assert codes == [0, 0, 0, 0], job.tail()
+        results = job.results()
+    losses = {tuple(map(tuple, r["losses"])) for r in results.values()}
+    assert len(losses) == 1  # every rank reports the global loss
+    return dict(next(iter(losses)))
+
+
+@pytest.mark.parametrize(("victim", "phase", "from_step"), [(3, "forward_backward", FAULT_STEP - 1),
+                                                          (0, "optimizer", FAULT_STEP)])
+def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_path, static_losses, victim, phase,
+                                                                          from_step):
+    fault = {victim: {"DYNATRAIN_STEP_FAULT": f"{victim}:{FAULT_STEP}:{phase}"}}
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0,
+                    suspect_after=2.0) as job:
+        procs = job.start_launch(4, rank_env=fault)
+        codes = [job.wait(p) for p in procs]
+        results, log = job.results(), job.tail(400)
+    assert codes[victim] == -signal.SIGKILL, log
+    assert [c for r, c in enumerate(codes) if r != victim] == [0, 0, 0], log
+    assert len(results) == 3, log
+    for r in results.values():
+        assert (r["world"], r["layout"], r["global_step"]) == (3, "dp3-tp1-pp1", MAX_STEPS), r
+    assert len({r["shard"] for r in results.values()}) == 1  # the replicas are identical
+    recoveries = [r["recoveries"] for r in results.values()]
+    assert all(len(rs) == 1 for rs in recoveries), recoveries
+    # every survivor: the same world, layouts, the same state's step, nothing lost
+    agreed = {(rs[0]["step"], tuple(rs[0]["failed"]), rs[0]["old_world"], rs[0]["new_world"], rs[0]["src"],
+               rs[0]["dst"], rs[0]["steps_redone"]) for rs in recoveries}
+    assert agreed == {(from_step, tuple(recoveries[0][0]["failed"]), 4, 3, "dp2-tp2-pp1", "dp3-tp1-pp1", 0)}, agreed
+    recovery = recoveries[0][0]
+    print(f"killed rank {victim} in {phase}: recovered in {recovery['pause_seconds']:.2f} s (agreement "
+          f"{recovery['agree_seconds']:.2f} s, world {recovery['world_seconds']:.2f} s, transfer "
+          f"{recovery['transfer_seconds']:.3f} s)")
+    assert "lost; world 4 -> 3, dp2-tp2-pp1 -> dp3-tp1-pp1" in log
+    for r in results.values():
+        steps = [step for step, _ in r["losses"]]
+        assert steps == list(range(1, MAX_STEPS + 1)), steps  # each step once, none skipped
+        for step, loss in r["losses"]:
+            if step <= from_step:  # at dp2-tp2, as the static fit
+                assert loss == static_losses[step], (step, loss, static_losses[step])
+            else:  # at dp3-tp1-pp1, from the same state
+                assert loss == pytest.approx(static_losses[step], rel=1e-4), step
+
+
+def test_a_zero1_shard_only_the_dead_held_ends_the_job_naming_what_was_lost(tmp_path):
+    fault = {1: {"DYNATRAIN_STEP_FAULT": f"1:{FAULT_STEP}:forward_backward"}}
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
+                    fit_args=("--zero1",)) as job:
+        procs = job.start_launch(4, rank_env=fault)
+        codes = [job.wait(p, timeout=120) for p in procs]
+        log = job.tail(400)
+    assert codes[1] == -signal.SIGKILL and all(c not in (0, -signal.SIGKILL) for r, c in enumerate(codes) if r != 1), \
+        (codes, log)
+    assert "died holding state no survivor has" in log and "exp_avg" in log, log
+    assert "of the dp2-tp2-pp1-zero1 state at step 5 are held by no survivor (dead: rank 1)" in log, log
+    assert "restart the job from its last checkpoint (this fit wrote none" in log, log
+
+
+def test_a_stopped_member_is_left_behind_and_a_spare_grows_the_world_back(tmp_path):
+    """SIGSTOP (hung, not dead: its connections stay open, nothing fails): the store names it after
+    ``dead_after``, the survivors' watchdogs abandon the collectives they wait in, and they go on at
+    world 3. Continued, the stopped process finds itself out of the job and ends with that message.
+    A spare started then joins as any joiner does, and the world is 4 again."""
+    from benchmarks.elastic_fit import STOP_KEY
+
+    dead_after = 6.0
+    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.1, dead_after=dead_after,
+                    fit_args=("--stop-in-store",)) as job:
+        procs = job.start_launch(4)
+        job.wait_for(lambda: job.step() >= 3, what="the first world to train")
+        procs[3].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        job.wait_for(lambda: job.installed_size() == 3, what="the survivors' world", timeout=90)
+        step = job.step()
+        job.wait_for(lambda: job.step() >= step + 5, what="the survivors to train on", timeout=60)
+        went_on_after = time.monotonic() - stopped_at
+        procs[3].send_signal(signal.SIGCONT)
+        stopped_code = job.wait(procs[3], timeout=60)
+        spare = job.start_python()  # a replacement joins as any joiner does: the policy grows the world back
+        job.wait_for(lambda: job.installed_size() == 4, what="the spare to join", timeout=120)
+        job.client.store.set(STOP_KEY, str(job.step() + 3))
+        codes = [job.wait(p) for p in [*procs[:3], spare]]
+        results, log = job.results(), job.tail(400)
+    assert codes == [0, 0, 0, 0], log
+    assert stopped_code not in (0, -signal.SIGKILL), log
+    assert "was recorded as failed (it stopped answering for too long) and is out of the job" in log, log
+    assert {(r["world"], r["layout"]) for r in results.values()} == {(4, "dp2-tp2-pp1")}
+    assert len({(r["shard"], tuple(r["tp_pp"])) for r in results.values()}) == 2  # two identical replicas
+    for r in results.values():  # every process holds the job's history: the recovery, then the grow
+        assert [(c["src"], c["dst"]) for c in r["changes"]][-1:] == [("dp3-tp1-pp1", "dp2-tp2-pp1")], r["changes"]
+        assert [(x["src"], x["dst"]) for x in r["recoveries"]] == [("dp2-tp2-pp1", "dp3-tp1-pp1")], r["recoveries"]
+    print(f"stopped member: the survivors trained on {went_on_after:.1f} s after the stop (dead_after {dead_after} s)")
+    assert went_on_after < dead_after + 30
+
+
+def test_a_member_killed_in_a_layout_switch_that_keeps_the_old_state_is_recovered_from(tmp_path, static_losses):
+    """``switch_safety="keep_old"``: rank 3 kills itself entering the transfer of the scheduled switch
+    to ``dp1-tp2-pp2`` after step ``FAULT_STEP``. Nothing was freed: the survivors go on from the
+    old layout's state of that step, at ``dp3-tp1-pp1``."""
+    fault = {3: {"DYNATRAIN_SWITCH_FAULT": "3:transfer:KILL:1"}}
+    fit_args = ("--switch-safety", "keep_old", "--switch-timeout", "20", "--schedule", f"{FAULT_STEP}:dp1-tp2-pp2")
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
+                    fit_args=fit_args) as job:
+        procs = job.start_launch(4, rank_env=fault)
+        codes = [job.wait(p) for p in procs]
+        results, log = job.results(), job.tail(400)
+    assert codes == [0, 0, 0, -signal.SIGKILL], log
+    assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(3, "dp3-tp1-pp1", MAX_STEPS)}
+    assert len({r["shard"] for r in results.values()}) == 1
+    assert {(x["step"], x["src"], x["dst"], x["steps_redone"]) for r in results.values() for x in r["recoveries"]} \
+        == {(FAULT_STEP, "dp2-tp2-pp1", "dp3-tp1-pp1", 0)}
+    for r in results.values():
+        assert [step for step, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))
+        for step, loss in r["losses"]:
+            if step <= FAULT_STEP:
+                assert loss == static_losses[step], step
+            else:
+                assert loss == pytest.approx(static_losses[step], rel=1e-4), step
