@@ -53,4 +53,10 @@ def lost_bytes(spec: ModelSpec, lost: Iterable[LostBox], precision: Precision = 
     return sum(b.box.numel * spec.itemsize(b.tensor, b.kind, precision) for b in lost)
 
 
-__all__ = ["LostBox", "lost_bytes", "lost_state"]
+def describe_lost(spec: ModelSpec, lost: tuple[LostBox, ...], precision: Precision = Precision.FP32) -> tuple[str, str]:
+    """``lost`` in words for an error: its count and size ("3 boxes (0.01 MiB)"), and the first three."""
+    shown = "; ".join(map(str, lost[:3])) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
+    return f"{len(lost)} boxes ({lost_bytes(spec, lost, precision) / 2**20:.2f} MiB)", shown
+
+
+__all__ = ["LostBox", "describe_lost", "lost_bytes", "lost_state"]

@@ -27,7 +27,7 @@ from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.errors import PlanError, StateLostError
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.lost_state import lost_bytes, lost_state
+from lightning_dynatrain.vps.lost_state import describe_lost, lost_state
 from lightning_dynatrain.vps.mapping import state_placement
 from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
@@ -177,9 +177,9 @@ def _plan_rank(
 def _lost(spec: ModelSpec, src: ParallelConfig, members: Members, precision: Precision) -> StateLostError:
     """The error of a plan that needs a box only dead ranks held: every such box, counted."""
     lost = lost_state(spec, src, members.lost, precision)
-    shown = "; ".join(map(str, lost[:3])) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
+    counted, shown = describe_lost(spec, lost, precision)
     return StateLostError(
-        f"{len(lost)} boxes ({lost_bytes(spec, lost, precision) / 2**20:.2f} MiB) of the {src} state were held only "
+        f"{counted} of the {src} state were held only "
         f"by the dead rank{'s' * (len(members.lost) > 1)} {', '.join(map(str, members.lost))}: {shown}",
         hint="recover from an in-memory snapshot or the last checkpoint; a layout with data-parallel replicas "
              "(dp >= 2, without zero1 for the optimizer's state) keeps a copy of every box on another rank",

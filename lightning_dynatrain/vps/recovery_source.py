@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from lightning_dynatrain.vps.errors import StateLostError
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.lost_state import lost_bytes, lost_state
+from lightning_dynatrain.vps.lost_state import describe_lost, lost_state
 from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
 
@@ -73,9 +73,9 @@ def recovery_source(spec: ModelSpec, layout: ParallelConfig, precision: Precisio
     assert first_lost is not None
     step, lost, empty = first_lost
     dead = sorted(set(range(old_size)) - set(process))
-    shown = "; ".join(map(str, lost[:3])) + (f"; and {len(lost) - 3} more" if len(lost) > 3 else "")
+    counted, shown = describe_lost(spec, lost, precision)
     raise StateLostError(
-        f"{len(lost)} boxes ({lost_bytes(spec, lost, precision) / 2**20:.2f} MiB) of the {layout} state at step {step} "
+        f"{counted} of the {layout} state at step {step} "
         f"are held by no survivor (dead: rank{'s' * (len(dead) > 1)} {', '.join(map(str, dead))}): {shown}",
         hint="restart the job from its last checkpoint; a layout with data-parallel replicas (dp >= 2, without "
              "zero1 for the optimizer's state) keeps a copy of every box on another rank",
