@@ -25,7 +25,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from lightning_dynatrain.devices.host.megatron_patches import megatron_on_cpu
+from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.step_progress import StepProgress
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.vps.errors import LayoutError
@@ -76,7 +76,7 @@ def run_train_step(
     """
     pgs, device, micro = _micro_batches(ddp_model, batch, layout, num_microbatches, pg_collection)
     ddp_model.train()
-    with megatron_on_cpu():
+    with device_kind(device).megatron_context():
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
         reports = _pipeline_schedule(ddp_model, micro, forward_step, seq_length, forward_only=False)
@@ -112,7 +112,7 @@ def run_eval_step(
     was_training = model.training
     model.eval()
     try:
-        with megatron_on_cpu(), torch.no_grad():
+        with device_kind(device).megatron_context(), torch.no_grad():
             reports = _pipeline_schedule(model, micro, forward_step, seq_length, forward_only=True)
     finally:
         model.train(was_training)
