@@ -150,13 +150,12 @@ class FailureWatch:
                 self.lost = None
             return True
 
-    def abandon(self, record: Membership | None = None) -> None:
-        """Abandon the old world once per failure (``record``'s; none taken yet)."""
+    def abandon(self, record: Membership) -> None:
+        """Abandon the old world once per failure (``record``'s), unless the main thread took it."""
         with self._lock:
-            generation = record.generation if record is not None else self._taken + 1
-            if generation <= self._taken or generation <= self._abandoned:
+            if record.generation <= max(self._taken, self._abandoned):
                 return
-            self._abandoned = generation
+            self._abandoned = record.generation
             self.abandon_world()
 
     # ----------------------------------------------------------------------------- watchdog

@@ -374,8 +374,7 @@ class ElasticSession:
         built now over the store by every survivor; returns the old world's groups, to ``retire``
         (abandoned: they must not communicate). Every kept world goes too (its connections were
         shut with the old world's), and so does a change that was pending."""
-        self.failures.abandon(record)  # (done already where this process noticed first)
-        self.failures.take(record)
+        self.failures.take(record)  # (the caller abandoned the old world first)
         rank = record.rank_of(self.me)
         assert rank is not None, "only a survivor recovers"
         group = NextWorld(self.store.for_thread().raw, generation=record.generation, rank=rank,

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from lightning_dynatrain.elastic.records import Membership
     from lightning_dynatrain.megatron.step_progress import StepProgress
+    from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
     from lightning_dynatrain.strategy.elastic import ElasticDriver
 
 #: how long a survivor waits for the store to name the dead (beyond its ``suspect_after``)
@@ -144,7 +145,7 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
                                  survivors=[SurvivorState(e["old_rank"], e["state"]) for e in everyone])
     except StateLostError as err:
         raise MemberFailedError(f"member(s) {', '.join(record.failed)} died holding state no survivor has: {err}",
-                                hint=f"restart the job from {last_checkpoint(trainer)} (a layout with data-parallel "
+                                hint=f"restart the job from {_resume_from(strategy)} (a layout with data-parallel "
                                 "replicas, without zero1, survives the loss of a rank)") from err
     _check_the_loops_agree(everyone, source.step)
     choice = driver.choose_for(len(record.members), members=source.members)
@@ -170,17 +171,9 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
     return Recovered(redo=redo, loss=known.get(trainer.global_step + 1, float("nan")), report=report)
 
 
-def last_checkpoint(trainer: "pl.Trainer") -> str:
-    """The newest checkpoint this fit's ``ModelCheckpoint`` callbacks wrote, in words."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    paths = [p for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)
-             for p in (cb.last_model_path, cb.best_model_path) if p]
-    if not paths:
-        return "its last checkpoint (this fit wrote none: add a ModelCheckpoint)"
-    import os
-
-    return f"its last checkpoint, {max(paths, key=lambda p: os.path.getmtime(p) if os.path.exists(p) else 0)}"
+def _resume_from(strategy: "DynaTrainStrategy") -> str:
+    path = strategy._last_checkpoint()  # the run's newest checkpoint, or the one it resumed from
+    return f"its last checkpoint, {path}" if path else "its last checkpoint (this fit wrote none: add a ModelCheckpoint)"
 
 
 def _check_the_loops_agree(everyone: list[dict], step: int) -> None:
