@@ -23,7 +23,8 @@ built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; `
 ``--switch-safety keep_old`` holds the old state through each switch (a failed grow goes back);
 ``--switch-timeout`` sets every switch's deadline; ``--schedule STEP:LAYOUT`` adds a
 ``ScheduledReconfig`` of that one switch; ``--zero1`` shards the optimizer's state
-(ZeRO-1) at every layout of the policy with data parallelism.
+(ZeRO-1) at every layout of the policy with data parallelism; ``--start LAYOUT`` starts the first
+world at ``LAYOUT``; ``--snapshot-every N`` keeps in-memory snapshots (``OnNodeChange(snapshot_every=N)``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--switch-safety", default="fast", choices=["fast", "keep_old"])
     parser.add_argument("--switch-timeout", type=float, default=None, help="every switch's deadline (seconds)")
     parser.add_argument("--zero1", action="store_true", help="ZeRO-1 at every layout with dp > 1")
+    parser.add_argument("--start", default=None, help="the first world's layout (instead of the policy's)")
+    parser.add_argument("--snapshot-every", type=int, default=None, help="OnNodeChange(snapshot_every=N)")
     parser.add_argument("--schedule", default=None, help="STEP:LAYOUT: one scheduled layout switch")
     parser.add_argument("--switch-while-building", action="store_true",
                         help="ask for a layout switch at the first boundary where a world change is built ahead")
@@ -83,6 +86,8 @@ def main() -> None:
     if args.zero1:
         model["policy"] = {n: f"{layout}-zero1" if not layout.startswith("dp1-") else layout
                            for n, layout in model["policy"].items()}
+    if args.start:  # (the policy's own entry for that world applies to later changes to it)
+        model["start"] = args.start
 
     import torch
     from lightning.pytorch import Callback, Trainer
@@ -135,9 +140,13 @@ def main() -> None:
 
         def __init__(self) -> None:
             self.lrs: list[tuple[int, float]] = []
+            self.ended: list[tuple[int, float]] = []  # (global step, wall time its batch ended)
+            self.samples: list[tuple[int, str]] = []  # (global step, a digest of the global batch it trained on)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.lrs.append((trainer.global_step, float(trainer.callback_metrics["train/lr"])))
+            self.ended.append((trainer.global_step, time.time()))
+            self.samples.append((trainer.global_step, hashlib.sha256(batch["tokens"].numpy().tobytes()).hexdigest()[:16]))
 
         def on_train_start(self, trainer, pl_module):
             self.ready_at = time.time()
@@ -177,7 +186,8 @@ def main() -> None:
     if args.stop_in_store:
         callbacks.append(StopInStore())
     if not args.static:
-        callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0, ahead=not args.on_demand))
+        callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0, ahead=not args.on_demand,
+                                      snapshot_every=args.snapshot_every))
     if args.schedule:
         at, layout = args.schedule.split(":")
         callbacks.append(ScheduledReconfig({int(at): layout}))
@@ -185,7 +195,7 @@ def main() -> None:
         callbacks.append(SwitchWhileBuilding())  # after OnNodeChange: sees the change it started building
     logger = CSVLogger(args.log_dir, name="metrics") if args.log_dir else False
     trainer = Trainer(accelerator="cpu", devices=devices,
-                      strategy=DynaTrainStrategy(model["policy"][world], switch_safety=args.switch_safety,
+                      strategy=DynaTrainStrategy(model.get("start") or model["policy"][world], switch_safety=args.switch_safety,
                                                  switch_timeout=args.switch_timeout),
                       max_steps=args.max_steps,
                       callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
@@ -195,7 +205,8 @@ def main() -> None:
                                 seed=0, max_bytes=300_000)
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     node_change = next((c for c in callbacks if isinstance(c, OnNodeChange)), None)
-    result = {"pid": os.getpid(), "losses": module.losses, "lrs": record.lrs, "global_step": trainer.global_step,
+    result = {"pid": os.getpid(), "losses": module.losses, "lrs": record.lrs, "ended": record.ended, "samples": record.samples,
+              "global_step": trainer.global_step,
               "left": record.left,
               **record.result, "changes": node_change.changes if node_change else [],
               "rolled_back": node_change.rolled_back if node_change else [],

@@ -83,17 +83,18 @@ class ElasticJob:
         return self.start([sys.executable, *self._args(*extra)], env=env)
 
     def start_launch(self, nproc: int, *extra: str, env: dict[str, str] | None = None,
-                     rank_env: dict[int, dict[str, str]] | None = None) -> list[subprocess.Popen]:
+                     rank_env: dict[int, dict[str, str]] | None = None, node_rank: int = 0) -> list[subprocess.Popen]:
         """``nproc`` processes of one launch, each its own child of this process (as ``srun`` starts
         them: one dying ends none of the others), the launcher's variables set as torchrun would;
-        ``rank_env``: more variables for some of them."""
+        ``rank_env``: more variables for some of them; ``node_rank``: the launcher's node rank (a
+        launch with another one counts as another node, a failure domain of its own)."""
         import socket
 
         with socket.socket() as s:  # the launch's identity (no store listens there)
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
-                    "LOCAL_WORLD_SIZE": str(nproc), "NODE_RANK": "0"}
+                    "LOCAL_WORLD_SIZE": str(nproc), "NODE_RANK": str(node_rank)}
         return [self.start_python(*extra, env={**(env or {}), **launcher, "RANK": str(r), "LOCAL_RANK": str(r),
                                                **(rank_env or {}).get(r, {})}) for r in range(nproc)]
 
@@ -144,8 +145,10 @@ class ElasticJob:
         return {int(p.stem): json.loads(p.read_text()) for p in self.out.glob("*.json")}
 
     def tail(self, lines: int = 80) -> str:
+        """The log's last ``lines`` lines, without c10d's store-wait timeouts (a line per timed-out
+        ``store.wait``: they would crowd out the processes' own messages)."""
         self.log.flush()
-        text = self.log_path.read_text(errors="replace").splitlines()
+        text = [line for line in self.log_path.read_text(errors="replace").splitlines() if "waitForInput" not in line]
         return "\n".join(line for line in text if "Warning" not in line and "warnings.warn" not in line)[-20000:] \
             if len(text) < lines else "\n".join(text[-lines:])
 

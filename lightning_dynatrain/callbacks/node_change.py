@@ -5,9 +5,11 @@ With this callback the strategy is elastic: every process enters the job through
 The processes a launcher starts together form the first world. The same script started later
 (``torchrun``, ``srun`` of a new step, or one ``python train.py``) joins the running fit at the
 current step. A process that gets SIGTERM (or SLURM's SIGUSR1 warning) leaves: it hands its state
-off at the next change boundary and exits 0. A process that dies without leaving (SIGKILL, a lost
-node) is named by the store within seconds; the survivors rebuild the state from the replicas they
-hold and go on (``recover``; ``strategy/recovery.py``). At each change ``policy`` picks the new
+off at the next change boundary and exits 0; but a torchrun worker whose launch lost a worker ends
+at once with it (torchrun's agent stops the launch: ``elastic/launch_teardown.py``). A process
+that dies without leaving (SIGKILL, a lost node) is named by the store within seconds; the
+survivors rebuild the state from the replicas they hold, or an in-memory snapshot
+(``snapshot_every``), and go on (``recover``; ``strategy/recovery.py``). At each change ``policy`` picks the new
 world's layout.
 
 Example::
@@ -29,6 +31,7 @@ N: member(s) ... lost; world 4 -> 3 ...``, the metrics ``dynatrain/recovery_paus
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import asdict
 from pathlib import Path
@@ -38,6 +41,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dynatrain.compat.lightning_internals import log_this_step
+from lightning_dynatrain.elastic.launch_teardown import launch_torn_down
 from lightning_dynatrain.elastic.policy import Policy, StepModel, parse_policy
 from lightning_dynatrain.elastic.session import MemberFailedError
 
@@ -72,8 +76,16 @@ class OnNodeChange(Callback):
         recover: when a member dies without leaving, the survivors go on in a world of their own, from
             the state their replicas hold (the step in flight is redone at the new layout, or counts
             as done where its result survived). Where the dead held the only copy of some state
-            (ZeRO-1 shards, tp/pp shards at dp1) the job ends with ``MemberFailedError`` naming it.
-            ``False``: any death ends the job.
+            (ZeRO-1 shards, tp/pp shards at dp1) the job ends with ``MemberFailedError`` naming it,
+            unless ``snapshot_every`` is set. ``False``: any death ends the job.
+        snapshot_every: keep an in-memory snapshot of the state every this many steps: each rank's
+            own state in host memory, and the state only its failure domain holds (node; on one
+            node, process) also on a rank of another, copied in a background thread while the next
+            step computes. A death that takes state no survivor holds then goes back to the newest
+            snapshot, and the steps since run again at the survivors' layout on the same batches with
+            the same learning rates (at most ``snapshot_every``; ``dynatrain/recovery_steps_redone``).
+            Costs host memory of one copy of a rank's state plus what it keeps for its peer, and a
+            copy of the step's global batches. ``None`` (default): no snapshots.
 
     Raises:
         LayoutError: (at construction) the policy cannot be read; (at a change) it has no valid
@@ -89,15 +101,20 @@ class OnNodeChange(Callback):
 
     def __init__(self, policy: Policy = "auto", *, memory_per_rank: int | None = None,
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
-                 ahead: bool = True, keep_worlds: int = 2, recover: bool = True) -> None:
+                 ahead: bool = True, keep_worlds: int = 2, recover: bool = True,
+                 snapshot_every: int | None = None) -> None:
         parse_policy(policy)  # fail at construction, not at the first change
+        if snapshot_every is not None and (isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int)
+                                           or snapshot_every < 1):
+            raise ValueError(f"OnNodeChange(snapshot_every={snapshot_every!r}): give a number of steps, 1 or more "
+                             "(None: no snapshots)")
         if isinstance(keep_worlds, bool) or not isinstance(keep_worlds, int) or keep_worlds < 0:
             raise ValueError(f"OnNodeChange(keep_worlds={keep_worlds!r}): give a count of worlds, 0 or more "
                              "(0: every world left is destroyed)")
         self.policy = policy if not isinstance(policy, (str, Path)) or str(policy).lower() == "auto" else Path(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
         self.heartbeat, self.exit_after, self.ahead, self.keep_worlds = heartbeat, exit_after, ahead, keep_worlds
-        self.recover = recover
+        self.recover, self.snapshot_every = recover, snapshot_every
         #: every world change of the job, in order: a joiner gets rank 0's list with Lightning's state and
         #: adds the grow that admitted it, so every process holds the same history
         self.changes: list[dict[str, Any]] = []
@@ -119,7 +136,8 @@ class OnNodeChange(Callback):
         self._listen_for_leave()  # from before this process enters the job: a notice during its set-up counts
         self._driver = ElasticDriver(strategy, policy=self.policy, memory_per_rank=self.memory_per_rank,
                                      step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after,
-                                     ahead=self.ahead, keep_worlds=self.keep_worlds, recover=self.recover)
+                                     ahead=self.ahead, keep_worlds=self.keep_worlds, recover=self.recover,
+                                     snapshot_every=self.snapshot_every)
         return self._driver
 
     @override
@@ -154,6 +172,10 @@ class OnNodeChange(Callback):
             signal.signal(sig, self._on_leave_signal)
 
     def _on_leave_signal(self, signum: int, frame: Any) -> None:
+        if launch_torn_down():  # torchrun stops the launch a worker of died: not a notice, the launch's end
+            print(f"[dynatrain] a worker of this torchrun launch exited and torchrun stops the launch: process "
+                  f"{os.getpid()} ends with it (the others recover its state as the dead worker's)", flush=True)
+            os._exit(128 + signum)
         self._leave_noticed = True
 
     @override

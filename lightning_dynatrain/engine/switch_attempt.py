@@ -70,7 +70,8 @@ class SwitchAttempt:
         look = time.monotonic() + watch.stale_after / 2  # heartbeats are read only if the wait lasts
         while True:
             try:
-                store.wait([f"{key}/all"], timedelta(seconds=watch.interval))
+                # (each timed-out wait logs a c10d warning: every quarter ``stale_after``, not every heartbeat)
+                store.wait([f"{key}/all"], timedelta(seconds=max(watch.interval, watch.stale_after / 4)))
                 return
             except Exception:  # noqa: BLE001 - the wait's own timeout: look for a failure, then wait on
                 pass

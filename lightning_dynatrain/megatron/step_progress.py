@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 STEP_FAULT_ENV = "DYNATRAIN_STEP_FAULT"
@@ -52,10 +53,15 @@ class StepProgress:
     """megatron's ``optimizer.step()`` returned: this rank's state is the step's result."""
     loss: float | None = None
     """The step's global mean loss, once reduced."""
+    before_update: Callable[[], None] | None = None
+    """Called once the gradients are computed, before the update (an in-memory snapshot's copy of
+    the state must be complete by then)."""
 
     def reached(self, phase: str) -> None:
         if phase == "optimizer":
             self.stepped = True
+        elif phase == "forward_backward" and self.before_update is not None:
+            self.before_update()
         fault = self.fault
         if fault is not None and (fault.rank, fault.step, fault.phase) == (self.rank, self.step, phase):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -57,6 +57,7 @@ from lightning_dynatrain.strategy.change_report import ChangeReport
 from lightning_dynatrain.strategy.elastic_environment import ElasticEnvironment, LauncherError, launch_id, set_rank_zero
 from lightning_dynatrain.strategy.loggers import logger_versions, pin_logger_versions
 from lightning_dynatrain.strategy.elastic_ahead import AheadChange
+from lightning_dynatrain.strategy.snapshot_recovery import SnapshotKeeper
 from lightning_dynatrain.strategy.step_clock import OverlapClock
 from lightning_dynatrain.strategy.world_change import broadcast_object, change_world
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -78,9 +79,12 @@ class ElasticDriver:
 
     def __init__(self, strategy: "DynaTrainStrategy", *, policy: Any, memory_per_rank: int | None = None,
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
-                 ahead: bool = True, keep_worlds: int = 2, recover: bool = True) -> None:
+                 ahead: bool = True, keep_worlds: int = 2, recover: bool = True,
+                 snapshot_every: int | None = None) -> None:
         self.strategy = strategy
         self.recover_from_loss = recover
+        self.snapshots = SnapshotKeeper(snapshot_every) if snapshot_every else None
+        """In-memory snapshots and the step log (``strategy/snapshot_recovery.py``), or ``None``."""
         self.recoveries: list[RecoveryReport] = []
         """Every recovery from a member lost without leaving (``strategy/recovery.py``)."""
         self._step_fault = StepFault.from_environment()  # test hook (megatron.step_progress)
@@ -263,6 +267,8 @@ class ElasticDriver:
         if change is None:
             if pending is not None and self._detected_at is None:
                 self._detected_at = time.perf_counter()
+            if self.snapshots is not None:  # (only where every member steps alike: no change, no recovery here)
+                self.snapshots.at_boundary(self.strategy, step)
             return None
         if self.ahead:
             if self._ahead is None:
@@ -271,7 +277,11 @@ class ElasticDriver:
             if not self._ahead.built_everywhere():
                 return None
         ahead, self._ahead = self._ahead, None
+        if self.snapshots is not None:
+            self.snapshots.before_state_change()
         report = change_world(self, change, trainer, ahead=ahead, detected=self._detected_at)
+        if self.snapshots is not None:
+            self.snapshots.after_state_change(step)
         self._detected_at, self._last_boundary = None, time.perf_counter()  # the pause is not a step
         slowdown = self._clock.slowdown()
         if report is not None:
@@ -308,7 +318,8 @@ class ElasticDriver:
     # ------------------------------------------------------------------------------ failures
     def progress(self, step: int) -> StepProgress:
         """A record of the step that ends at global step ``step`` as it goes (read by ``recover``)."""
-        return StepProgress(step=step, rank=self.strategy.global_rank, fault=self._step_fault)
+        return StepProgress(step=step, rank=self.strategy.global_rank, fault=self._step_fault,
+                            before_update=self.snapshots.before_update if self.snapshots is not None else None)
 
     def recovers(self, err: BaseException) -> bool:
         """``err`` is a collective that failed, or a switch a rank went missing in (that freed none of
@@ -372,6 +383,8 @@ class ElasticDriver:
         self.session.request_leave(step)
 
     def close(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.close()
         if self.session is not None:
             self.session.close()
 

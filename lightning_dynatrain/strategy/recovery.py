@@ -13,8 +13,10 @@ where the store's record came first (``MemberLostError``):
    megatron's optimizer step return?) and where its Lightning loop is;
 5. **source**: the newest step whose holders among the survivors hold every box
    (``vps.recovery_source``); survivors at another step receive like every destination. When no
-   step is whole (a ZeRO-1 shard, a tp/pp shard at dp1 went with the dead), the job ends with
-   ``MemberFailedError`` naming the boxes and the checkpoint to resume from: never a mix of steps;
+   step is whole (a ZeRO-1 shard, a tp/pp shard at dp1 went with the dead), the state goes back to
+   the newest in-memory snapshot and the steps since run again (``strategy/snapshot_recovery.py``,
+   with ``OnNodeChange(snapshot_every=N)``); without one the job ends with ``MemberFailedError``
+   naming the boxes and the checkpoint to resume from: never a mix of steps;
 6. **switch** to the layout the policy picks for the survivors' world (``hot_switch`` over the new
    world, every box from a holder at that step), installed as training's state;
 7. **redo**: a step in flight whose state is the step before is run again at the new layout on the
@@ -64,7 +66,9 @@ class RecoveryReport:
     src: str
     dst: str
     steps_redone: int
-    """Steps completed on some survivor whose result is lost (the newest whole step is older)."""
+    """Steps completed on some survivor whose result was lost and computed again (from a snapshot)."""
+    snapshot_step: int | None
+    """The in-memory snapshot's step the state went back to (``None``: the survivors held it all)."""
     restarted: bool
     """This survivor's step in flight restarted at the new layout (it had not completed anywhere)."""
     agree_seconds: float
@@ -83,7 +87,9 @@ class RecoveryReport:
                 f"{self.new_world}, {self.src} -> {self.dst} from the state of step {self.step} in "
                 f"{self.pause_seconds:.2f} s (agreement {self.agree_seconds:.2f} s, world {self.world_seconds:.2f} s, "
                 f"build {self.rebuild_seconds:.2f} s, transfer {self.transfer_seconds:.3f} s); "
-                f"{self.steps_redone} step(s) redone")
+                f"{self.steps_redone} step(s) redone"
+                + (f" from the in-memory snapshot of step {self.snapshot_step}" if self.snapshot_step is not None
+                   else ""))
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,8 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
     assert session is not None and session.world is not None
     start = time.perf_counter()
     session.abandon_world()  # (1)
+    if driver.snapshots is not None:
+        driver.snapshots.quiesce()
     if record is None:  # (2)
         cause = f"{type(error).__name__}: {error}" if error is not None else "a member failed"
         record = session.failures.await_survivors(AGREE_TIMEOUT, cause=cause)
@@ -134,36 +142,55 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
     if in_step and progress.loss is not None:
         losses[progress.step] = progress.loss
     mine = {"old_rank": old_rank, "global_step": trainer.global_step, "in_step": in_step,
-            "state": trainer.global_step + int(in_step and progress.stepped), "losses": losses}
+            "state": trainer.global_step + int(in_step and progress.stepped), "losses": losses,
+            "snapshot": driver.snapshots.holding() if driver.snapshots is not None else None}
     everyone: list[dict] = [{}] * len(record.members)
     dist.all_gather_object(everyone, mine)  # (4)
     world_built = time.perf_counter()
     precision = precision_of(strategy.megatron.model, strategy.megatron.optimizer)
     setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)
+    snapshot = None
     try:  # (5)
         source = recovery_source(setup.spec, src, precision, old_size=len(old.members),
                                  survivors=[SurvivorState(e["old_rank"], e["state"]) for e in everyone])
+        members, step = source.members, source.step
     except StateLostError as err:
-        raise MemberFailedError(f"member(s) {', '.join(record.failed)} died holding state no survivor has: {err}",
-                                hint=f"restart the job from {_resume_from(strategy)} (a layout with data-parallel "
-                                "replicas, without zero1, survives the loss of a rank)") from err
-    _check_the_loops_agree(everyone, source.step)
-    choice = driver.choose_for(len(record.members), members=source.members)
+        try:
+            if driver.snapshots is None:
+                raise
+            snapshot = driver.snapshots.source(setup, everyone, old_size=len(old.members), lost=err)
+        except StateLostError as lost:
+            raise MemberFailedError(f"member(s) {', '.join(record.failed)} died holding state no survivor has: {lost}",
+                                    hint=f"restart the job from {_resume_from(strategy)} (a layout with data-parallel "
+                                    "replicas, without zero1, survives the loss of a rank; so does any layout with "
+                                    "OnNodeChange(snapshot_every=N))") from err
+        members, step = snapshot.members, max(e["state"] for e in everyone)
+    _check_the_loops_agree(everyone, step)
+    choice = driver.choose_for(len(record.members), members=members)
     target = choice.layout
     initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (6)
-    result = hot_switch(strategy.megatron, target, setup, groups=groups, members=source.members,
+    if snapshot is not None:
+        driver.snapshots.go_back(strategy)
+    result = hot_switch(strategy.megatron, target, setup, groups=groups, members=members,
                         watch=strategy.switcher.world_watch(), restore_source_groups=False)
     strategy._install(result.state)
+    known = {s: loss for e in everyone for s, loss in e["losses"].items()}
+    if snapshot is not None:  # (6b) the dead's boxes from the keepers, the lost steps again
+        driver.snapshots.fill(strategy, snapshot, everyone, precision)
+        known.update(driver.snapshots.replay(strategy, snapshot.step + 1, step))
+    if driver.snapshots is not None:
+        driver.snapshots.after_state_change(step)
     old_caches.subgroups.close()  # the old world's groups: abandoned, destroyed here (local)
     old_caches.groups.close()
     retire(old_groups.groups)
     if session.rank == 0 and not was_rank_zero:  # the old rank 0 died: its files are as it left them
         continue_loggers(trainer.loggers)
-    redo = in_step and source.step == trainer.global_step  # (7)
-    known = {step: loss for e in everyone for step, loss in e["losses"].items()}
+    redo = in_step and step == trainer.global_step  # (7)
     report = RecoveryReport(
-        step=source.step, failed=record.failed, old_world=len(old.members), new_world=len(record.members),
-        src=str(src), dst=str(target), steps_redone=max(e["state"] for e in everyone) - source.step, restarted=redo,
+        step=step, failed=record.failed, old_world=len(old.members), new_world=len(record.members),
+        src=str(src), dst=str(target), restarted=redo,
+        steps_redone=max(e["state"] for e in everyone) - (snapshot.step if snapshot is not None else step),
+        snapshot_step=snapshot.step if snapshot is not None else None,
         agree_seconds=agreed - start, world_seconds=world_built - agreed,
         transfer_seconds=result.phases.get("engine", 0.0), rebuild_seconds=result.rebuild_seconds,
         pause_seconds=time.perf_counter() - start, finished_at=time.time())

@@ -50,6 +50,9 @@ class StepHooks:
         from lightning_dynatrain.strategy.megatron_step import train_step
 
         elastic = self._elastic
+        if elastic is not None and elastic.snapshots is not None:  # what a recovery from a snapshot runs again
+            elastic.snapshots.record(self.lightning_module.trainer.global_step + 1, batch, lr=lr,
+                                     weight_decay=weight_decay)
         while True:
             progress = elastic.progress(self.lightning_module.trainer.global_step + 1) if elastic is not None else None
             try:

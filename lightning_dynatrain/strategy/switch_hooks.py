@@ -129,6 +129,9 @@ class SwitchHooks:
             report = ReconfigReport(step=step, src=str(src), dst=str(src), deferred=deferred)
         else:
             assert self._switcher is not None and self._optimizer_settings is not None
+            snapshots = self._elastic.snapshots if self._elastic is not None else None
+            if snapshots is not None:
+                snapshots.before_state_change()
             try:
                 state, report = self._switcher.switch(self.megatron, layout, recipe=self.recipe,
                                                       optimizer=self._optimizer_settings, step=step, deferred=deferred)
@@ -138,6 +141,8 @@ class SwitchHooks:
                 self._elastic.recover(self._trainer(), error=err)
                 return ReconfigReport(step=step, src=str(src), dst=str(self.layout), deferred=deferred)
             self._install(state)
+            if snapshots is not None:
+                snapshots.after_state_change(step)
             self.switch_history.append(report)
         log_switch(self._trainer(), report, is_global_zero=self.is_global_zero)
         return report

@@ -8,7 +8,9 @@ The planner plans for processes, so its sends, receives and peers are processes.
 
 A process that died holds nothing any more: its source rank has no process (``None``), and the
 planner sources every box from a surviving holder, or says which boxes went with it
-(``StateLostError``). The switch then runs on the survivors' group.
+(``StateLostError``). The switch then runs on the survivors' group. With ``holes`` the boxes only
+the dead held are zero-filled instead, for the caller to write from an in-memory snapshot
+(``strategy/snapshot_recovery.py``).
 
 Example (rank 1 of four leaves)::
 
@@ -39,6 +41,8 @@ class Members:
     src: tuple[int | None, ...]
     dst: tuple[int, ...]
     size: int
+    holes: bool = False
+    """Boxes only dead ranks held are zero-filled (written afterwards from a snapshot), not an error."""
     _src_of: dict = field(default=None, compare=False, hash=False, repr=False)  # type: ignore[assignment]
     _dst_of: dict = field(default=None, compare=False, hash=False, repr=False)  # type: ignore[assignment]
     _hash: int = field(default=0, compare=False, hash=False, repr=False)
@@ -53,7 +57,7 @@ class Members:
                                 hint="give every layout rank its own process of the switch's group")
         object.__setattr__(self, "_src_of", {p: r for r, p in enumerate(self.src) if p is not None})
         object.__setattr__(self, "_dst_of", {p: r for r, p in enumerate(self.dst)})
-        object.__setattr__(self, "_hash", hash((self.src, self.dst, self.size)))
+        object.__setattr__(self, "_hash", hash((self.src, self.dst, self.size, self.holes)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -78,6 +82,10 @@ class Members:
                             hint="plan for a layout of the survivors' world")
         process = {r: p for p, r in enumerate(survivors)}
         return cls(tuple(process.get(r) for r in range(src_world)), tuple(range(dst_world)), len(survivors))
+
+    def with_holes(self) -> "Members":
+        """The same processes, the boxes only the dead held left as zeroed holes (``holes``)."""
+        return Members(self.src, self.dst, self.size, holes=True)
 
     @property
     def lost(self) -> tuple[int, ...]:

@@ -12,7 +12,8 @@ destination elements no source holds are vocabulary padding rows the source layo
 to; they are listed as ``fills`` (zeroed by the engine).
 
 After a death (``Members.after_loss``) the dead hold nothing: every box is read from a surviving
-holder, and a box no survivor holds fails the plan with ``StateLostError`` listing what went.
+holder, and a box no survivor holds fails the plan with ``StateLostError`` listing what went (or,
+with ``Members.holes``, is a fill that a snapshot's copy overwrites after the switch).
 
 The optimizer's state kinds share one geometry (they are sharded alike), so the geometry is
 computed once per tensor and expanded per kind.
@@ -140,6 +141,9 @@ def _plan_rank(
                     for dbox, _ in target.pieces(region.box):
                         for box, src_holders in source.pieces(dbox):
                             holders = as_src(src_holders)
+                            if not holders and members.holes:  # written from a snapshot after the switch
+                                fills.extend(Transfer(rank, tensor.name, k, box) for k in kinds)
+                                continue
                             if not holders:
                                 raise _lost(spec, src, members, precision)
                             if rank in holders:

@@ -7,7 +7,9 @@ world must start from one step: every box comes from a survivor at that step, ne
 the old layout (data-parallel replicas make that likely); survivors at another step and the dead
 hold nothing (``Members.src`` is ``None`` for them) and receive their part like every destination.
 When no step is whole (a ZeRO-1 shard, or a tp/pp shard at dp1, went with the dead),
-``StateLostError`` names what went.
+``StateLostError`` names what went, unless an in-memory snapshot holds it: ``snapshot_source``
+then goes back to the snapshot's step, each survivor's own copy and the dead's boxes from the
+survivors that keep them.
 
 Example (dp2-tp2, rank 1 died after its optimizer step, ranks 0 and 3 had stepped too, rank 2 not)::
 
@@ -22,11 +24,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.errors import StateLostError
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.vps.lost_state import describe_lost, lost_state
+from lightning_dynatrain.vps.lost_state import LostBox, describe_lost, lost_state
 from lightning_dynatrain.vps.members import Members
-from lightning_dynatrain.vps.spec import ModelSpec, Precision
+from lightning_dynatrain.vps.snapshot_plan import SnapshotPlan
+from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 
 @dataclass(frozen=True)
@@ -82,4 +86,59 @@ def recovery_source(spec: ModelSpec, layout: ParallelConfig, precision: Precisio
         lost=lost, ranks=tuple(sorted(empty)))
 
 
-__all__ = ["RecoverySource", "SurvivorState", "recovery_source"]
+
+
+@dataclass(frozen=True)
+class SnapshotHolding:
+    """What a survivor holds of an in-memory snapshot: the step of its own copy and of the copies
+    it keeps for others (``None``: none whole)."""
+
+    old_rank: int
+    own_step: int | None
+    kept_step: int | None
+
+
+@dataclass(frozen=True)
+class SnapshotSource:
+    """Go back to the snapshot of ``step``: every survivor holds its old rank's state of that step
+    (``members``, with ``holes`` for the boxes only the dead held), and ``keepers`` name the old
+    rank keeping each of those boxes."""
+
+    step: int
+    members: Members
+    keepers: dict[tuple[str, StateKind, Box], int]
+    lost: tuple[LostBox, ...]
+
+
+def snapshot_source(spec: ModelSpec, plan: SnapshotPlan, *, old_size: int,
+                    survivors: Sequence[SnapshotHolding]) -> SnapshotSource:
+    """The snapshot every survivor can go back to (``plan``: the copies it was taken with, for
+    the old layout), or ``StateLostError`` saying why there is none: a survivor without its own
+    copy of the same step, or a box of the dead whose copy is on no survivor at that step."""
+    steps = {s.own_step for s in survivors}
+    if len(steps) != 1 or None in steps:
+        raise StateLostError(f"the survivors' own snapshot copies are not of one step ({sorted(map(str, steps))}): "
+                             "a member died while a snapshot was being taken, or before the first",
+                             hint="restart the job from its last checkpoint")
+    step = steps.pop()
+    assert step is not None
+    process = {s.old_rank: p for p, s in enumerate(survivors)}
+    dead = frozenset(range(old_size)) - process.keys()
+    lost = lost_state(spec, plan.layout, dead, plan.precision)
+    keeping = {s.old_rank for s in survivors if s.kept_step == step}
+    keepers = {(c.tensor, c.kind, c.box): c.keeper for c in plan.copies if c.keeper in keeping}
+    missing = tuple(b for b in lost if (b.tensor, b.kind, b.box) not in keepers)
+    if missing:
+        counted, shown = describe_lost(spec, missing, plan.precision)
+        raise StateLostError(f"{counted} of the {plan.layout} state at step {step} are in no survivor's snapshot "
+                             f"copies (dead: {sorted(dead)}): {shown}",
+                             hint="restart the job from its last checkpoint; the snapshot of a failure domain is "
+                             "kept in another one, so losing two at once loses it",
+                             lost=missing, ranks=tuple(sorted(dead)))
+    members = Members(tuple(process.get(r) for r in range(old_size)), tuple(range(len(survivors))), len(survivors),
+                      holes=bool(lost))
+    return SnapshotSource(step=step, members=members, keepers={(b.tensor, b.kind, b.box): keepers[(b.tensor, b.kind,
+                          b.box)] for b in lost}, lost=lost)
+
+
+__all__ = ["RecoverySource", "SnapshotHolding", "SnapshotSource", "SurvivorState", "recovery_source", "snapshot_source"]

@@ -17,18 +17,21 @@ Example::
     >>> print(plan)                 # the params have replicas on other ranks; each zero1 shard goes once
     snapshot of dp2-tp2-pp1-zero1 over 4 failure domains: 60 boxes (0->[1]: 0.01 MiB, 1->[2]: 0.01 MiB, ...)
 
-The runtime (copying on a side stream or thread every N steps, restoring from a snapshot) builds
-on this plan; ``covers`` says which boxes a domain's loss would take that no snapshot holds.
+The runtime (``megatron.snapshot``: a thread copies every N steps) builds on this plan;
+``uncovered`` says which boxes a domain's loss would take that no snapshot holds. After a loss,
+``fill_plan`` says which piece of each box only the dead held goes from the survivor keeping its
+copy to which rank of the new layout (``megatron.snapshot_fill`` runs it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.lost_state import LostBox, lost_state
-from lightning_dynatrain.vps.mapping import held_boxes
+from lightning_dynatrain.vps.mapping import held_boxes, is_sharded, state_placement
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 from lightning_dynatrain.vps.topology import Topology
 
@@ -117,4 +120,30 @@ def snapshot_plan(spec: ModelSpec, layout: ParallelConfig, topology: Topology,
     return SnapshotPlan(layout, precision, domains, tuple(copies), tuple(itemsizes.items()))
 
 
-__all__ = ["SnapshotCopy", "SnapshotPlan", "failure_domains", "snapshot_plan"]
+@dataclass(frozen=True)
+class FillPiece:
+    """``piece`` (inside ``lost``) of ``tensor``'s ``kind`` goes from process ``keeper`` to ``dest``."""
+
+    tensor: str
+    kind: StateKind
+    lost: Box
+    piece: Box
+    keeper: int
+    dest: int
+
+
+def fill_plan(spec: ModelSpec, target: ParallelConfig, precision: Precision, lost: Sequence[LostBox],
+              keeper_of: Mapping[tuple[str, StateKind, Box], int]) -> tuple[FillPiece, ...]:
+    """Every piece of the ``lost`` boxes and who sends it to whom at ``target`` (process ``p`` of
+    the new world is rank ``p`` of ``target``); ``keeper_of``: the process keeping each box's copy."""
+    out = []
+    for box in lost:
+        sharded = is_sharded(target, box.kind)
+        placement = state_placement(spec, target, box.tensor, sharded, precision if sharded else Precision.FP32)
+        keeper = keeper_of[(box.tensor, box.kind, box.box)]
+        for piece, holders in placement.pieces(box.box):
+            out.extend(FillPiece(box.tensor, box.kind, box.box, piece, keeper, dest) for dest in holders)
+    return tuple(out)
+
+
+__all__ = ["FillPiece", "SnapshotCopy", "SnapshotPlan", "failure_domains", "fill_plan", "snapshot_plan"]

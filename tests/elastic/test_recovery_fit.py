@@ -13,13 +13,18 @@ the failure is equal bit for bit, every later one within 1e-4 (another layout's 
 each step is counted once; the replicas end identical; the recovery's figures are logged.
 
 At ``dp2-tp2-pp1-zero1`` the dead rank's optimizer shard had no other holder: every survivor ends
-with ``MemberFailedError`` naming what was lost and where to resume from, never a mix of steps.
+with ``MemberFailedError`` naming what was lost and where to resume from, never a mix of steps;
+with in-memory snapshots (``OnNodeChange(snapshot_every=3)``) the survivors go back to the snapshot
+instead, at ``dp2-tp2-pp1-zero1`` and at ``dp1-tp2-pp2`` (no replicas at all), and compute the
+lost steps again.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,12 +32,12 @@ from benchmarks.elastic_job import ElasticJob
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS, FAULT_STEP = 12, 6
+MAX_STEPS, FAULT_STEP, SNAPSHOT_FAULT_STEP = 12, 6, 8
 
 
 @pytest.fixture(scope="module")
-def static_losses(tmp_path_factory) -> dict[int, float]:
-    """The same fit at dp2-tp2-pp1 on four processes that never fail."""
+def static_run(tmp_path_factory) -> dict:
+    """The same fit at dp2-tp2-pp1 on four processes that never fail: rank 0's result."""
     with ElasticJob(tmp_path_factory.mktemp("static"), max_steps=MAX_STEPS, step_seconds=0.0,
                     fit_args=("--static",)) as job:
         procs = job.start_launch(4)
@@ -41,13 +46,25 @@ def static_losses(tmp_path_factory) -> dict[int, float]:
         results = job.results()
     losses = {tuple(map(tuple, r["losses"])) for r in results.values()}
     assert len(losses) == 1  # every rank reports the global loss
-    return dict(next(iter(losses)))
+    return next(iter(results.values()))
+
+
+@pytest.fixture(scope="module")
+def static_losses(static_run) -> dict[int, float]:
+    return dict(map(tuple, static_run["losses"]))
+
+
+def _same_samples(results: dict, static_run: dict) -> None:
+    """Each step of the loop trained on the global batch the static fit's step did: no sample lost
+    or read twice by the loop (the steps a recovery computed again used the batches it logged)."""
+    for r in results.values():
+        assert [tuple(x) for x in r["samples"]] == [tuple(x) for x in static_run["samples"]]
 
 
 @pytest.mark.parametrize(("victim", "phase", "from_step"), [(3, "forward_backward", FAULT_STEP - 1),
                                                           (0, "optimizer", FAULT_STEP)])
-def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_path, static_losses, victim, phase,
-                                                                          from_step):
+def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_path, static_run, static_losses, victim,
+                                                                          phase, from_step):
     fault = {victim: {"DYNATRAIN_STEP_FAULT": f"{victim}:{FAULT_STEP}:{phase}"}}
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0,
                     suspect_after=2.0) as job:
@@ -71,6 +88,7 @@ def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_pa
           f"{recovery['agree_seconds']:.2f} s, world {recovery['world_seconds']:.2f} s, transfer "
           f"{recovery['transfer_seconds']:.3f} s)")
     assert "lost; world 4 -> 3, dp2-tp2-pp1 -> dp3-tp1-pp1" in log
+    _same_samples(results, static_run)
     for r in results.values():
         steps = [step for step, _ in r["losses"]]
         assert steps == list(range(1, MAX_STEPS + 1)), steps  # each step once, none skipped
@@ -93,6 +111,38 @@ def test_a_zero1_shard_only_the_dead_held_ends_the_job_naming_what_was_lost(tmp_
     assert "died holding state no survivor has" in log and "exp_avg" in log, log
     assert "of the dp2-tp2-pp1-zero1 state at step 5 are held by no survivor (dead: rank 1)" in log, log
     assert "restart the job from its last checkpoint (this fit wrote none" in log, log
+
+
+@pytest.mark.parametrize(("start", "fit_args", "victim", "phase", "end", "redone"), [
+    ("dp2-tp2-pp1-zero1", ("--zero1",), 1, "optimizer", "dp3-tp1-pp1-zero1", 2),
+    ("dp1-tp2-pp2", (), 0, "forward_backward", "dp3-tp1-pp1", 1)])
+def test_state_only_the_dead_held_comes_back_from_the_in_memory_snapshot(tmp_path, static_run, static_losses, start,
+                                                                          fit_args, victim, phase, end, redone):
+    """``OnNodeChange(snapshot_every=3)``: the dead rank held a ZeRO-1 shard, or (dp1) the only copy
+    of its tp/pp shard. Killed in step ``SNAPSHOT_FAULT_STEP`` (8), after its optimizer step (the
+    survivors' state is step 8) or before it (step 7): every survivor goes back to the snapshot of
+    step 6 (its own copy, the dead's boxes from the rank that kept them), computes steps 7.. again at
+    the new layout from its step log, and trains to the end: each step counted once, the losses
+    those of the static fit, the replicas identical."""
+    fault = {victim: {"DYNATRAIN_STEP_FAULT": f"{victim}:{SNAPSHOT_FAULT_STEP}:{phase}"}}
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
+                    fit_args=("--start", start, "--snapshot-every", "3", *fit_args)) as job:
+        procs = job.start_launch(4, rank_env=fault)
+        codes = [job.wait(p, timeout=180) for p in procs]
+        results, log = job.results(), job.tail(400)
+    assert codes == [-signal.SIGKILL if r == victim else 0 for r in range(4)], log
+    assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(3, end, MAX_STEPS)}, log
+    assert len({r["shard"] for r in results.values()}) == 1  # the replicas are identical
+    state_step = SNAPSHOT_FAULT_STEP - 1 + (phase == "optimizer")
+    assert {(x["step"], x["snapshot_step"], x["steps_redone"], x["src"], x["dst"])
+            for r in results.values() for x in r["recoveries"]} == {(state_step, 6, redone, start, end)}, log
+    assert redone <= 3  # at most snapshot_every
+    assert f"{redone} step(s) redone from the in-memory snapshot of step 6" in log, log
+    _same_samples(results, static_run)
+    for r in results.values():
+        assert [step for step, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))  # each step once
+        for step, loss in r["losses"]:  # the same samples and schedule, at another layout after the failure
+            assert loss == pytest.approx(static_losses[step], rel=1e-4), step
 
 
 def test_a_stopped_member_is_left_behind_and_a_spare_grows_the_world_back(tmp_path):
@@ -130,6 +180,54 @@ def test_a_stopped_member_is_left_behind_and_a_spare_grows_the_world_back(tmp_pa
         assert [(x["src"], x["dst"]) for x in r["recoveries"]] == [("dp2-tp2-pp1", "dp3-tp1-pp1")], r["recoveries"]
     print(f"stopped member: the survivors trained on {went_on_after:.1f} s after the stop (dead_after {dead_after} s)")
     assert went_on_after < dead_after + 30
+
+
+def test_a_torchrun_worker_killed_takes_its_launch_down_in_one_change(tmp_path):
+    """World 4 from two torchrun launches of two; one worker of the second is SIGKILLed. Its agent
+    then stops the launch (SIGTERM to the sibling): the sibling does not leave (a second change the
+    agent would cut short) but ends at once, and the first launch recovers from both, once, from
+    its replicas, and trains on at world 2."""
+    from benchmarks.elastic_fit import STOP_KEY
+
+    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.1, dead_after=10.0, suspect_after=2.0,
+                    fit_args=("--stop-in-store",)) as job:
+        first = job.start_torchrun(2)
+        job.wait_for(lambda: job.step() >= 2, what="the first world to train")
+        second = job.start_torchrun(2)
+        job.wait_for(lambda: job.installed_size() == 4, what="the grow to 4", timeout=120)
+        at = job.step()
+        job.wait_for(lambda: job.step() >= at + 3, what="world 4 to train")
+        workers = _children(second.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGKILL)
+        job.wait_for(lambda: job.installed_size() == 2, what="the first launch's world", timeout=90)
+        at = job.step()
+        job.wait_for(lambda: job.step() >= at + 3, what="world 2 to train", timeout=60)
+        job.client.store.set(STOP_KEY, str(job.step() + 2))
+        assert job.wait(first, timeout=120) == 0, job.tail(400)
+        second_code = job.wait(second, timeout=60)
+        results, log = job.results(), job.tail(400)
+    assert second_code != 0, log
+    assert "ends with it (the others recover its state as the dead worker's)" in log, log
+    assert "handed its state off" not in log, log  # no leave
+    assert {(r["world"], r["layout"]) for r in results.values()} == {(2, "dp2-tp1-pp1")}, log
+    for r in results.values():  # the two workers of the second launch named, in one recovery or two
+        assert sum(len(x["failed"]) for x in r["recoveries"]) == 2 and r["changes"][-1]["dst"] == "dp2-tp2-pp1", r
+        assert [x["dst"] for x in r["recoveries"]][-1] == "dp2-tp1-pp1", r["recoveries"]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                found.append(int(entry.name))
+    return sorted(found)
 
 
 def test_a_member_killed_in_a_layout_switch_that_keeps_the_old_state_is_recovered_from(tmp_path, static_losses):

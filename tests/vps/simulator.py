@@ -8,6 +8,7 @@ written exactly once, and every send must be owned by its sender.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.mapping import Region, rank_regions
 from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
+from lightning_dynatrain.vps.snapshot_plan import FillPiece
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
 
 
@@ -51,12 +53,15 @@ class SimulationResult:
         self.retained_elements = 0
         self.dest_elements = 0
         self.filled_elements = 0
+        self.patched_elements = 0
 
 
 def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP32,
-             members: Members | None = None) -> SimulationResult:
+             members: Members | None = None, patch: Sequence[FillPiece] = ()) -> SimulationResult:
     """Run ``plans`` (every process of the switch) and assert the destination state is exact.
-    ``members``: which process holds each source and destination rank (default: the same)."""
+    ``members``: which process holds each source and destination rank (default: the same);
+    ``patch``: with ``members.holes``, the pieces a snapshot's keepers write after the switch (their
+    copies are exact), which must fill every hole the plans left, once."""
     offsets = _offsets(spec, precision)
     members = members or Members.same(src.world_size, dst.world_size)
     src_regions = {p: rank_regions(spec, src, r, precision) for r, p in enumerate(members.src) if p is not None}
@@ -113,16 +118,28 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
             copy(r, r, t)
             result.retained_elements += t.box.numel
         for t in plan.fills:
-            # only vocabulary padding rows the source layout does not have may be filled
-            tensor = spec.tensor(t.tensor)
-            axis = tensor.axes.index("vocab")
-            assert t.box.lo[axis] >= min(spec.padded_vocab(src.tp), tensor.shape[axis]) >= spec.vocab_size
             key = (t.tensor, t.kind)
             d_regs = dst_regions[r][key]
             d_i = d_regs.index(_find(d_regs, t.box))
+            tensor = spec.tensor(t.tensor)
+            axis = tensor.axes.index("vocab") if "vocab" in tensor.axes else None
+            if axis is None or t.box.lo[axis] < min(spec.padded_vocab(src.tp), tensor.shape[axis]):
+                assert members.holes, f"rank {r}: a fill of {key} {t.box} outside the vocabulary padding"
+                continue  # a hole: zeroed, then written by the patch
+            # otherwise only vocabulary padding rows the source layout does not have may be filled
+            assert t.box.lo[axis] >= min(spec.padded_vocab(src.tp), tensor.shape[axis]) >= spec.vocab_size
             _view(dst_store[(r, key, d_i)], d_regs[d_i], t.box)[...] = _expected(spec, offsets, t.tensor, t.kind, t.box)
             _view(writes[(r, key, d_i)], d_regs[d_i], t.box)[...] += 1
             result.filled_elements += t.box.numel
+
+    for piece in patch:
+        key = (piece.tensor, piece.kind)
+        d_regs = dst_regions[piece.dest][key]
+        d_i = d_regs.index(_find(d_regs, piece.piece))
+        _view(dst_store[(piece.dest, key, d_i)], d_regs[d_i], piece.piece)[...] = _expected(
+            spec, offsets, piece.tensor, piece.kind, piece.piece)
+        _view(writes[(piece.dest, key, d_i)], d_regs[d_i], piece.piece)[...] += 1
+        result.patched_elements += piece.piece.numel
 
     for (r, key, i), arr in dst_store.items():
         reg = dst_regions[r][key][i]

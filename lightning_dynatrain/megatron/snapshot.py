@@ -1,0 +1,208 @@
+"""In-memory snapshots of the training state, taken off the critical path (``OnNodeChange(snapshot_every=N)``).
+
+At a boundary after optimizer step ``S`` (every ``N`` steps, and after each switch) every rank
+starts ``Snapshots.take`` and trains on. A thread of its own
+
+1. copies this rank's whole state (every local tensor the engine keys: parameters, fp32 main
+   parameters, the optimizer's state; ``state_bridge.megatron_store``) and Adam's step into host
+   buffers, allocated once per layout and reused; the next optimizer step waits for this copy
+   (``wait_local``, called before the step's update: the forward and backward overlap it);
+2. sends the boxes that only this rank's failure domain holds (``vps.snapshot_plan``: a ZeRO-1
+   shard, a tp/pp shard at dp1) to its *keeper*, a rank in another domain, and receives those it
+   keeps for others, over a gloo group of the world's processes (host memory travels over the host
+   backend whatever the training backend is). What it keeps replaces the previous copies only once
+   all of them arrived.
+
+A recovery (``strategy/snapshot_recovery.py``) reads both: each survivor's own state at ``S``
+(``restore``) and the copies of the dead's boxes its keepers hold (``kept``). A snapshot counts for
+step ``S`` only where both completed at ``S``: a death while one is being taken leaves the previous
+step's copies on the keepers but this step's own copies on the survivors, so that snapshot cannot be
+used (the recovery says so and the job ends naming the checkpoint).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynatrain.compat.torch_internals import is_registered
+from lightning_dynatrain.engine.store import RegionIndex, StoreKey, box_pieces, box_view, torch_dtype
+from lightning_dynatrain.megatron.state import MegatronState
+from lightning_dynatrain.megatron.state_bridge import adam_step, megatron_store, set_adam_step
+from lightning_dynatrain.vps.box import Box
+from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.vps.mapping import rank_regions
+from lightning_dynatrain.vps.snapshot_plan import SnapshotCopy, SnapshotPlan
+from lightning_dynatrain.vps.spec import ModelSpec, StateKind
+
+KeptKey = tuple[str, StateKind, Box]
+
+
+@dataclass(frozen=True)
+class SnapshotFigures:
+    """What the last snapshot cost this rank."""
+
+    step: int
+    local_bytes: int
+    kept_bytes: int
+    sent_bytes: int
+    copy_seconds: float
+    exchange_seconds: float
+
+
+class Snapshots:
+    """One rank's in-memory snapshots (see the module docstring); one per process, kept across worlds."""
+
+    def __init__(self, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"snapshot_every={every}: take a snapshot every N >= 1 steps, or pass None for none")
+        self.every = every
+        self.layout: ParallelConfig | None = None
+        self.local_step: int | None = None
+        """The step this rank's own copy holds (``None``: none)."""
+        self.kept_step: int | None = None
+        """The step of the copies this rank keeps for others (``None``: none)."""
+        self.adam_step: int | None = None
+        self.figures: SnapshotFigures | None = None
+        self._local: dict[StoreKey, torch.Tensor] = {}
+        self._kept: dict[KeptKey, torch.Tensor] = {}
+        self._plan: SnapshotPlan | None = None
+        self._spec: ModelSpec | None = None
+        self._rank = 0
+        self._regions: RegionIndex | None = None
+        self._dtypes: dict[tuple[str, StateKind], torch.dtype] = {}
+        self._group: dist.ProcessGroup | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ---------------------------------------------------------------------------- taking
+    def prepare(self, layout: ParallelConfig, spec: ModelSpec, plan: SnapshotPlan, rank: int) -> None:
+        """A new world or layout (every rank alike, collective): its gloo group (made here) and
+        ``plan``, the copies for ``layout`` over the world's failure domains; what was held goes."""
+        self.wait()
+        if is_registered(self._group):
+            dist.destroy_process_group(self._group)
+        self._group = dist.new_group(backend="gloo")  # host buffers travel over the host backend
+        self.forget()
+        self.layout, self._spec, self._plan, self._rank = layout, spec, plan, rank
+        self._regions = RegionIndex(rank_regions(spec, layout, rank, plan.precision))
+        self._dtypes = {(t.name, kind): torch_dtype(plan.precision.dtype_name(kind, t))
+                        for t in spec.tensors for kind, _ in plan.precision.kinds_of(t)}
+
+    def take(self, step: int, state: MegatronState) -> None:
+        """Start the snapshot of step ``step`` of ``state`` (at the prepared layout; returns once
+        the thread runs)."""
+        self.wait()
+        if self._error is not None:  # (a death that failed it is recovered from first, which forgets it)
+            raise RuntimeError(f"the in-memory snapshot of step {self.local_step} failed: "
+                               f"{type(self._error).__name__}: {self._error}") from self._error
+        assert self._spec is not None and state.layout == self.layout, "prepare the snapshots of this layout first"
+        live = megatron_store(state.ddp, state.optimizer, self._spec, state.layout, self._rank)
+        self._copied.clear()
+        self._thread = threading.Thread(target=self._run, args=(step, state, live), name="dynatrain-snapshot",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, step: int, state: MegatronState, live: dict[StoreKey, torch.Tensor]) -> None:
+        try:
+            start = time.perf_counter()
+            self.local_step = None  # being overwritten
+            for key, tensor in live.items():
+                buffer = self._local.get(key)
+                if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                    buffer = self._local[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+                buffer.copy_(tensor)
+            self.adam_step = adam_step(state.optimizer)
+            self.local_step = step
+            copied = time.perf_counter()
+            self._copied.set()
+            sent = self._exchange(step)
+            self.figures = SnapshotFigures(step, sum(t.nbytes for t in self._local.values()),
+                                           sum(t.nbytes for t in self._kept.values()), sent, copied - start,
+                                           time.perf_counter() - copied)
+        except BaseException as err:  # noqa: BLE001 - reported by wait(); a dead peer ends the exchange
+            self._error = err
+        finally:
+            self._copied.set()
+
+    def _exchange(self, step: int) -> int:
+        """Send this rank's share of ``plan.copies``, receive what it keeps; the bytes sent."""
+        plan, group, rank, regions = self._plan, self._group, self._rank, self._regions
+        assert plan is not None and group is not None and regions is not None
+        ops, received, sent = [], [], 0
+        for copy in plan.copies:
+            if copy.sender == rank:
+                data = _box_of(self._local, regions, copy).contiguous()
+                ops.append(dist.P2POp(dist.isend, data, group=group, group_peer=copy.keeper))
+                sent += data.nbytes
+            elif copy.keeper == rank:
+                buffer = torch.empty(copy.box.shape, dtype=self._dtypes[(copy.tensor, copy.kind)], device="cpu")
+                ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=copy.sender))
+                received.append((copy, buffer))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        self._kept = {(c.tensor, c.kind, c.box): b for c, b in received}
+        self.kept_step = step
+        return sent
+
+    # --------------------------------------------------------------------------- waiting
+    def wait_local(self) -> None:
+        """Until this rank's own copy is taken (before the next optimizer step changes the state)."""
+        self._copied.wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the snapshot in flight ended (``False``: still running after ``timeout``; a peer
+        died in its exchange: the recovery's abandon of the old world ends it)."""
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        if thread.is_alive():
+            return False
+        self._thread = None
+        return True
+
+    # --------------------------------------------------------------------------- reading
+    def restore(self, state: MegatronState) -> None:
+        """Write this rank's own copy back into ``state`` (the layout it was taken at)."""
+        assert self.local_step is not None and self._spec is not None and state.layout == self.layout
+        live = megatron_store(state.ddp, state.optimizer, self._spec, state.layout, self._rank)
+        for key, tensor in live.items():
+            tensor.copy_(self._local[key])
+        if self.adam_step is not None:
+            set_adam_step(state.optimizer, self.adam_step)
+
+    def kept(self) -> dict[KeptKey, torch.Tensor]:
+        """The boxes this rank keeps for others, at ``kept_step``."""
+        return self._kept
+
+    @property
+    def plan(self) -> SnapshotPlan | None:
+        """The copies the snapshot held was taken with (``None``: none held)."""
+        return self._plan if self.local_step is not None else None
+
+    def forget(self) -> None:
+        """The state moved on (a switch, a world change): what is held describes it no more."""
+        self._local, self._kept, self.local_step, self.kept_step, self._error = {}, {}, None, None, None
+
+    def drop_group(self) -> None:
+        """Forget the world's gloo group (the world was abandoned: no collective on it again)."""
+        self._group = None
+
+
+def _box_of(store: dict[StoreKey, torch.Tensor], regions: RegionIndex, copy: SnapshotCopy) -> torch.Tensor:
+    """``copy.box`` read out of ``store`` (one piece per local tensor, concatenated in row-major order)."""
+    region = regions.find(copy.tensor, copy.kind, copy.box)
+    pieces = [box_view(store[key], region, sub).reshape(-1) for key, sub in
+              box_pieces(copy.tensor, copy.kind, region, copy.box)]
+    return torch.cat(pieces).view(copy.box.shape)
+
+
+__all__ = ["KeptKey", "SnapshotFigures", "Snapshots"]
