@@ -9,15 +9,15 @@ starts ``Snapshots.take`` and trains on. A thread of its own
    (``wait_local``, called before the step's update: the forward and backward overlap it);
 2. sends the boxes that only this rank's failure domain holds (``vps.snapshot_plan``: a ZeRO-1
    shard, a tp/pp shard at dp1) to its *keeper*, a rank in another domain, and receives those it
-   keeps for others, over a gloo group of the world's processes (host memory travels over the host
-   backend whatever the training backend is). What it keeps replaces the previous copies only once
-   all of them arrived.
+   keeps for others into buffers of their own, over a gloo group of the world's processes (host
+   memory travels over the host backend whatever the training backend is). Both copies are
+   overwritten in place: host memory holds one copy of the rank's state and one of what it keeps.
 
 A recovery (``strategy/snapshot_recovery.py``) reads both: each survivor's own state at ``S``
 (``restore``) and the copies of the dead's boxes its keepers hold (``kept``). A snapshot counts for
-step ``S`` only where both completed at ``S``: a death while one is being taken leaves the previous
-step's copies on the keepers but this step's own copies on the survivors, so that snapshot cannot be
-used (the recovery says so and the job ends naming the checkpoint).
+step ``S`` only where both completed at ``S``: a death while one is being taken (between the
+boundary and the end of the exchange, a fraction of the next step) leaves no whole snapshot, and the
+recovery says so and the job ends naming the checkpoint.
 """
 
 from __future__ import annotations
@@ -135,20 +135,22 @@ class Snapshots:
         """Send this rank's share of ``plan.copies``, receive what it keeps; the bytes sent."""
         plan, group, rank, regions = self._plan, self._group, self._rank, self._regions
         assert plan is not None and group is not None and regions is not None
-        ops, received, sent = [], [], 0
+        ops, sent = [], 0
+        self.kept_step = None  # being overwritten (in place: the own copies were, already)
         for copy in plan.copies:
             if copy.sender == rank:
-                data = _box_of(self._local, regions, copy).contiguous()
+                data = _box_of(self._local, regions, copy)
                 ops.append(dist.P2POp(dist.isend, data, group=group, group_peer=copy.keeper))
                 sent += data.nbytes
             elif copy.keeper == rank:
-                buffer = torch.empty(copy.box.shape, dtype=self._dtypes[(copy.tensor, copy.kind)], device="cpu")
+                key = (copy.tensor, copy.kind, copy.box)
+                buffer = self._kept.get(key)
+                if buffer is None:
+                    buffer = self._kept[key] = torch.empty(copy.box.shape, dtype=self._dtypes[(copy.tensor, copy.kind)])
                 ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=copy.sender))
-                received.append((copy, buffer))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        self._kept = {(c.tensor, c.kind, c.box): b for c, b in received}
         self.kept_step = step
         return sent
 
@@ -198,11 +200,14 @@ class Snapshots:
 
 
 def _box_of(store: dict[StoreKey, torch.Tensor], regions: RegionIndex, copy: SnapshotCopy) -> torch.Tensor:
-    """``copy.box`` read out of ``store`` (one piece per local tensor, concatenated in row-major order)."""
+    """``copy.box`` read out of ``store``, contiguous: a view where the box is one contiguous piece
+    of one local tensor (a ZeRO-1 shard, a whole tp/pp shard), else its pieces concatenated in
+    row-major order."""
     region = regions.find(copy.tensor, copy.kind, copy.box)
-    pieces = [box_view(store[key], region, sub).reshape(-1) for key, sub in
-              box_pieces(copy.tensor, copy.kind, region, copy.box)]
-    return torch.cat(pieces).view(copy.box.shape)
+    pieces = [box_view(store[key], region, sub) for key, sub in box_pieces(copy.tensor, copy.kind, region, copy.box)]
+    if len(pieces) == 1 and pieces[0].is_contiguous():
+        return pieces[0].view(copy.box.shape)
+    return torch.cat([p.reshape(-1) for p in pieces]).view(copy.box.shape)
 
 
 __all__ = ["KeptKey", "SnapshotFigures", "Snapshots"]

@@ -72,12 +72,16 @@ class SnapshotKeeper:
             return
         state = strategy.megatron
         if self._fresh:  # the plan of this world and layout, made once
-            spec = _setup(strategy).spec
+            from lightning_dynatrain.megatron.state_bridge import megatron_store
+
+            spec, rank = _setup(strategy).spec, strategy.global_rank
             plan = snapshot_plan(spec, state.layout, strategy.switcher.topology,
                                  precision_of(state.model, state.optimizer))
-            self.snapshots.prepare(state.layout, spec, plan, strategy.global_rank)
+            self.snapshots.prepare(state.layout, spec, plan, rank)
+            own = sum(t.nbytes for t in megatron_store(state.ddp, state.optimizer, spec, state.layout, rank).values())
             rank_zero_info(f"[dynatrain] step {step}: in-memory snapshots of {state.layout} every "
-                           f"{self.snapshots.every} steps: {plan}")
+                           f"{self.snapshots.every} steps, host memory of rank 0: its own copy {own / 2**20:.1f} MiB, "
+                           f"kept for others {plan.held_bytes(rank) / 2**20:.1f} MiB; {plan}")
         self.snapshots.take(step, state)
         self.log.drop_through(step)
         self._fresh = False
