@@ -1,19 +1,24 @@
 """Which of the package's files one layout switch passes through, from the strategy's ``reconfigure``
 to the first ``batch_isend_irecv``: a measure of how far a reader follows one switch.
 
-    python benchmarks/switch_path.py            # the GPT preset and a ModelProvider, dp2 -> dp1-tp2
+    python benchmarks/switch_path.py            # the GPT preset and a ModelProvider, dp1-tp2 -> dp2
     python benchmarks/switch_path.py --json
 
-A 2-process gloo job builds the model at ``dp2-tp1-pp1`` (megatron DDP, Adam, one step), then
-switches to ``dp1-tp2-pp1`` through ``LayoutSwitcher.switch`` (what ``reconfigure`` calls) on demand
-while rank 0 records, in order of first entry, every ``lightning_dynatrain`` file a call enters,
-until ``torch.distributed.batch_isend_irecv`` is first called. ``strategy/switch_hooks.py`` (where
-``reconfigure`` is) is counted as the first file. Imports are not calls and are not counted.
+A 2-process gloo job builds the model at ``dp1-tp2-pp1`` (megatron DDP, Adam, one step), then
+switches to ``dp2-tp1-pp1`` through ``LayoutSwitcher.switch`` (what ``reconfigure`` calls) on demand
+(each rank receives the other's tensor-parallel half) while rank 0 records, in order of first
+entry, every ``lightning_dynatrain`` file a call enters, until ``torch.distributed.batch_isend_irecv``
+is first called, and the chain of calls that reached it (``stack_files``: the files a reader follows
+from ``reconfigure`` to the transfer; ``files``: every file entered on the way, planning included). ``strategy/dynatrain.py`` (where
+``DynaTrainStrategy.reconfigure`` is) and ``strategy/switch_control.py`` (``SwitchControl``, which it
+hands the request to, and which calls ``LayoutSwitcher.switch``) are counted as the first two files.
+Imports are not calls and are not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -39,7 +44,7 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
     recipe = MegatronRecipe(model=gpt_provider(shape) if model == "provider" else shape, seed=1, global_batch_size=4,
                             micro_batch_size=1, params_dtype=torch.float32)
     adam = AdamSettings(lr=1e-3)
-    layout = ParallelConfig.parse("dp2-tp1-pp1")
+    layout = ParallelConfig.parse("dp1-tp2-pp1")
     switcher = LayoutSwitcher(staging_budget=2**20, promote_broadcasts=False)
     switcher.new_world(Topology.uniform(world_size, world_size))
     groups = init_groups(layout, seed=1, groups=switcher.groups)
@@ -47,12 +52,21 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
     state = attach_optimizer(build_model(recipe, layout, groups), recipe, layout, adam, groups)
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     train_step(state, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}, recipe, lr=1e-3, weight_decay=0.0)
-    files: list[str] = ["lightning_dynatrain/strategy/switch_hooks.py"]
+    callers = ["lightning_dynatrain/strategy/dynatrain.py", "lightning_dynatrain/strategy/switch_control.py"]
+    files: list[str] = list(callers)
+    stack: list[str] = []
     done = False
     original = dist.batch_isend_irecv
 
     def first_transfer(*args, **kwargs):
         nonlocal done
+        if not done:  # the chain of calls that reached it, outermost first
+            for frame in reversed(inspect.stack()[1:]):
+                path = Path(frame.filename)
+                name = str(path.relative_to(ROOT)) if path.is_relative_to(PACKAGE) else None
+                if name is not None and name not in stack:
+                    stack.append(name)
+            stack[:0] = [c for c in callers if c not in stack]
         done = True
         return original(*args, **kwargs)
 
@@ -68,13 +82,13 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
     try:
         if rank == 0:
             sys.setprofile(profile)
-        switcher.switch(state, ParallelConfig.parse("dp1-tp2-pp1"), recipe=recipe, optimizer=adam, step=1,
+        switcher.switch(state, ParallelConfig.parse("dp2-tp1-pp1"), recipe=recipe, optimizer=adam, step=1,
                         deferred=False)
     finally:
         sys.setprofile(None)
         dist.batch_isend_irecv = original
         switcher.close()
-    return files
+    return {"entered": files, "stack": stack}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
 
     out = {}
     for model in ("preset", "provider"):
-        files = spawn_job(_path_job, 2, model, timeout_s=300)[0]
-        out[model] = files
-        print(f"{model}: {len(files)} files")
-        for name in files:
+        found = spawn_job(_path_job, 2, model, timeout_s=300)[0]
+        out[model] = found
+        print(f"{model}: {len(found['stack'])} files on the call chain to the first transfer, "
+              f"{len(found['entered'])} entered on the way")
+        for name in found["stack"]:
             print(f"  {name}")
     if args.json:
-        print(json.dumps({"files": {k: len(v) for k, v in out.items()}, "paths": out}))
+        print(json.dumps({"stack_files": {k: len(v["stack"]) for k, v in out.items()},
+                          "files": {k: len(v["entered"]) for k, v in out.items()}, "paths": out}))
     return 0
 
 

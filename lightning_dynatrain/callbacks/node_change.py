@@ -253,4 +253,17 @@ class OnNodeChange(Callback):
         self.recoveries = list(state_dict.get("recoveries", []))
 
 
-__all__ = ["LEAVE_SIGNALS", "OnNodeChange"]
+def node_change_of(trainer: "pl.Trainer | None") -> OnNodeChange | None:
+    """The trainer's ``OnNodeChange`` callback, if it has one: with it the run is elastic.
+
+    The one place the callback is looked for, by the strategy's ``setup_environment``: that hook must
+    know whether the job's store makes the world (instead of ``init_process_group``), and Lightning
+    calls it before any callback hook (``Trainer._run``: ``strategy.setup_environment()``, then
+    ``Callback.setup``), so the callback cannot hand itself over first. The strategy then asks it for
+    its elastic side (``make_driver``), the explicit link both keep for the rest of the fit.
+    """
+    found = [c for c in (trainer.callbacks if trainer is not None else []) if isinstance(c, OnNodeChange)]
+    return found[0] if found else None
+
+
+__all__ = ["LEAVE_SIGNALS", "OnNodeChange", "node_change_of"]

@@ -6,6 +6,11 @@ default process group, a device per process, megatron's own mixed precision in p
 autocast (``precision.py``), and job-wide collectives. ``DynaTrainStrategy`` adds the layout, the
 model and the switches.
 
+Launchers: ``python train.py`` (Lightning's subprocess launcher, as for DDP), ``torchrun`` and
+``fabric run`` (TorchElasticEnvironment), ``srun`` (SLURMEnvironment). Lightning's ranks and world
+come from the cluster environment. Each process's intra-op threads are fitted to the cores of its
+node, whatever the launcher set (``threads.py``; ``DYNATRAIN_NUM_THREADS=N`` overrides).
+
 The dataloader serves the same GLOBAL batch on every rank (``data.GlobalBatchSampler``) and the
 strategy slices this rank's data-parallel share at each step, so a switch needs no dataloader
 rebuild. ``is_distributed`` is ``True`` (so that ``self.log(..., sync_dist=True)`` reduces, over the
@@ -28,7 +33,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
@@ -40,7 +45,9 @@ from lightning_dynatrain.compat.lightning_internals import (
     sync_ddp_if_available,
 )
 from lightning_dynatrain.strategy.precision import MegatronPrecision, megatron_precision
+from lightning_dynatrain.strategy.threads import fit_intra_op_threads
 from lightning_dynatrain.strategy.validation import WorldSizeError
+from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -105,6 +112,13 @@ class MegatronProcessStrategy(ParallelStrategy):
         trainer = self._trainer()
         if trainer is not None:  # before any dataloader is requested: global batches, no DistributedSampler
             accelerator_connector(trainer).use_distributed_sampler = False
+        # before megatron-core is first imported: its import-time notices are named there
+        quiet_third_party_warnings(on_cpu=self.root_device.type == "cpu")
+        # Share the node's cores among its processes: launchers leave 1 thread each (torchrun), cores //
+        # processes (Lightning's), or every core in each (fabric run, srun). See threads.py for the rule.
+        threads = fit_intra_op_threads(local_processes=max(1, self.num_processes))
+        if threads.message:
+            rank_zero_info(threads.message)
 
     @override
     def _configure_launcher(self) -> None:

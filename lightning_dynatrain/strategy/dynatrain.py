@@ -2,14 +2,18 @@
 
 The strategy owns megatron's side of training for the current layout (groups, model shard, megatron
 DDP and optimizer, pipeline schedule; one ``MegatronState``) and gives Lightning what it expects
-(an optimizer to count steps, checkpoints; ranks, devices, precision and collectives come from
-``base.MegatronProcessStrategy``; the step entry points and ``reduce``: ``step_hooks.py``; switching:
-``switch_hooks.py``). Hooks are thin; the work is in plain functions
-(``megatron_step``, ``validation``, ``report``, ``checkpoint``, ``switching``).
+(an optimizer to count steps, checkpoints). Ranks, devices, precision and collectives come from its
+base, ``base.MegatronProcessStrategy``; the rest it hands to three objects it owns, each one concept:
 
-Checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are
-layout-free directories: a run saved at one layout resumes at any other layout and world size
-(the hooks: ``checkpoint_hooks.py``; ``strategy/checkpoint.py`` says which restores what, and why there).
+- ``switch_control.SwitchControl``: when a layout switch runs (``reconfigure``, ``prepare_reconfigure``,
+  at the optimizer-step boundary; the switch itself is ``switching.LayoutSwitcher``'s);
+- ``stepping.Stepping``: the step entry points (``train_step``, ``eval_step``) and ``reduce``;
+- ``checkpointing.Checkpointing``: Lightning's save and restore hooks, onto layout-free checkpoint
+  directories (a run saved at one layout resumes at any other layout and world size).
+
+Its own methods are the life cycle (groups, model, optimizer, the state each switch installs) and
+one-line hand-offs; the work is in plain functions (``megatron_step``, ``validation``, ``report``,
+``checkpoint``, ``switching``).
 
 Example::
 
@@ -19,29 +23,14 @@ Example::
     trainer.fit(GPTLightningModule(shape, lr=3e-3, global_batch_size=16, micro_batch_size=2),
                 datamodule=StdlibTextDataModule(seq_length=128, global_batch_size=16))
 
-Launchers: ``python train.py`` (Lightning's subprocess launcher, as for DDP), ``torchrun`` and
-``fabric run`` (TorchElasticEnvironment), ``srun`` (SLURMEnvironment). Lightning's ranks and world
-come from the cluster environment; every data-parallel notion (``distributed_sampler_kwargs``,
-``reduce``) comes from the *current layout*. Each process's intra-op threads are fitted to the cores
-of its node, whatever the launcher set (``threads.py``; ``DYNATRAIN_NUM_THREADS=N`` overrides).
-
-Data: the dataloader serves the same GLOBAL batch on every rank (``GlobalBatchSampler``); the
-strategy slices this rank's data-parallel share at each step, so a switch needs no dataloader
-rebuild (see ``base.py``); the loss the strategy returns is already the same on every rank.
-
-Layout switches (``reconfigure``) run at the optimizer-step boundary: after optimizer step ``k``,
-before step ``k+1``'s forward. Called between training steps (``on_train_batch_end`` /
-``on_train_batch_start`` hooks, e.g. ``ScheduledReconfig``), a switch runs at once; called while a
-training step runs (from ``training_step`` or a hook inside it), the target is recorded as pending
-and runs as that step returns, before the ``on_train_batch_end`` hooks (a second request in the same
-step replaces the first). Every ``training_step`` is one whole optimizer step over the global batch
-(megatron's micro-batches inside it), so "mid accumulation" means "inside a training step". The
-switch itself is ``switching.LayoutSwitcher``'s.
+Processes, launchers and global batches: ``base.py``. Every data-parallel notion
+(``distributed_sampler_kwargs``, ``reduce``) comes from the *current layout*.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -52,6 +41,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -60,19 +50,18 @@ from typing_extensions import override
 from lightning_dynatrain.checkpoint.writer import CheckpointWriter
 from lightning_dynatrain.data.sampler import global_batch_samplers
 from lightning_dynatrain.engine.deadline import parse_switch_timeout
+from lightning_dynatrain.engine.staging import parse_bytes
 from lightning_dynatrain.strategy.base import MegatronProcessStrategy
-from lightning_dynatrain.strategy.checkpoint_hooks import CheckpointHooks
-from lightning_dynatrain.strategy.step_hooks import StepHooks
-from lightning_dynatrain.strategy.switch_hooks import SwitchHooks
-from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
-from lightning_dynatrain.strategy.optimizer_handle import DynaTrainOptimizer
+from lightning_dynatrain.strategy.checkpointing import Checkpointing
+from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe, optimizer_config
+from lightning_dynatrain.strategy.optimizer_handle import DynaTrainOptimizer, handle_for
 from lightning_dynatrain.strategy.precision import resolve_params_dtype
 from lightning_dynatrain.strategy.report import ReconfigReport
+from lightning_dynatrain.strategy.stepping import Stepping
+from lightning_dynatrain.strategy.switch_control import SwitchControl
 from lightning_dynatrain.strategy.switching import LayoutSwitcher, parse_switch_safety
-from lightning_dynatrain.strategy.threads import fit_intra_op_threads
 from lightning_dynatrain.strategy.validation import validate_optimizer, validate_target
 from lightning_dynatrain.vps.layout import ParallelConfig
-from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,18 +69,11 @@ if TYPE_CHECKING:
 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from lightning_dynatrain.callbacks.node_change import OnNodeChange
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.strategy.elastic import ElasticDriver
 
 
-def _parse_budget(value: int | str) -> int:
-    from lightning_dynatrain.engine.staging import parse_bytes
-
-    return parse_bytes(value)
-
-
-class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcessStrategy):
+class DynaTrainStrategy(MegatronProcessStrategy):
     """Megatron-core GPT training under Lightning, with in-memory layout switches.
 
     Args:
@@ -168,8 +150,8 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
                          parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._requested_layout: ParallelConfig | Literal["auto"] = (
             "auto" if isinstance(layout, str) and layout.strip().lower() == "auto" else ParallelConfig.parse(layout))
-        self.staging_budget = _parse_budget(staging_budget)
-        self.switch_memory_limit = None if switch_memory_limit is None else _parse_budget(switch_memory_limit)
+        self.staging_budget = parse_bytes(staging_budget)
+        self.switch_memory_limit = None if switch_memory_limit is None else parse_bytes(switch_memory_limit)
         self.switch_timeout = parse_switch_timeout(switch_timeout)
         self.switch_safety = parse_switch_safety(switch_safety)
         self.verify = verify
@@ -184,13 +166,12 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
         self._optimizer_settings: AdamSettings | OptimizerConfig | None = None
         self._gpt_model: torch.nn.Module | None = None
         self._megatron: MegatronState | None = None
-        self._step_in_progress = False
-        self._pending: ParallelConfig | None = None
         self._elastic: ElasticDriver | None = None  # with an OnNodeChange callback
-        self._writer = CheckpointWriter(async_save=async_save)
         self.init_from_megatron = None if init_from_megatron is None else Path(init_from_megatron)
-        #: Every switch that ran (no-ops excluded), in order; the same on every rank.
-        self.switch_history: list[ReconfigReport] = []
+        # the parts it hands its hooks to, each given what it reads and calls
+        self.switch_control = SwitchControl(self, install=self._install, trainer=self._trainer)
+        self.stepping = Stepping(self, local_collectives=self._collectives_are_local)
+        self.checkpointing = Checkpointing(self, writer=CheckpointWriter(async_save=async_save), trainer=self._trainer)
 
     # ------------------------------------------------------------------------------ registry
     @classmethod
@@ -248,6 +229,25 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
         return self._megatron
 
     @property
+    def megatron_or_none(self) -> "MegatronState | None":
+        """``megatron``, or ``None`` before ``setup`` built it (a ``validate`` run builds none)."""
+        return self._megatron
+
+    @property
+    def groups(self) -> "ProcessGroupCollection":
+        """Megatron's groups of the current layout: the megatron state's, or before ``setup`` built
+        it, those ``setup_environment`` made for the model shard."""
+        if self._megatron is not None:
+            return self._megatron.groups
+        assert self._pgs is not None, "setup_environment makes the groups"
+        return self._pgs
+
+    @property
+    def switch_history(self) -> list[ReconfigReport]:
+        """Every switch that ran (no-ops excluded), in order; the same on every rank."""
+        return self.switch_control.history
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data-parallel replicas and this rank's index among them, at the current layout."""
@@ -257,15 +257,10 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
     # ---------------------------------------------------------------------- life cycle hooks
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
-        # before megatron-core is first imported (init_groups): its import-time notices are named there
-        quiet_third_party_warnings(on_cpu=self.root_device.type == "cpu")
-        # Share the node's cores among its processes: launchers leave 1 thread each (torchrun), cores //
-        # processes (Lightning's), or every core in each (fabric run, srun). See threads.py for the rule.
-        threads = fit_intra_op_threads(local_processes=max(1, self.num_processes))
-        if threads.message:
-            rank_zero_info(threads.message)
-        node_change = _node_change_callback(self._trainer())
+        super().setup_environment()  # then megatron-core may be imported (init_groups)
+        from lightning_dynatrain.callbacks.node_change import node_change_of
+
+        node_change = node_change_of(self._trainer())
         joined_at = None
         if node_change is not None:  # elastic: the job's store makes the worlds (strategy/elastic.py)
             reset_seed()
@@ -284,7 +279,7 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
             self._switcher = LayoutSwitcher(staging_budget=self.staging_budget, memory_limit=self.switch_memory_limit,
                                             verify=self.verify, promote_broadcasts=self.promote_broadcasts,
                                             switch_timeout=self.switch_timeout, training_timeout=self._timeout,
-                                            resume_from=self._last_checkpoint,
+                                            resume_from=self.checkpointing.latest_path,
                                             keep_old=self.switch_safety == "keep_old")
         self._pgs = init_groups(self._layout, seed=self.seed, groups=self._switcher.groups)
         topology = gather_topology(self.cluster_environment)
@@ -329,7 +324,7 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
                 "(GPTLightningModule does)")
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-        self._start_from_megatron(trainer)
+        self.checkpointing.start_from_megatron(trainer)
         self.setup_precision_plugin()
 
     @override
@@ -342,18 +337,9 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
 
         assert self.lightning_module is not None
         given = self.lightning_module.configure_optimizers()
-        if isinstance(given, (AdamSettings, OptimizerConfig)):
-            handle, schedulers = DynaTrainOptimizer(given), []
-        else:
+        if not isinstance(given, (AdamSettings, OptimizerConfig)):
             super().setup_optimizers(trainer)  # Lightning's own parsing: optimizers and scheduler configs
-            handles = [o for o in self.optimizers if isinstance(o, DynaTrainOptimizer)]
-            if len(self.optimizers) != 1 or not handles:
-                raise TypeError(
-                    "under DynaTrainStrategy, configure_optimizers() returns one DynaTrainOptimizer (optionally with "
-                    f"LR schedulers built on it), megatron's OptimizerConfig or AdamSettings; got {given!r}. HINT: "
-                    "return DynaTrainOptimizer(OptimizerConfig(optimizer='adam', lr=...)); the strategy builds "
-                    "megatron's optimizer for each layout")
-            handle, schedulers = handles[0], self.lr_scheduler_configs
+        handle, schedulers = handle_for(given, self.optimizers, self.lr_scheduler_configs)
         from lightning_dynatrain.strategy.megatron_step import attach_optimizer
 
         self._optimizer_settings = given if isinstance(given, AdamSettings) else handle.config
@@ -393,6 +379,111 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
 
             release_state(old)
 
+    # ------------------------------------------------------- switching: switch_control.py
+    def check_layout(self, target: str | ParallelConfig) -> ParallelConfig:
+        """Parse and check ``target`` against the world, the model, the batch and the optimizer; the
+        layout or a typed error."""
+        recipe = self._recipe
+        layout = validate_target(target, world_size=self.world_size, current=self._layout,
+                                 model=recipe.model if recipe else None,
+                                 global_batch_size=recipe.global_batch_size if recipe else None,
+                                 micro_batch_size=recipe.micro_batch_size if recipe else None,
+                                 execution=recipe.execution if recipe else None)
+        if self._optimizer_settings is not None:
+            validate_optimizer(optimizer_config(self._optimizer_settings), layout)
+        return layout
+
+    def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport | None:
+        """Switch training to layout ``target`` at the optimizer-step boundary: the switch's report, or
+        ``None`` when asked during a training step (it runs as the step returns). Collective: every
+        rank, at the same step, with the same target. Returns and raises: ``SwitchControl.reconfigure``."""
+        return self.switch_control.reconfigure(target)
+
+    def prepare_reconfigure(self, target: str | ParallelConfig) -> bool:
+        """Build the switch to ``target`` ahead, in the background, while training steps on; whether a
+        build started. Collective: every rank, between the same two steps. Returns and raises:
+        ``SwitchControl.prepare_reconfigure``."""
+        return self.switch_control.prepare_reconfigure(target)
+
+    @property
+    def pending_layout(self) -> ParallelConfig | None:
+        """A switch requested during the running step, not yet done."""
+        return self.switch_control.pending
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.switch_control.run_step(partial(super().training_step, *args, **kwargs))
+
+    # ------------------------------------------------------------------ steps: stepping.py
+    def train_step(self, batch: Mapping[str, torch.Tensor], *, lr: float | None = None,
+                   weight_decay: float | None = None) -> float:
+        """One optimizer step over the global ``batch`` (call from ``training_step``); the global mean loss.
+
+        ``lr`` / ``weight_decay``: this step's values (times each megatron group's multipliers);
+        ``None``: what the optimizer's schedule group holds (``DynaTrainOptimizer``: the config's, or
+        what a scheduler set). Lightning counts it as an optimizer step (``trainer.global_step`` advances).
+        """
+        return self.stepping.train_step(self._lightning_optimizers[0], batch, lr=lr, weight_decay=weight_decay)
+
+    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """The global mean loss of the global ``batch``, forward only, at the current layout (call
+        from ``validation_step``); the same float on every rank, whatever the pipeline stage."""
+        return self.stepping.eval_step(batch)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per optimizer step at the current layout: global // (dp * micro)."""
+        return self.stepping.num_microbatches
+
+    @override
+    def reduce(self, tensor: torch.Tensor | Any, group: Any | None = None,
+               reduce_op: ReduceOp | str | None = "mean") -> torch.Tensor | Any:
+        """Reduce over the current layout's data-parallel group (``group=None``), or over ``group``."""
+        return self.stepping.reduce(tensor, group, reduce_op)
+
+    @override
+    def _collectives_are_local(self) -> bool:
+        return self._elastic is not None and self._elastic.local_collectives
+
+    # ---------------------------------------------------------- checkpoints: checkpointing.py
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Empty: the weights are saved under their logical keys with the rest of the state (``save_checkpoint``)."""
+        return {}
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self.checkpointing.optimizer_state()
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return self.checkpointing.lightning_restores_optimizer
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
+                        storage_options: Any | None = None) -> None:
+        self.checkpointing.save(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        self.checkpointing.remove(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        return self.checkpointing.read(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self.checkpointing.load_params(checkpoint):  # a per-rank checkpoint: Lightning's own way
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self.checkpointing.load_optimizer(checkpoint):
+            super().load_optimizer_state_dict(checkpoint)
+
+    # ---------------------------------------------------------------------- life cycle, end
     @override
     def on_train_start(self) -> None:
         if self._elastic is not None:
@@ -406,14 +497,14 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
     @override
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized():
-            self._writer.close()  # a background save completes before its groups go
+            self.checkpointing.close()  # a background save completes before its groups go
         if self._switcher is not None and dist.is_available() and dist.is_initialized():
             from lightning_dynatrain.strategy.megatron_step import teardown_state
 
             teardown_state()
             self._switcher.close()
         self._megatron = None
-        self._pending = None
+        self.switch_control.close()
         if self._elastic is not None:
             self._elastic.close()
         self._teardown_process_group()
@@ -422,14 +513,6 @@ class DynaTrainStrategy(SwitchHooks, CheckpointHooks, StepHooks, MegatronProcess
     def __repr__(self) -> str:
         layout = self._layout or self._requested_layout
         return f"DynaTrainStrategy(layout={str(layout)!r}, staging_budget={self.staging_budget})"
-
-
-def _node_change_callback(trainer: "pl.Trainer | None") -> "OnNodeChange | None":
-    """The trainer's ``OnNodeChange`` callback (it makes the run elastic), if any."""
-    from lightning_dynatrain.callbacks.node_change import OnNodeChange
-
-    found = [c for c in (trainer.callbacks if trainer is not None else []) if isinstance(c, OnNodeChange)]
-    return found[0] if found else None
 
 
 __all__ = ["DynaTrainStrategy"]

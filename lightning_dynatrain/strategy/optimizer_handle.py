@@ -119,4 +119,29 @@ class DynaTrainOptimizer(torch.optim.Optimizer):
         return f"DynaTrainOptimizer({self.config.optimizer}, {where})"
 
 
-__all__ = ["DynaTrainOptimizer"]
+def handle_for(given: Any, optimizers: list, schedulers: list) -> tuple[DynaTrainOptimizer, list]:
+    """The handle and learning-rate scheduler configs for what ``configure_optimizers()`` returned
+    (``given``): megatron's ``OptimizerConfig`` (constant rate) and ``AdamSettings`` (the GPT preset's,
+    which sets each step's rate itself) get a handle of their own; any other form is parsed by
+    Lightning first (``optimizers``, ``schedulers``), and must hold one ``DynaTrainOptimizer``.
+
+    Raises:
+        TypeError: ``given`` is none of these.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    from lightning_dynatrain.strategy.config import AdamSettings
+
+    if isinstance(given, (AdamSettings, OptimizerConfig)):
+        return DynaTrainOptimizer(given), []
+    handles = [o for o in optimizers if isinstance(o, DynaTrainOptimizer)]
+    if len(optimizers) != 1 or not handles:
+        raise TypeError(
+            "under DynaTrainStrategy, configure_optimizers() returns one DynaTrainOptimizer (optionally with "
+            f"LR schedulers built on it), megatron's OptimizerConfig or AdamSettings; got {given!r}. HINT: "
+            "return DynaTrainOptimizer(OptimizerConfig(optimizer='adam', lr=...)); the strategy builds "
+            "megatron's optimizer for each layout")
+    return handles[0], list(schedulers)
+
+
+__all__ = ["DynaTrainOptimizer", "handle_for"]

@@ -1,7 +1,7 @@
 """Survivors go on: a member died without leaving; the others rebuild the state in a world of their own.
 
 Every survivor runs this in its main thread (``ElasticDriver.recover``) after one of its collectives
-failed (inside a training step, ``StepHooks.train_step``, or at a step boundary), or at a boundary
+failed (inside a training step, ``Stepping.optimizer_step``, or at a step boundary), or at a boundary
 where the store's record came first (``MemberLostError``):
 
 1. **abandon** the old world (``ElasticSession.abandon_world``): a peer waiting on this process fails
@@ -199,7 +199,7 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
 
 
 def _resume_from(strategy: "DynaTrainStrategy") -> str:
-    path = strategy._last_checkpoint()  # the run's newest checkpoint, or the one it resumed from
+    path = strategy.checkpointing.latest_path()  # the run's newest checkpoint, or the one it resumed from
     return f"its last checkpoint, {path}" if path else "its last checkpoint (this fit wrote none: add a ModelCheckpoint)"
 
 
