@@ -17,7 +17,8 @@ and train on (``strategy/recovery.py``, ``strategy/snapshot_recovery.py``). ``--
   failed) on the survivor that finished last; then ``agree_seconds`` (the store names the dead),
   ``world_seconds``, ``rebuild_seconds``, ``transfer_seconds``, as that survivor logs them;
 - ``steps_redone``: completed steps whose result was lost and computed again (at most
-  ``snapshot_every``; 0 with replicas);
+  ``snapshot_every``; 0 with replicas), in ``replay_seconds`` (part of the pause: a restart from a
+  checkpoint computes again every step since the checkpoint too, which its figure leaves out);
 - ``restart_seconds``: fresh processes started by torchrun at the new world size until they are
   ready to train, resuming a checkpoint of the source (``benchmarks/elastic.py``'s cold path; the
   restart's own detection and scheduling not counted, so the ratio favours the restart);
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                "dst": report["dst"], "pause_seconds": pause,
                "detect_seconds": pause - report["pause_seconds"], "agree_seconds": report["agree_seconds"],
                "world_seconds": report["world_seconds"], "rebuild_seconds": report["rebuild_seconds"],
-               "transfer_seconds": report["transfer_seconds"], "steps_redone": report["steps_redone"],
+               "transfer_seconds": report["transfer_seconds"], "replay_seconds": report.get("replay_seconds"),
+               "steps_redone": report["steps_redone"],
                "restart_seconds": restart, "pause_over_restart": pause / restart,
                "suspect_after": args.suspect_after, "snapshot_every": None if args.replicas else args.snapshot_every,
                "snapshot_step": report.get("snapshot_step"), "snapshot_step_overhead": overhead}

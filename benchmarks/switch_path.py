@@ -8,8 +8,10 @@ A 2-process gloo job builds the model at ``dp1-tp2-pp1`` (megatron DDP, Adam, on
 switches to ``dp2-tp1-pp1`` through ``LayoutSwitcher.switch`` (what ``reconfigure`` calls) on demand
 (each rank receives the other's tensor-parallel half) while rank 0 records, in order of first
 entry, every ``lightning_dynatrain`` file a call enters, until ``torch.distributed.batch_isend_irecv``
-is first called, and the chain of calls that reached it (``stack_files``: the files a reader follows
-from ``reconfigure`` to the transfer; ``files``: every file entered on the way, planning included). ``strategy/dynatrain.py`` (where
+is first called, and the chain of calls that reached it: ``stack_files``, the files a reader follows
+from ``reconfigure`` to the transfer; ``one_hop_files``, those and every file their code calls into
+directly on the way (what a reader opens to follow each call of the chain once); ``files``, every
+file entered on the way, the target model's build included. ``strategy/dynatrain.py`` (where
 ``DynaTrainStrategy.reconfigure`` is) and ``strategy/switch_control.py`` (``SwitchControl``, which it
 hands the request to, and which calls ``LayoutSwitcher.switch``) are counted as the first two files.
 Imports are not calls and are not counted.
@@ -70,6 +72,8 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
         done = True
         return original(*args, **kwargs)
 
+    calls: set[tuple[str, str]] = set()  # (caller's file, callee's file)
+
     def profile(frame, event, arg):
         if event == "call" and not done:
             path = Path(frame.f_code.co_filename)
@@ -77,6 +81,9 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
                 name = str(path.relative_to(ROOT))
                 if name not in files:
                     files.append(name)
+                caller = Path(frame.f_back.f_code.co_filename) if frame.f_back is not None else None
+                if caller is not None and caller.is_relative_to(PACKAGE):
+                    calls.add((str(caller.relative_to(ROOT)), name))
 
     dist.batch_isend_irecv = first_transfer
     try:
@@ -88,7 +95,9 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
         sys.setprofile(None)
         dist.batch_isend_irecv = original
         switcher.close()
-    return {"entered": files, "stack": stack}
+    # what a reader opens following the chain: its files and every file they call into directly
+    hop = stack + [f for f in files if f not in stack and any((c, f) in calls for c in stack)]
+    return {"entered": files, "stack": stack, "one_hop": hop}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         found = spawn_job(_path_job, 2, model, timeout_s=300)[0]
         out[model] = found
         print(f"{model}: {len(found['stack'])} files on the call chain to the first transfer, "
-              f"{len(found['entered'])} entered on the way")
-        for name in found["stack"]:
+              f"{len(found['one_hop'])} with the files it calls into directly, {len(found['entered'])} entered "
+              "on the way")
+        for name in found["one_hop"]:
             print(f"  {name}")
     if args.json:
         print(json.dumps({"stack_files": {k: len(v["stack"]) for k, v in out.items()},
+                          "one_hop_files": {k: len(v["one_hop"]) for k, v in out.items()},
                           "files": {k: len(v["entered"]) for k, v in out.items()}, "paths": out}))
     return 0
 

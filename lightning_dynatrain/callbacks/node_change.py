@@ -26,7 +26,9 @@ Each change is logged (``[dynatrain] step N: world 2 -> 4 ...``, and the metrics
 ``dynatrain/change_overlap_slowdown``: how much slower the steps run while the next world was built
 were than the steps before) and kept in ``changes``. Each recovery is logged too (``[dynatrain] step
 N: member(s) ... lost; world 4 -> 3 ...``, the metrics ``dynatrain/recovery_pause_seconds`` and
-``dynatrain/recovery_steps_redone``) and kept in ``recoveries``.
+``dynatrain/recovery_steps_redone``) and kept in ``recoveries``; each in-memory snapshot logs
+``dynatrain/snapshot_copy_seconds`` (this rank's own copy, beside the next step),
+``dynatrain/snapshot_exchange_seconds`` and ``dynatrain/snapshot_host_bytes``.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class OnNodeChange(Callback):
         #: every recovery from members lost without leaving (``RecoveryReport`` as a dict)
         self.recoveries: list[dict[str, Any]] = []
         self._recoveries_logged = 0
+        self._snapshot_logged: int | None = None
         self._driver: ElasticDriver | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._signal_connector: Any = None  # Lightning's, while its handler registration is wrapped
@@ -204,6 +207,13 @@ class OnNodeChange(Callback):
             pl_module.log_dict({"dynatrain/world_size": float(trainer.world_size),
                                 "dynatrain/recovery_pause_seconds": recovery.pause_seconds,
                                 "dynatrain/recovery_steps_redone": float(recovery.steps_redone)},
+                               on_step=True, on_epoch=False, batch_size=1)
+        figures = self._driver.snapshots.figures if self._driver.snapshots is not None else None
+        if figures is not None and figures.step != self._snapshot_logged:  # a snapshot ended since
+            self._snapshot_logged = figures.step
+            pl_module.log_dict({"dynatrain/snapshot_copy_seconds": figures.copy_seconds,
+                                "dynatrain/snapshot_exchange_seconds": figures.exchange_seconds,
+                                "dynatrain/snapshot_host_bytes": float(figures.local_bytes + figures.kept_bytes)},
                                on_step=True, on_epoch=False, batch_size=1)
         if report is not None:
             self.changes.append(asdict(report))

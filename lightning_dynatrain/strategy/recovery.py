@@ -69,6 +69,8 @@ class RecoveryReport:
     """Steps completed on some survivor whose result was lost and computed again (from a snapshot)."""
     snapshot_step: int | None
     """The in-memory snapshot's step the state went back to (``None``: the survivors held it all)."""
+    replay_seconds: float
+    """Computing the steps redone again (part of the pause)."""
     restarted: bool
     """This survivor's step in flight restarted at the new layout (it had not completed anywhere)."""
     agree_seconds: float
@@ -86,7 +88,8 @@ class RecoveryReport:
         return (f"[dynatrain] step {self.step}: member(s) {', '.join(self.failed)} lost; world {self.old_world} -> "
                 f"{self.new_world}, {self.src} -> {self.dst} from the state of step {self.step} in "
                 f"{self.pause_seconds:.2f} s (agreement {self.agree_seconds:.2f} s, world {self.world_seconds:.2f} s, "
-                f"build {self.rebuild_seconds:.2f} s, transfer {self.transfer_seconds:.3f} s); "
+                f"build {self.rebuild_seconds:.2f} s, transfer {self.transfer_seconds:.3f} s, steps again "
+                f"{self.replay_seconds:.2f} s); "
                 f"{self.steps_redone} step(s) redone"
                 + (f" from the in-memory snapshot of step {self.snapshot_step}" if self.snapshot_step is not None
                    else ""))
@@ -175,9 +178,12 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
                         watch=strategy.switcher.world_watch(), restore_source_groups=False)
     strategy._install(result.state)
     known = {s: loss for e in everyone for s, loss in e["losses"].items()}
+    replay_seconds = 0.0
     if snapshot is not None:  # (6b) the dead's boxes from the keepers, the lost steps again
         driver.snapshots.fill(strategy, snapshot, everyone, precision)
+        replay_start = time.perf_counter()
         known.update(driver.snapshots.replay(strategy, snapshot.step + 1, step))
+        replay_seconds = time.perf_counter() - replay_start
     if driver.snapshots is not None:
         driver.snapshots.after_state_change(step)
     old_caches.subgroups.close()  # the old world's groups: abandoned, destroyed here (local)
@@ -190,7 +196,7 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
         step=step, failed=record.failed, old_world=len(old.members), new_world=len(record.members),
         src=str(src), dst=str(target), restarted=redo,
         steps_redone=max(e["state"] for e in everyone) - (snapshot.step if snapshot is not None else step),
-        snapshot_step=snapshot.step if snapshot is not None else None,
+        snapshot_step=snapshot.step if snapshot is not None else None, replay_seconds=replay_seconds,
         agree_seconds=agreed - start, world_seconds=world_built - agreed,
         transfer_seconds=result.phases.get("engine", 0.0), rebuild_seconds=result.rebuild_seconds,
         pause_seconds=time.perf_counter() - start, finished_at=time.time())

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dynatrain.elastic.failure_watch import MemberFailedError
-from lightning_dynatrain.megatron.snapshot import Snapshots
+from lightning_dynatrain.megatron.snapshot import SnapshotFigures, Snapshots
 from lightning_dynatrain.strategy.step_log import StepLog
 from lightning_dynatrain.vps.errors import StateLostError
 from lightning_dynatrain.vps.recovery_source import SnapshotHolding, SnapshotSource, snapshot_source
@@ -55,6 +55,11 @@ class SnapshotKeeper:
         self.log = StepLog()
         self._fresh = True  # a new world or layout: snapshot at the next boundary ...
         self._not_before = 1  # ... from this step on
+
+    @property
+    def figures(self) -> "SnapshotFigures | None":
+        """What the last snapshot that ended cost this rank."""
+        return self.snapshots.figures
 
     # ------------------------------------------------------------------------ during training
     def record(self, step: int, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float) -> None:
@@ -115,7 +120,7 @@ class SnapshotKeeper:
     def source(self, setup: "SwitchSetup", everyone: list[dict], *, old_size: int, lost: StateLostError
                ) -> SnapshotSource:
         """Step 1 of the module docstring, the same on every survivor (``everyone``: the gathered
-        ``holding``s); ``MemberFailedError`` when no snapshot holds the state."""
+        ``holding``s); ``StateLostError`` saying why when no snapshot holds the state."""
         plan = self.snapshots.plan
         if plan is None:
             raise lost

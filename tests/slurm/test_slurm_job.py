@@ -8,7 +8,8 @@ steps at ``dp2-tp2-pp1`` and switch once to ``dp4-tp1-pp1`` at step 5.
 
 An elastic fit under SLURM: ``dynatrain store`` on this machine, a first batch job whose ``srun``
 starts 2 tasks, a second job of 2 tasks that joins the running fit, then cancelled with SIGTERM
-(a preemption notice): its tasks hand their state off and exit 0, the first job's go on and finish.
+(a preemption notice): its tasks hand their state off and exit 0; a third job that joins and is
+killed (SIGKILL: no notice): the first job's tasks recover from their replicas, go on and finish.
 
 The module is skipped only when slurm-wlm and munge are missing and cannot be installed.
 """
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = Path(__file__).with_name("cluster.sh")
 EXIT_INSTALL = 3  # cluster.sh install: the packages are missing and cannot be installed
 JOB_TIMEOUT_S = 240
+MAX_STEPS = 150  # the elastic job's: room for two joins, a leave and a kill at 0.25 s a step
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                "BOOT_FAIL", "DEADLINE"}
 pytestmark = pytest.mark.slow
@@ -202,33 +204,51 @@ srun -n {tasks} --ntasks-per-node {tasks} --oversubscribe {_python()} {SCRIPT} {
 
 def test_an_elastic_fit_grows_with_a_second_slurm_job_and_shrinks_when_it_is_cancelled(cluster: Cluster,
                                                                                        tmp_path: Path) -> None:
-    with ElasticJob(tmp_path / "elastic", max_steps=60, step_seconds=0.25) as job:
+    """... then a third job joins and is killed (``scancel --signal=KILL``: its tasks die without
+    leaving, as on a node lost): the first job's tasks recover from their replicas and finish."""
+    with ElasticJob(tmp_path / "elastic", max_steps=MAX_STEPS, step_seconds=0.25, dead_after=10.0,
+                    suspect_after=2.0) as job:
         first = _sbatch_elastic(cluster, job, tmp_path, "first", 2)
         job.wait_for(lambda: job.step() >= 3, what="the first job to train", timeout=JOB_TIMEOUT_S)
         second = _sbatch_elastic(cluster, job, tmp_path, "second", 2)
         job.wait_for(lambda: job.installed_size() == 4, what="the second job's tasks to join", timeout=JOB_TIMEOUT_S)
         assert cluster.run("scancel", "--signal=TERM", second).returncode == 0  # a preemption notice
         job.wait_for(lambda: job.installed_size() == 2, what="the second job's tasks to leave", timeout=JOB_TIMEOUT_S)
-        states = {name: _wait(cluster, job_id) for name, job_id in (("first", first), ("second", second))}
+        third = _sbatch_elastic(cluster, job, tmp_path, "third", 2)
+        job.wait_for(lambda: job.installed_size() == 4, what="the third job's tasks to join", timeout=JOB_TIMEOUT_S)
+        at = job.step()
+        job.wait_for(lambda: job.step() >= at + 3, what="world 4 to train", timeout=JOB_TIMEOUT_S)
+        assert cluster.run("scancel", "--signal=KILL", third).returncode == 0  # no notice: the tasks die
+        job.wait_for(lambda: job.installed_size() == 2, what="the first job's tasks to recover", timeout=JOB_TIMEOUT_S)
+        assert job.step() < MAX_STEPS, "the kill came after the end: raise MAX_STEPS"
+        states = {name: _wait(cluster, job_id) for name, job_id in (("first", first), ("second", second),
+                                                                    ("third", third))}
         results, log = job.results(), job.tail()
         outputs = {name: _tail(tmp_path / f"{name}.out", 60) for name in states}
 
     def why(msg: str) -> str:
         return f"{msg}\n{states}\n" + "\n".join(f"--- {n}.out\n{o}" for n, o in outputs.items()) + f"\n--- store\n{log}"
 
-    for name, state in states.items():  # the leavers exit 0 too: both jobs complete
-        assert (state.get("JobState"), state.get("ExitCode")) == ("COMPLETED", "0:0"), why(f"job {name}")
+    for name in ("first", "second"):  # the leavers exit 0 too: both jobs complete
+        assert (states[name].get("JobState"), states[name].get("ExitCode")) == ("COMPLETED", "0:0"), why(f"job {name}")
+    assert states["third"].get("JobState") != "COMPLETED", why("the killed job")
     survivors = [r for r in results.values() if not r["left"]]
     left = [r for r in results.values() if r["left"]]
     assert len(survivors) == 2 and len(left) == 2, why(f"{len(survivors)} survivors, {len(left)} left")
-    assert {r["global_step"] for r in survivors} == {60} and {r["world"] for r in survivors} == {2}, why("the end")
+    assert {r["global_step"] for r in survivors} == {MAX_STEPS} and {r["world"] for r in survivors} == {2}, \
+        why("the end")
     changes = [(c["change"].split(" (")[0], c["src"], c["dst"]) for c in survivors[0]["changes"]]
-    assert changes == [("world 2 -> 4", "dp2-tp1-pp1", "dp2-tp2-pp1"), ("world 4 -> 2", "dp2-tp2-pp1", "dp2-tp1-pp1")], \
-        why(f"changes: {changes}")
+    assert changes == [("world 2 -> 4", "dp2-tp1-pp1", "dp2-tp2-pp1"), ("world 4 -> 2", "dp2-tp2-pp1", "dp2-tp1-pp1"),
+                       ("world 2 -> 4", "dp2-tp1-pp1", "dp2-tp2-pp1")], why(f"changes: {changes}")
     assert all(c["ahead_build_seconds"] is not None for c in survivors[0]["changes"]), why("built on demand")
     # the second job's tasks leaving gives the first world back: its groups were kept, none was built
-    assert [c["kept_world"] for c in survivors[0]["changes"]] == [False, True], why("the first world was not kept")
+    assert [c["kept_world"] for c in survivors[0]["changes"]][:2] == [False, True], why("the first world was not kept")
+    for r in survivors:  # the third job's two tasks named, in one recovery or two; nothing redone
+        assert sum(len(x["failed"]) for x in r["recoveries"]) == 2, why(f"recoveries: {r['recoveries']}")
+        assert {(x["src"], x["dst"], x["steps_redone"]) for x in r["recoveries"]} <= \
+            {("dp2-tp2-pp1", "dp2-tp1-pp1", 0), ("dp2-tp2-pp1", "dp3-tp1-pp1", 0), ("dp3-tp1-pp1", "dp2-tp1-pp1", 0)}, \
+            why(f"recoveries: {r['recoveries']}")
     losses = [dict(r["losses"]) for r in results.values()]
-    for step in range(1, 61):  # every process that ran a step saw the same loss
+    for step in range(1, MAX_STEPS + 1):  # every process that ran a step saw the same loss
         seen = {round(l[step], 6) for l in losses if step in l}
         assert len(seen) == 1, why(f"step {step}: losses {seen}")
