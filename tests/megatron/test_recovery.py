@@ -12,8 +12,8 @@ at the new layout on the same global batches.
 At ``dp2-tp2-zero1`` rank 1's optimizer shard has no other holder: every survivor's plan fails with
 ``StateLostError`` naming what went, before anything moves.
 
-What this does not do yet (``docs/elastic.md``): notice the death inside a fit, agree on it
-through the job's store, and continue ``trainer.fit``.
+Noticing the death inside a fit, agreeing on it through the job's store and going on with
+``trainer.fit`` (from replicas or an in-memory snapshot) is ``tests/elastic/test_recovery_fit.py``'s.
 """
 
 from __future__ import annotations
