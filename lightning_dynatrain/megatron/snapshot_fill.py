@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.engine.store import RegionIndex, StoreKey, box_pieces, box_view
+from lightning_dynatrain.engine.store import RegionIndex, StoreKey, box_pieces, box_view, torch_dtype
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import megatron_store
 from lightning_dynatrain.vps.box import Box
@@ -41,7 +41,8 @@ def fill_from_kept(state: MegatronState, spec: ModelSpec, precision: Precision, 
             else:
                 ops.append(dist.P2POp(dist.isend, data.contiguous(), group=group, group_peer=p.dest))
         elif p.dest == rank:
-            buffer = torch.empty(p.piece.shape, dtype=_dtype(live, regions, p), device="cpu")
+            dtype = torch_dtype(regions.dtype_name(p.tensor, p.kind))
+            buffer = torch.empty(p.piece.shape, dtype=dtype, device="cpu")  # host: the copies travel over gloo
             ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=p.keeper))
             writes.append((p, buffer))
     if ops:
@@ -50,12 +51,6 @@ def fill_from_kept(state: MegatronState, spec: ModelSpec, precision: Precision, 
     for p, data in writes:
         _write(live, regions, p, data)
     return sum(d.nbytes for _, d in writes)
-
-
-def _dtype(live: Mapping[StoreKey, torch.Tensor], regions: RegionIndex, p: FillPiece) -> torch.dtype:
-    region = regions.find(p.tensor, p.kind, p.piece)
-    key, _ = next(iter(box_pieces(p.tensor, p.kind, region, p.piece)))
-    return live[key].dtype
 
 
 def _write(live: Mapping[StoreKey, torch.Tensor], regions: RegionIndex, p: FillPiece, data: torch.Tensor) -> None:
