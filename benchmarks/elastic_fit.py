@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--start", default=None, help="the first world's layout (instead of the policy's)")
     parser.add_argument("--snapshot-every", type=int, default=None, help="OnNodeChange(snapshot_every=N)")
     parser.add_argument("--schedule", default=None, help="STEP:LAYOUT: one scheduled layout switch")
+    parser.add_argument("--leave", default=None, help="RANK:STEP: that rank asks to leave after that step")
     parser.add_argument("--switch-while-building", action="store_true",
                         help="ask for a layout switch at the first boundary where a world change is built ahead")
     args = parser.parse_args()
@@ -113,6 +114,16 @@ def main() -> None:
                 self.store = JobStore.from_environment().store
             if self.store.check([STOP_KEY]) and trainer.global_step >= int(self.store.get(STOP_KEY)):
                 trainer.should_stop = True
+
+    class LeaveAt(Callback):
+        """One rank asks to leave after a step, as a preemption notice would (the store sets the boundary)."""
+
+        def __init__(self, spec: str) -> None:
+            self.rank, self.step = map(int, spec.split(":"))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_rank == self.rank and trainer.global_step == self.step:
+                trainer.strategy.elastic.leave(self.step)
 
     class SwitchWhileBuilding(Callback):
         """Ask for a layout switch (once, to a valid layout other than the tiny model's policy's)
@@ -191,6 +202,8 @@ def main() -> None:
     if args.schedule:
         at, layout = args.schedule.split(":")
         callbacks.append(ScheduledReconfig({int(at): layout}))
+    if args.leave:
+        callbacks.append(LeaveAt(args.leave))
     if args.switch_while_building:
         callbacks.append(SwitchWhileBuilding())  # after OnNodeChange: sees the change it started building
     logger = CSVLogger(args.log_dir, name="metrics") if args.log_dir else False

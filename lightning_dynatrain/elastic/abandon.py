@@ -46,11 +46,31 @@ def abandon_world(groups: Iterable[dist.ProcessGroup], *, keep_ports: Iterable[i
     return shut_connections(keep_ports=keep_ports) if gloo else 0
 
 
-def shut_connections(*, keep_ports: Iterable[int]) -> int:
+def connection_inodes(*, keep_ports: Iterable[int] = ()) -> frozenset[str]:
+    """This process's established TCP connections now but those to or from ``keep_ports`` (their
+    socket inodes; empty off Linux): taken before and after a gloo group is made, the difference is
+    that group's connections (with ``keep_ports`` the stores' ports: another thread may connect to a
+    store meanwhile)."""
+    return frozenset(_established_inodes({int(p) for p in keep_ports if p}))
+
+
+def store_ports(store: dist.Store) -> tuple[int, ...]:
+    """The TCP port of the store under ``store`` (prefixes unwrapped), and the launcher's store
+    (``MASTER_PORT``): the connections ``abandon_world`` and a switch's group drop must keep."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    port = store.port if isinstance(store, dist.TCPStore) else 0
+    return tuple(p for p in (port, int(os.environ.get("MASTER_PORT", "0") or 0)) if p)
+
+
+def shut_connections(*, keep_ports: Iterable[int] = (), only: frozenset[str] | None = None) -> int:
     """Shut down every established TCP connection of this process whose local or remote port is
-    not in ``keep_ports``; the number shut. Linux only (0 elsewhere: waits end at the timeout)."""
+    not in ``keep_ports`` (``only``: of these, from ``connection_inodes``); the number shut. Linux
+    only (0 elsewhere: waits end at the timeout)."""
     keep = {int(p) for p in keep_ports if p}
     inodes = _established_inodes(keep)
+    if only is not None:
+        inodes &= only
     if not inodes:
         return 0
     shut = 0
@@ -98,4 +118,4 @@ def _established_inodes(keep: set[int]) -> set[str]:
     return inodes
 
 
-__all__ = ["abandon_world", "shut_connections"]
+__all__ = ["abandon_world", "connection_inodes", "shut_connections", "store_ports"]

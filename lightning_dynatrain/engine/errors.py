@@ -37,13 +37,15 @@ class SwitchFailedError(DynaTrainError):
         resume_from: the last checkpoint of the run, if the caller knows one.
         freed: a surviving rank freed some of its old state (``lost_state`` also counts the parts the
             missing ranks held, which replicas on survivors may still hold: ``strategy/recovery.py``).
+        missing: every rank that stopped answering (``rank`` is the first), in the switch's group.
     """
 
     def __init__(self, message: str, *, hint: str, rank: int | None, phase: str, lost_state: bool,
-                 resume_from: str | None, freed: bool | None = None) -> None:
+                 resume_from: str | None, freed: bool | None = None, missing: tuple[int, ...] = ()) -> None:
         super().__init__(message, hint=hint)
         self.rank, self.phase, self.lost_state, self.resume_from = rank, phase, lost_state, resume_from
         self.freed = lost_state if freed is None else freed
+        self.missing = missing or ((rank,) if rank is not None else ())
 
 
 class EngineInternalError(RuntimeError):

@@ -214,7 +214,8 @@ class SwitchAttempt:
                     "switch_timeout")
         first = min(missing) if missing else None
         return SwitchFailedError(message, hint=hint, rank=first, phase=missing.get(first, phase) if missing else phase,
-                                 lost_state=lost_state, resume_from=resume, freed=freed)
+                                 lost_state=lost_state, resume_from=resume, freed=freed,
+                                 missing=tuple(sorted(missing)))
 
 
 def _encode_missing(missing: dict[int, str]) -> str:

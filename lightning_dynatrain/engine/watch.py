@@ -21,7 +21,10 @@ addresses, not ranks. ``SwitchWatch`` bounds and explains that:
 - **the error**: ``failure`` names the rank(s) whose heartbeat stopped and the phase each was in,
   says whether the state of this step is lost, and which checkpoint to resume from.
 
-A failed switch breaks the switch's group: the next switch (if training goes on) makes a new one.
+A failed switch breaks the switch's group: each rank that fails drops it and shuts down the gloo
+connections it made (recorded when the group was made, the stores' excluded), so a survivor still
+waiting on that rank fails at once instead of at the deadline; the next switch (if training goes
+on) makes a new group.
 
 Test hook: ``DYNATRAIN_SWITCH_FAULT="RANK:PHASE:SIGNAL[:SWITCH]"`` (e.g. ``2:transfer:KILL``,
 ``1:transfer:STOP``, ``2:transfer:KILL:2``) makes rank ``RANK`` send itself ``SIGNAL`` as it enters
@@ -46,7 +49,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_dynatrain.compat.torch_internals import default_store, is_registered, registered_groups, set_group_timeout
+from lightning_dynatrain.compat.torch_internals import (backend_name, default_store, is_registered, registered_groups,
+                                                       set_group_timeout)
+from lightning_dynatrain.elastic.abandon import connection_inodes, shut_connections, store_ports
 from lightning_dynatrain.engine.collectives import LinkCosts
 from lightning_dynatrain.engine.deadline import DEFAULT_FLOOR_S, SwitchDeadline
 from lightning_dynatrain.engine.errors import SwitchFailedError
@@ -120,8 +125,10 @@ class SwitchWatch:
 
     def __init__(self, group: dist.ProcessGroup, store: dist.Store, *, training_timeout: timedelta,
                  timeout: SwitchDeadline | None = None, resume_from: Callable[[], str | None] = lambda: None,
-                 interval: float | None = None, stale_after: float = 2.0, fault: FaultInjection | None = None) -> None:
+                 interval: float | None = None, stale_after: float = 2.0, fault: FaultInjection | None = None,
+                 connections: frozenset[str] = frozenset()) -> None:
         self.group: dist.ProcessGroup | None = group
+        self._connections = connections  # the group's gloo connections (socket inodes), shut when it is dropped
         self.store = store
         self.rank, self.size = group.rank(), group.size()
         self.training_timeout, self.timeout, self.resume_from = training_timeout, timeout, resume_from
@@ -159,7 +166,11 @@ class SwitchWatch:
             os.kill(os.getpid(), fault.signal)
         base.set(f"dynatrain_switch/{serial}/came/{rank}", "1")
         try:
+            stores = store_ports(base)
+            before = connection_inodes(keep_ports=stores)
             group = dist.new_group(list(range(world)), timeout=deadline.timedelta)
+            connections = connection_inodes(keep_ports=stores) - before if backend_name(group) == "gloo" \
+                else frozenset()
         except Exception as err:  # torch's timeout names no rank: the ones that did not say they came
             missing = [r for r in range(world) if not base.check([f"dynatrain_switch/{serial}/came/{r}"])]
             cause = " ".join(f"{type(err).__name__}: {err}".split())[:300]
@@ -171,10 +182,10 @@ class SwitchWatch:
             raise SwitchFailedError(f"the switch's group could not be made within {deadline.seconds:.0f} s "
                                     f"({deadline.why}): {who}{lost} ({cause})", hint=hint,
                                     rank=missing[0] if missing else None, phase="groups", lost_state=bool(missing),
-                                    resume_from=checkpoint) from err
+                                    resume_from=checkpoint, freed=False) from err
         store = dist.PrefixStore(f"dynatrain_switch/{serial}/", base)
         return cls(group, store, training_timeout=training_timeout, timeout=timeout, resume_from=resume_from,
-                   fault=fault, **kwargs)
+                   fault=fault, connections=connections, **kwargs)
 
     # -------------------------------------------------------------------------- heartbeat
     def _beat(self) -> None:
@@ -207,14 +218,18 @@ class SwitchWatch:
             pass
 
     def _drop_group(self) -> None:
-        """Destroy the switch's group and let it go: its connections close, so a peer blocked on this
-        rank fails now, not at the deadline (gloo's ``abort`` does not wake it). The caller must
-        hold no reference to it (``hot_switch`` clears the failed walk's frames first)."""
+        """Destroy the switch's group and close its connections, so a peer blocked on this rank fails
+        now, not at the deadline (gloo's ``abort`` does not wake it, and the group's memory, with its
+        connections, goes only with the last reference, which a failed collective's objects may hold):
+        the gloo connections the group made (``connections``) are shut down here."""
         group, self.group = self.group, None
         if is_registered(group):
             dist.destroy_process_group(group)
         del group
         gc.collect()
+        if self._connections:
+            shut_connections(only=self._connections)
+            self._connections = frozenset()
 
     def read_beat(self, rank: int) -> _Beat | None:
         key = f"beat/{rank}"

@@ -14,7 +14,8 @@ starts ``Snapshots.take`` and trains on. A thread of its own
    overwritten in place: host memory holds one copy of the rank's state and one of what it keeps.
 
 A recovery (``strategy/snapshot_recovery.py``) reads both: each survivor's own state at ``S``
-(``restore``) and the copies of the dead's boxes its keepers hold (``kept``). A snapshot counts for
+(``restore``, which also gives back the memory of the storages a failed switch freed) and the copies
+of the dead's boxes its keepers hold (``kept``). A snapshot counts for
 step ``S`` only where both completed at ``S``: a death while one is being taken (between the
 boundary and the end of the exchange, a fraction of the next step) leaves no whole snapshot, and the
 recovery says so and the job ends naming the checkpoint.
@@ -69,6 +70,7 @@ class Snapshots:
         self.adam_step: int | None = None
         self.figures: SnapshotFigures | None = None
         self._local: dict[StoreKey, torch.Tensor] = {}
+        self._storage_bytes: dict[StoreKey, int] = {}  # each live tensor's storage when taken (``restore``)
         self._kept: dict[KeptKey, torch.Tensor] = {}
         self._plan: SnapshotPlan | None = None
         self._spec: ModelSpec | None = None
@@ -104,6 +106,7 @@ class Snapshots:
                                f"{type(self._error).__name__}: {self._error}") from self._error
         assert self._spec is not None and state.layout == self.layout, "prepare the snapshots of this layout first"
         live = megatron_store(state.ddp, state.optimizer, self._spec, state.layout, self._rank)
+        self._storage_bytes = {key: tensor.untyped_storage().nbytes() for key, tensor in live.items()}
         self._copied.clear()
         self._thread = threading.Thread(target=self._run, args=(step, state, live), name="dynatrain-snapshot",
                                         daemon=True)
@@ -173,13 +176,28 @@ class Snapshots:
 
     # --------------------------------------------------------------------------- reading
     def restore(self, state: MegatronState) -> None:
-        """Write this rank's own copy back into ``state`` (the layout it was taken at)."""
+        """Write this rank's own copy back into ``state`` (the layout it was taken at). A switch that
+        failed may have freed some of that state's storages as it moved them (resized to nothing):
+        each gets its memory back first, as large as it was when the snapshot was taken."""
         assert self.local_step is not None and self._spec is not None and state.layout == self.layout
         live = megatron_store(state.ddp, state.optimizer, self._spec, state.layout, self._rank)
         for key, tensor in live.items():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() < self._storage_bytes[key] and storage.resizable():
+                storage.resize_(self._storage_bytes[key])
             tensor.copy_(self._local[key])
         if self.adam_step is not None:
             set_adam_step(state.optimizer, self.adam_step)
+
+    def restore_gradient_memory(self, state: MegatronState) -> None:
+        """Give ``state``'s gradient buffers the memory a failed switch took (``take_old_buffers``),
+        zeroed as at a step's start: the old model trains on (a grow that went back)."""
+        for buffer in state.gradient_buffers():
+            storage = buffer.untyped_storage()
+            need = (buffer.storage_offset() + buffer.numel()) * buffer.element_size()
+            if storage.nbytes() < need and storage.resizable():
+                storage.resize_(need)
+            buffer.zero_()
 
     def kept(self) -> dict[KeptKey, torch.Tensor]:
         """The boxes this rank keeps for others, at ``kept_step``."""
@@ -193,6 +211,7 @@ class Snapshots:
     def forget(self) -> None:
         """The state moved on (a switch, a world change): what is held describes it no more."""
         self._local, self._kept, self.local_step, self.kept_step, self._error = {}, {}, None, None, None
+        self._storage_bytes = {}
 
     def drop_group(self) -> None:
         """Forget the world's gloo group (the world was abandoned: no collective on it again)."""

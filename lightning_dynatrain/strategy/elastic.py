@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dynatrain.compat.lightning_internals import restore_as_loaded
 from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
-from lightning_dynatrain.elastic.failure_watch import MemberLostError, is_communication_failure
+from lightning_dynatrain.elastic.failure_watch import MemberFailedError, MemberLostError, is_communication_failure
 from lightning_dynatrain.elastic.session import JOIN_FAULT_ENV, ElasticSession, WorldChange
 from lightning_dynatrain.megatron.step_progress import StepFault, StepProgress
 from lightning_dynatrain.strategy.change_report import ChangeReport
@@ -72,6 +72,9 @@ if TYPE_CHECKING:
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
     from lightning_dynatrain.strategy.recovery import Recovered, RecoveryReport
     from lightning_dynatrain.vps.members import Members
+
+#: recoveries tried in a row when members keep dying during one (each agrees on a world without them)
+MAX_RECOVERY_ATTEMPTS = 3
 
 
 class ElasticDriver:
@@ -267,14 +270,15 @@ class ElasticDriver:
         if change is None:
             if pending is not None and self._detected_at is None:
                 self._detected_at = time.perf_counter()
-            if self.snapshots is not None:  # (only where every member steps alike: no change, no recovery here)
-                self.snapshots.at_boundary(self.strategy, step)
+            self._snapshot(step)
             return None
         if self.ahead:
             if self._ahead is None:
                 self._prepare(change, trainer)
+                self._snapshot(step)
                 return None
             if not self._ahead.built_everywhere():
+                self._snapshot(step)
                 return None
         ahead, self._ahead = self._ahead, None
         if self.snapshots is not None:
@@ -287,10 +291,21 @@ class ElasticDriver:
         if report is not None:
             report.overlap_slowdown = slowdown
             if change.grows:  # (5) the joiners record the grow that admitted them, as the members do
-                broadcast_object(asdict(report) if self.session.rank == 0 else None)
+                try:
+                    broadcast_object(asdict(report) if self.session.rank == 0 else None)
+                except Exception as err:  # a member died after the grow: recovered from in its world
+                    if not self.recovers(err):
+                        raise
+                    self.recover(trainer, error=err)
             self.history.append(report)
             rank_zero_info(str(report))
         return report
+
+    def _snapshot(self, step: int) -> None:
+        """A boundary where the state stays (every member of the world steps alike: no change or
+        recovery made here): a snapshot is taken if one is due."""
+        if self.snapshots is not None:
+            self.snapshots.at_boundary(self.strategy, step)
 
     def _time_step(self, *, pending: bool) -> None:
         """Record the step that just ended, as overlapping a background build or not."""
@@ -322,23 +337,49 @@ class ElasticDriver:
                             before_update=self.snapshots.before_update if self.snapshots is not None else None)
 
     def recovers(self, err: BaseException) -> bool:
-        """``err`` is a collective that failed, or a switch a rank went missing in (that freed none of
-        the old state: ``SwitchFailedError.freed``), and the survivors go on after it (``recover``)."""
+        """``err`` is a collective that failed, or a switch a rank went missing in, and the survivors
+        go on after it (``recover``): from the state they hold, or, where the switch freed some of it
+        as it moved it (``SwitchFailedError.freed``), from the in-memory snapshot (if any)."""
         from lightning_dynatrain.engine.errors import SwitchFailedError
 
         if not self.recover_from_loss or self.session is None or self.left:
             return False
         if isinstance(err, SwitchFailedError):
-            return not err.freed and (err.rank is not None or is_communication_failure(err))
+            return (not err.freed or self.snapshots is not None) and \
+                (err.rank is not None or is_communication_failure(err))
         return is_communication_failure(err)
 
     def recover(self, trainer: "pl.Trainer", *, error: BaseException | None = None,
-                record: "Membership | None" = None, progress: StepProgress | None = None) -> Recovered:
-        """Go on in the survivors' world (``strategy/recovery.py``); what the step in flight does next."""
-        from lightning_dynatrain.strategy.recovery import recover
+                record: "Membership | None" = None, progress: StepProgress | None = None,
+                state_world: "Membership | None" = None, retired: tuple | None = None,
+                was_rank_zero: bool = False) -> Recovered:
+        """Go on in the survivors' world (``strategy/recovery.py``); what the step in flight does next.
+        ``state_world``: the world whose ranks hold the state, when not the running one (a shrink's
+        switch failed); with ``retired`` (that world's caches and groups), the running world lost
+        nobody and only the state is rebuilt (``recovery.recover_in_world``)."""
+        from lightning_dynatrain.strategy.recovery import recover, recover_in_world
 
         self._detected_at, self._step_fault = None, None  # (a test's fault fires in the first world only)
-        outcome = recover(self, trainer, error=error, record=record, progress=progress)
+        assert self.session is not None and self.session.world is not None
+        state_world = state_world or self.session.world
+        was_rank_zero = was_rank_zero or self.strategy.global_rank == 0
+        for attempt in range(1, MAX_RECOVERY_ATTEMPTS + 1):
+            try:
+                if retired is not None:
+                    assert error is not None
+                    outcome = recover_in_world(self, trainer, error=error, state_world=state_world, retired=retired,
+                                               was_rank_zero=was_rank_zero)
+                else:
+                    outcome = recover(self, trainer, error=error, record=record, progress=progress,
+                                      state_world=state_world, was_rank_zero=was_rank_zero)
+                break
+            except Exception as err:  # another member died before the state moved: again, without it too
+                if attempt == MAX_RECOVERY_ATTEMPTS or isinstance(err, MemberFailedError) or not self.recovers(err):
+                    raise  # (MemberFailedError: the recovery itself found the job cannot go on)
+                rank_zero_warn(f"[dynatrain] a member died during the recovery ({type(err).__name__}: {err}); "
+                               "the survivors agree on a world without it too")
+                freed = getattr(error, "freed", False)  # (a state freed stays freed: the snapshot or nothing)
+                error, record, retired = error if freed else err, None, None
         self.recoveries.append(outcome.report)
         self._last_boundary = time.perf_counter()  # the pause is not a step
         return outcome

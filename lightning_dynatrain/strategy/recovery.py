@@ -23,6 +23,11 @@ where the store's record came first (``MemberLostError``):
    same global batch (``redo``); one whose result survived counts as done, once, with its loss.
    Steps whose result is lost and computed again (``steps_redone``) are 0 when replicas hold it all.
 
+A switch that lost a member (``SwitchFailedError``) is recovered from too: where it freed old state
+as it moved it, no step is whole on the survivors and step 5 goes to the snapshot at once. A
+shrink's switch that lost only its leavers leaves the running world whole: ``recover_in_world``
+runs steps 4-7 in it, reading the state as the old world's ranks held it.
+
 The figures of each recovery (``RecoveryReport``) are logged like a world change's.
 """
 
@@ -106,13 +111,14 @@ class Recovered:
 
 
 def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseException | None = None,
-            record: "Membership | None" = None, progress: "StepProgress | None" = None) -> Recovered:
-    """Steps 1-6 of the module docstring on this survivor; ``error``: the collective that failed,
+            record: "Membership | None" = None, progress: "StepProgress | None" = None,
+            state_world: "Membership | None" = None, was_rank_zero: bool | None = None) -> Recovered:
+    """Steps 1-7 of the module docstring on this survivor; ``error``: the collective that failed,
     ``record``: the survivors' world when the store's record came first, ``progress``: the step in
-    flight (``None`` at a boundary)."""
-    from lightning_dynatrain.megatron.hot_switch import hot_switch
-    from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
-    from lightning_dynatrain.megatron.state_bridge import precision_of
+    flight (``None`` at a boundary), ``state_world``: the world whose ranks hold the state when it is
+    not the running one (a shrink's switch failed on a member that stays: the world before it; a
+    recovery that lost another member: the world before the first), ``was_rank_zero``: whether this
+    process was rank 0 of that world (its loggers' files are then its own)."""
     from lightning_dynatrain.strategy.topology import gather_topology
 
     session, strategy = driver.session, driver.strategy
@@ -130,16 +136,44 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
                                     hint="see the other processes' logs; restart the job from its last checkpoint") \
                 from error
     agreed = time.perf_counter()
-    old = session.world
-    old_rank, src = old.rank_of(session.me), strategy.layout
-    assert old_rank is not None
+    state_world = state_world or session.world
     driver.drop_ahead()
     old_caches = strategy.switcher.world_caches()
-    was_rank_zero = strategy.global_rank == 0
+    was_rank_zero = strategy.global_rank == 0 if was_rank_zero is None else was_rank_zero
     old_groups = session.recover_into(record)  # (3)
     set_rank_zero(session.rank)
     groups = strategy.switcher.new_world_groups()
     strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
+    retired = (old_caches.subgroups, old_caches.groups, old_groups.groups)  # abandoned: destroyed here (local)
+    return _go_on(driver, trainer, error=error, progress=progress, state_world=state_world, groups=groups,
+                  retired=retired, was_rank_zero=was_rank_zero,
+                  times=(start, agreed, time.perf_counter()))
+
+
+def recover_in_world(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseException,
+                     state_world: "Membership", retired: tuple, was_rank_zero: bool) -> Recovered:
+    """Steps 4-7 only: the running world is whole, but the state it was moving is not (a leaver died
+    handing its state off in a shrink's switch, which ran over ``state_world``, the world before;
+    ``retired``: that world's caches and groups, destroyed here)."""
+    session, strategy = driver.session, driver.strategy
+    assert session is not None and session.world is not None
+    start = time.perf_counter()
+    if driver.snapshots is not None:
+        driver.snapshots.quiesce()  # (its group spans the world before)
+    return _go_on(driver, trainer, error=error, progress=None, state_world=state_world,
+                  groups=strategy.switcher.groups, retired=retired, was_rank_zero=was_rank_zero,
+                  times=(start, start, start))
+
+
+def _go_on(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseException | None,
+           progress: "StepProgress | None", state_world: "Membership", groups, retired: tuple,
+           was_rank_zero: bool, times: tuple[float, float, float]) -> Recovered:
+    """Steps 4-7 in the survivors' installed world (``groups``: its group cache), from the state the
+    ranks of ``state_world`` held; ``times``: when the failure was noticed, agreed on, the world built."""
+    session = driver.session
+    assert session is not None
+    old_rank = state_world.rank_of(session.me)
+    assert old_rank is not None
     in_step = progress is not None
     losses = dict([driver.last_loss] if driver.last_loss is not None else [])
     if in_step and progress.loss is not None:
@@ -147,29 +181,58 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
     mine = {"old_rank": old_rank, "global_step": trainer.global_step, "in_step": in_step,
             "state": trainer.global_step + int(in_step and progress.stepped), "losses": losses,
             "snapshot": driver.snapshots.holding() if driver.snapshots is not None else None}
-    everyone: list[dict] = [{}] * len(record.members)
-    dist.all_gather_object(everyone, mine)  # (4)
-    world_built = time.perf_counter()
+    everyone: list[dict] = [{}] * session.size
+    try:
+        dist.all_gather_object(everyone, mine)  # (4)
+        return _switch_and_redo(driver, trainer, everyone, error=error, in_step=in_step, state_world=state_world,
+                                groups=groups, was_rank_zero=was_rank_zero, times=times)
+    finally:  # the old world's groups (abandoned): destroyed here (local), also when this attempt fails
+        old_subgroups, old_caches, old_groups = retired
+        old_subgroups.close()
+        old_caches.close()
+        retire(old_groups)
+
+
+def _switch_and_redo(driver: "ElasticDriver", trainer: "pl.Trainer", everyone: list[dict], *,
+                     error: BaseException | None, in_step: bool, state_world: "Membership", groups,
+                     was_rank_zero: bool, times: tuple[float, float, float]) -> Recovered:
+    """Steps 5-7, once every survivor's ``everyone`` entry is known."""
+    from lightning_dynatrain.engine.errors import SwitchFailedError
+    from lightning_dynatrain.megatron.hot_switch import hot_switch
+    from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
+    from lightning_dynatrain.megatron.state_bridge import precision_of
+
+    session, strategy = driver.session, driver.strategy
+    assert session is not None
+    start, agreed, world_built = times
+    src = strategy.layout
+    assert session.world is not None  # the members of the world the state was in that are not here: the lost
+    failed = tuple(m for m in state_world.members if session.world.rank_of(m) is None)
     precision = precision_of(strategy.megatron.model, strategy.megatron.optimizer)
     setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)
-    snapshot = None
+    old_size, snapshot = len(state_world.members), None
     try:  # (5)
-        source = recovery_source(setup.spec, src, precision, old_size=len(old.members),
+        if isinstance(error, SwitchFailedError) and error.freed or \
+                driver.snapshots is not None and driver.snapshots.restored:
+            raise StateLostError(f"a survivor freed part of its state of step {trainer.global_step} as the switch "
+                                 "that failed moved it, or wrote the snapshot back into it already",
+                                 hint="only a snapshot holds the state of one step now")
+        source = recovery_source(setup.spec, src, precision, old_size=old_size,
                                  survivors=[SurvivorState(e["old_rank"], e["state"]) for e in everyone])
         members, step = source.members, source.step
     except StateLostError as err:
         try:
             if driver.snapshots is None:
                 raise
-            snapshot = driver.snapshots.source(setup, everyone, old_size=len(old.members), lost=err)
+            snapshot = driver.snapshots.source(setup, everyone, old_size=old_size, lost=err)
         except StateLostError as lost:
-            raise MemberFailedError(f"member(s) {', '.join(record.failed)} died holding state no survivor has: {lost}",
+            raise MemberFailedError(f"member(s) {', '.join(failed)} died holding state no survivor has: {lost}",
                                     hint=f"restart the job from {_resume_from(strategy)} (a layout with data-parallel "
                                     "replicas, without zero1, survives the loss of a rank; so does any layout with "
                                     "OnNodeChange(snapshot_every=N))") from err
         members, step = snapshot.members, max(e["state"] for e in everyone)
     _check_the_loops_agree(everyone, step)
-    choice = driver.choose_for(len(record.members), members=members)
+    choice = driver.choose_for(session.size, members=members)
     target = choice.layout
     initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (6)
     if snapshot is not None:
@@ -180,20 +243,22 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
     known = {s: loss for e in everyone for s, loss in e["losses"].items()}
     replay_seconds = 0.0
     if snapshot is not None:  # (6b) the dead's boxes from the keepers, the lost steps again
-        driver.snapshots.fill(strategy, snapshot, everyone, precision)
-        replay_start = time.perf_counter()
-        known.update(driver.snapshots.replay(strategy, snapshot.step + 1, step))
-        replay_seconds = time.perf_counter() - replay_start
+        try:
+            driver.snapshots.fill(strategy, snapshot, everyone, precision)
+            replay_start = time.perf_counter()
+            known.update(driver.snapshots.replay(strategy, snapshot.step + 1, step))
+            replay_seconds = time.perf_counter() - replay_start
+        except Exception as err:  # the state moved to the new layout already: no snapshot describes it now
+            raise MemberFailedError(f"the recovery lost another member while it filled the state from the snapshot "
+                                    f"or computed steps {snapshot.step + 1}..{step} again ({type(err).__name__}: "
+                                    f"{err})", hint=f"restart the job from {_resume_from(strategy)}") from err
     if driver.snapshots is not None:
         driver.snapshots.after_state_change(step)
-    old_caches.subgroups.close()  # the old world's groups: abandoned, destroyed here (local)
-    old_caches.groups.close()
-    retire(old_groups.groups)
     if session.rank == 0 and not was_rank_zero:  # the old rank 0 died: its files are as it left them
         continue_loggers(trainer.loggers)
     redo = in_step and step == trainer.global_step  # (7)
     report = RecoveryReport(
-        step=step, failed=record.failed, old_world=len(old.members), new_world=len(record.members),
+        step=step, failed=failed, old_world=old_size, new_world=session.size,
         src=str(src), dst=str(target), restarted=redo,
         steps_redone=max(e["state"] for e in everyone) - (snapshot.step if snapshot is not None else step),
         snapshot_step=snapshot.step if snapshot is not None else None, replay_seconds=replay_seconds,
@@ -223,4 +288,4 @@ def _check_the_loops_agree(everyone: list[dict], step: int) -> None:
                                 hint="restart the job from its last checkpoint")
 
 
-__all__ = ["AGREE_TIMEOUT", "Recovered", "RecoveryReport", "recover"]
+__all__ = ["AGREE_TIMEOUT", "Recovered", "RecoveryReport", "recover", "recover_in_world"]

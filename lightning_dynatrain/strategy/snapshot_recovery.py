@@ -55,6 +55,9 @@ class SnapshotKeeper:
         self.log = StepLog()
         self._fresh = True  # a new world or layout: snapshot at the next boundary ...
         self._not_before = 1  # ... from this step on
+        self.restored = False
+        """The snapshot was written back into the state (``go_back``) and the state has not moved on
+        since: a recovery that lost another member goes back to the snapshot again."""
 
     @property
     def figures(self) -> "SnapshotFigures | None":
@@ -102,7 +105,7 @@ class SnapshotKeeper:
         a recovery, survivors that were a step apart all reach that boundary in their loop)."""
         self.snapshots.wait()
         self.snapshots.forget()
-        self._fresh, self._not_before = True, step + 1
+        self._fresh, self._not_before, self.restored = True, step + 1, False
 
     # --------------------------------------------------------------------------- recovery
     def quiesce(self) -> None:
@@ -136,6 +139,7 @@ class SnapshotKeeper:
 
     def go_back(self, strategy: "DynaTrainStrategy") -> None:
         """Step 2's first half: this survivor's own copy of step ``source.step`` back in its state."""
+        self.restored = True
         self.snapshots.restore(strategy.megatron)
 
     def fill(self, strategy: "DynaTrainStrategy", source: SnapshotSource, everyone: list[dict],
@@ -169,6 +173,27 @@ class SnapshotKeeper:
             rank_zero_info(f"[dynatrain] steps {first}..{last} computed again at {strategy.layout} from the step log "
                            f"in {time.perf_counter() - start:.2f} s")
         return losses
+
+    def back_in_place(self, strategy: "DynaTrainStrategy", step: int) -> tuple[int, float]:
+        """A grow's switch freed old state and lost only joiners; the old members are back in their
+        world at the old layout (``world_change.go_back``), every one of them alive: each writes its
+        own copy of the snapshot back (together, the whole state of its step ``S``), its gradient
+        buffers get their memory back, and steps ``S+1 .. step`` run again. Returns ``S`` and the
+        seconds the steps took; ``MemberFailedError`` when the members' snapshots are not of one step."""
+        held: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(held, (self.snapshots.local_step, self.log.steps()))
+        snapshot_step = held[0][0]
+        needed = set(range((snapshot_step or 0) + 1, step + 1))
+        if snapshot_step is None or any(s != snapshot_step or not needed <= set(logged) for s, logged in held):
+            raise MemberFailedError(f"the grow's switch freed state and no snapshot of one step is held by every "
+                                    f"member (snapshot steps {[s for s, _ in held]})",
+                                    hint="restart the job from its last checkpoint")
+        self.snapshots.restore(strategy.megatron)
+        self.snapshots.restore_gradient_memory(strategy.megatron)
+        start = time.perf_counter()
+        self.replay(strategy, snapshot_step + 1, step)
+        self.after_state_change(step)
+        return snapshot_step, time.perf_counter() - start
 
     def close(self) -> None:
         self.snapshots.wait(SNAPSHOT_WAIT)

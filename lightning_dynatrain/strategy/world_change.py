@@ -4,7 +4,8 @@ A leaver hands its state off over the old world and stops. For the members that 
 world is installed first; then a grow runs the join's steps (1)-(4) for its joiners
 (``strategy/elastic.py``'s module docstring) and its switch over the new world, going back to the
 old world when that switch fails with the old state whole (``go_back``); a shrink's switch runs
-over the old world, where the leavers still are. The result is the change's ``ChangeReport``.
+over the old world, where the leavers still are, and a member lost in it is recovered from
+(``_shrink_failed``). The result is the change's ``ChangeReport``.
 """
 
 from __future__ import annotations
@@ -96,14 +97,25 @@ def change_world(driver: "ElasticDriver", change: WorldChange, trainer: "pl.Trai
                                 prepared=prepared, watch=strategy.switcher.world_watch(),
                                 restore_source_groups=False)
         except Exception as err:
-            if not was_refused(err):  # the state of this step is lost (or a rank holding it is gone)
-                raise
+            refused = was_refused(err)
+            if not refused and not _joiners_lost_with_a_snapshot(driver, change, err):
+                raise  # the state of this step is lost (or a rank holding it is gone)
             go_back(driver, change, step, err, RetainedWorld(left_world, old_caches, old_topology))
+            if not refused:  # the switch freed old state: the snapshot's state, and the steps since again
+                snapshot_step, seconds = driver.snapshots.back_in_place(strategy, step)
+                rank_zero_warn(f"[dynatrain] step {step}: the state went back to the in-memory snapshot of step "
+                               f"{snapshot_step}; {step - snapshot_step} step(s) redone in {seconds:.2f} s")
             return None
         session.confirm(change)
         session.retire(left_world, extra=old_caches)  # (kept until here: a failed switch goes back to it)
         strategy._install(result.state)
-        broadcast_object(trainer_state(trainer) if session.rank == 0 else None)  # (4)
+        try:
+            broadcast_object(trainer_state(trainer) if session.rank == 0 else None)  # (4)
+        except Exception as err:  # a member died once the state had moved: recovered from in the new world
+            if not driver.recovers(err):
+                raise
+            driver.recover(trainer, error=err)
+            return None
     else:  # the leavers send over the old world; the survivors build the target on the new one
         if ahead is None:
             # the old world's topology
@@ -113,7 +125,13 @@ def change_world(driver: "ElasticDriver", change: WorldChange, trainer: "pl.Trai
             setup = ahead.setup
         try:
             result = hot_switch(strategy.megatron, target, setup, groups=groups, group=old_world,
-                                members=change.members, prepared=prepared, watch=old_watch)
+                                members=change.members, prepared=prepared, watch=old_watch,
+                                restore_source_groups=False)  # (the old layout's world is gone)
+        except Exception as err:
+            if not driver.recovers(err):
+                raise
+            _shrink_failed(driver, change, trainer, err, left_world, old_caches, was_rank_zero=was_rank_zero)
+            return None
         finally:
             assert old_watch is not None
             old_watch.close()
@@ -135,8 +153,10 @@ def change_world(driver: "ElasticDriver", change: WorldChange, trainer: "pl.Trai
 def go_back(driver: "ElasticDriver", change: WorldChange, step: int, err: Exception, old: "RetainedWorld") -> None:
     """A grow's switch failed with the old state whole on every old member (a joiner went
     missing or stalled, under ``switch_safety="keep_old"`` or before anything moved; or the
-    switch was refused): the old world, its groups and its layout's megatron groups come back,
-    the new world's groups are destroyed, and training goes on. The joiners fail; the store,
+    switch was refused), or after freeing some of it with only joiners lost (the caller then puts
+    the snapshot's state back, ``SnapshotKeeper.back_in_place``): the old world, its groups and
+    its layout's megatron groups come back, the new world's groups are destroyed, and training
+    goes on. The joiners fail; the store,
     which was not told of the new world, cancels the change once their heartbeats stop."""
     from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
 
@@ -152,9 +172,38 @@ def go_back(driver: "ElasticDriver", change: WorldChange, step: int, err: Except
     set_rank_zero(session.rank)
     driver.rolled_back.append({"step": step, "change": str(change), "layout": str(strategy.layout),
                              "error": f"{type(err).__name__}: {err}"})
-    rank_zero_warn(f"[dynatrain] step {step}: {change} failed with the old state whole, so it was rolled back: "
+    how = "with the old state whole" if was_refused(err) else "after freeing old state (only joiners were lost)"
+    rank_zero_warn(f"[dynatrain] step {step}: {change} failed {how}, so it was rolled back: "
                    f"training goes on at {strategy.layout} on the world of {len(change.old.members)} "
                    f"({type(err).__name__}: {err})")
+
+
+def _shrink_failed(driver: "ElasticDriver", change: WorldChange, trainer: "pl.Trainer", err: Exception,
+                   left_world: "KeptWorld | None", old_caches: "WorldGroupCaches", *, was_rank_zero: bool) -> None:
+    """A shrink's switch lost a member (``driver.recovers(err)``): when only leavers went missing, the
+    running world (the survivors, installed) is whole and the state is rebuilt in it from what the old
+    world's survivors hold (``recovery.recover_in_world``); when a member that stays went missing too,
+    the survivors agree on a world without it first (``recovery.recover``). Either reads the state
+    as the old world's ranks held it, and the old world's groups go."""
+    assert left_world is not None
+    leavers = {change.old.rank_of(m) for m in change.old.members if m not in change.new.members}
+    missing = set(getattr(err, "missing", ()))
+    old_groups = (old_caches.subgroups, old_caches.groups, left_world.groups.groups)
+    if missing and missing <= leavers:
+        driver.recover(trainer, error=err, state_world=change.old, retired=old_groups, was_rank_zero=was_rank_zero)
+        return
+    driver.recover(trainer, error=err, state_world=change.old)
+    old_caches.subgroups.close()
+    old_caches.groups.close()
+    retire(left_world.groups.groups)
+
+
+def _joiners_lost_with_a_snapshot(driver: "ElasticDriver", change: WorldChange, err: Exception) -> bool:
+    """A grow's switch freed old state and lost only joiners (ranks of the new world), with snapshots
+    on: the old members, all alive, go back to their world and to the snapshot."""
+    joiners = {change.new.rank_of(m) for m in change.new.members if m not in change.old.members}
+    missing = set(getattr(err, "missing", ()))
+    return bool(missing) and missing <= joiners and driver.snapshots is not None and driver.recovers(err)
 
 
 def trainer_state(trainer: "pl.Trainer") -> dict:

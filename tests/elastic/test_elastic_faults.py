@@ -5,9 +5,12 @@ the reason and change nothing; a joiner that stops answering while the world tha
 being built only cancels that change, and so does one that stops once its peers build the target's
 model ahead; a member that dies instead of leaving is named within seconds and the two others go on
 without it (``tests/elastic/test_recovery_fit.py`` checks a recovery's state and losses). In jobs of their own: a joiner killed as the transfer
-that fills it starts, and a leaver killed as the transfer that hands its state off starts (world
-changes run under the switch watch), fail the change on every survivor with ``SwitchFailedError``
-naming the rank and the phase; under ``switch_safety="keep_old"``, a joiner that stalls before its
+that fills it starts fails the change on every survivor with ``SwitchFailedError`` naming the rank
+and the phase (world changes run under the switch watch); a leaver killed before its hand-off moved
+anything leaves the others training on the replicas they hold (a leaver killed once state was freed,
+with snapshots: ``tests/elastic/test_recovery_fit.py``); with snapshots, a grow whose joiner died
+after the old members freed state goes back to the old world and the snapshot, and its losses are
+those of a fit that never grew; under ``switch_safety="keep_old"``, a joiner that stalls before its
 switch moved anything and one killed in its transfer each send the old members back to their world,
 where training goes on as if the grow had never been tried.
 """
@@ -163,30 +166,69 @@ def _goes_back(job: ElasticJob, members: tuple, first) -> None:
     assert job.installed() == members and first.poll() is None
 
 
-@pytest.mark.parametrize("fault", ["joining", "leaving"])
-def test_a_process_killed_in_the_transfer_of_a_world_change_fails_it_naming_its_rank(tmp_path, fault):
+def test_a_joiner_killed_in_the_transfer_that_fills_it_fails_the_grow_naming_its_rank(tmp_path):
     """Rank 2 of world 3 (the joiner) kills itself entering the transfer of the grow that fills it
-    (its watch's switch 1), or of the shrink it leaves by (switch 2, after SIGTERM)."""
-    switch, change = (1, "dp2-tp1-pp1 -> dp3-tp1-pp1") if fault == "joining" else (2, "dp3-tp1-pp1 -> dp2-tp1-pp1")
+    (its watch's switch 1): the old members freed state as they sent it, so the grow fails on both."""
     with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
-        killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": f"2:transfer:KILL:{switch}"})
-        if fault == "joining":  # (the store hears of a grow's world once its state arrived: never, here)
-            job.wait_for(lambda: len(_latest(job).members) == 3, what="the generation with the joiner")
-        else:
-            job.wait_for(lambda: job.installed_size() == 3, what="the world with the joiner to be installed")
-        if fault == "leaving":
-            at = job.step()
-            job.wait_for(lambda: job.step() >= at + 3, what="world 3 to train")
-            killed.send_signal(signal.SIGTERM)  # it leaves: the shrink's switch runs over world 3
+        killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL:1"})
+        # (the store hears of a grow's world once its state arrived: never, here)
+        job.wait_for(lambda: len(_latest(job).members) == 3, what="the generation with the joiner")
         started = time.monotonic()
         code = job.wait(first, timeout=120)
         stopped_after = time.monotonic() - started
         log = job.tail(400)
         assert job.wait(killed) == -signal.SIGKILL, log
     assert code != 0, log
-    failures = re.findall(rf"SwitchFailedError: layout switch {change} failed: rank 2 stopped answering in phase "
-                          r"'transfer'", log)
+    failures = re.findall(r"SwitchFailedError: layout switch dp2-tp1-pp1 -> dp3-tp1-pp1 failed: rank 2 stopped "
+                          r"answering in phase 'transfer'", log)
     assert len(failures) >= 2, log  # on both survivors
     assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
+
+
+def test_a_grow_that_freed_state_and_lost_its_joiner_goes_back_to_the_snapshot(tmp_path):
+    """The same kill with ``OnNodeChange(snapshot_every=2)``: the two old members go back to their
+    world and to the snapshot (their freed storages and gradient buffers get their memory back),
+    compute the steps since again at ``dp2-tp1-pp1`` and train to the end: every loss is the one of a
+    fit of two processes that never grew, bit for bit."""
+    steps = 60
+    with ElasticJob(tmp_path / "static", max_steps=steps, step_seconds=0.0, fit_args=("--static",)) as job:
+        assert job.wait(job.start_torchrun(2)) == 0, job.tail()
+        static = {tuple(map(tuple, r["losses"])) for r in job.results().values()}
+    with ElasticJob(tmp_path / "job", max_steps=steps, step_seconds=0.2, dead_after=DEAD_AFTER,
+                    fit_args=("--snapshot-every", "2")) as job:
+        first = job.start_torchrun(2)
+        job.wait_for(lambda: job.step() >= 3, what="the first world to train")
+        killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL:1"})
+        code = job.wait(first, timeout=240)
+        results, log = job.results(), job.tail(400)
+        assert job.wait(killed) == -signal.SIGKILL, log
+    assert code == 0, log
+    assert "after freeing old state (only joiners were lost), so it was rolled back" in log, log
+    back = re.search(r"step (\d+): the state went back to the in-memory snapshot of step (\d+); (\d+) step\(s\) "
+                     r"redone", log)
+    assert back is not None and int(back[1]) - int(back[2]) == int(back[3]) <= 2, log
+    assert len(static) == 1 and {tuple(map(tuple, r["losses"])) for r in results.values()} == static, log
+
+
+def test_a_leaver_killed_before_its_hand_off_moved_anything_leaves_the_others_training(tmp_path):
+    """Rank 2 of world 3 asks to leave (SIGTERM) and kills itself entering the preflight of the
+    shrink it leaves by (its watch's switch 2), before anything moved: the two others, already in
+    their world of 2, rebuild the state from the data-parallel replicas they hold and train on."""
+    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
+        first = job.start_torchrun(2)
+        job.wait_for(lambda: job.step() >= 3, what="the first world to train")
+        killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": "2:preflight:KILL:2"})
+        job.wait_for(lambda: job.installed_size() == 3, what="the world with the joiner to be installed")
+        at = job.step()
+        job.wait_for(lambda: job.step() >= at + 3, what="world 3 to train")
+        killed.send_signal(signal.SIGTERM)  # it leaves: the shrink's switch runs over world 3
+        assert job.wait(killed, timeout=60) == -signal.SIGKILL, job.tail(200)
+        job.wait_for(lambda: "lost; world 3 -> 2, dp3-tp1-pp1 -> dp2-tp1-pp1" in job.tail(400),
+                     what="the survivors' recovery", timeout=60)
+        step = job.step()
+        job.wait_for(lambda: job.step() >= step + 5, what="training to go on at world 2", timeout=60)
+        log = job.tail(400)
+        assert first.poll() is None, log
+    assert "0 step(s) redone" in log and "SwitchFailedError" not in log.split("lost; world 3 -> 2")[-1], log

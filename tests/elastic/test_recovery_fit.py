@@ -99,6 +99,36 @@ def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_pa
                 assert loss == pytest.approx(static_losses[step], rel=1e-4), step
 
 
+def test_a_member_dying_in_the_recovery_switch_is_left_behind_too(tmp_path, static_run, static_losses):
+    """``dp2-tp2-pp1`` with snapshots every 3 steps: rank 3 is killed after its optimizer step of step
+    8; rank 2 kills itself entering the transfer of the recovery's switch (its first switch). Ranks 0
+    and 1 (a whole replica between them) agree on a world without it too and train on at
+    ``dp2-tp1-pp1``: one recovery, both named, the same samples and losses. Where the failed
+    recovery switch had freed state, they go back to the snapshot of step 6 and compute steps 7 and 8
+    again; else the state of step 8 comes from their replicas."""
+    fault = {3: {"DYNATRAIN_STEP_FAULT": f"3:{SNAPSHOT_FAULT_STEP}:optimizer"},
+             2: {"DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL:1"}}
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
+                    fit_args=("--snapshot-every", "3")) as job:
+        procs = job.start_launch(4, rank_env=fault)
+        codes = [job.wait(p, timeout=240) for p in procs]
+        results, log = job.results(), job.tail(400)
+    assert codes == [0, 0, -signal.SIGKILL, -signal.SIGKILL], log
+    end = "dp2-tp1-pp1"
+    assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(2, end, MAX_STEPS)}, log
+    assert len({r["shard"] for r in results.values()}) == 1
+    recoveries = {(x["step"], x["snapshot_step"], x["steps_redone"], len(x["failed"]), x["old_world"], x["new_world"])
+                  for r in results.values() for x in r["recoveries"]}
+    assert recoveries in ({(SNAPSHOT_FAULT_STEP, 6, 2, 2, 4, 2)}, {(SNAPSHOT_FAULT_STEP, None, 0, 2, 4, 2)}), log
+    assert all(len(r["recoveries"]) == 1 for r in results.values()), log
+    assert "a member died during the recovery" in log, log
+    _same_samples(results, static_run)
+    for r in results.values():
+        assert [step for step, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))
+        for step, loss in r["losses"]:
+            assert loss == pytest.approx(static_losses[step], rel=1e-4), step
+
+
 def test_a_zero1_shard_only_the_dead_held_ends_the_job_naming_what_was_lost(tmp_path):
     fault = {1: {"DYNATRAIN_STEP_FAULT": f"1:{FAULT_STEP}:forward_backward"}}
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
@@ -143,6 +173,43 @@ def test_state_only_the_dead_held_comes_back_from_the_in_memory_snapshot(tmp_pat
         assert [step for step, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))  # each step once
         for step, loss in r["losses"]:  # the same samples and schedule, at another layout after the failure
             assert loss == pytest.approx(static_losses[step], rel=1e-4), step
+
+
+@pytest.mark.parametrize(("fault", "fit_args"), [
+    ("3:confirm:KILL:1", ("--schedule", f"{SNAPSHOT_FAULT_STEP - 1}:dp1-tp2-pp2")),
+    ("3:transfer:KILL:1", ("--leave", "3:5"))], ids=["layout_switch", "shrink"])
+def test_a_member_lost_in_a_switch_that_freed_state_comes_back_from_the_snapshot(tmp_path, static_run, static_losses,
+                                                                                  fault, fit_args):
+    """``switch_safety="fast"`` at ``dp2-tp2-pp1-zero1`` with snapshots every 3 steps. Rank 3 dies
+    entering the confirm phase of the scheduled switch to ``dp1-tp2-pp2`` after step 7 (every
+    survivor has moved and freed its old state), or it asked to leave after step 5 and dies entering
+    the transfer of the shrink it hands its state off by (the survivors are in the world of 3
+    already). Either way no survivor holds a whole step: each gives its freed storages their memory
+    back, writes its snapshot copy in, and the survivors go on at ``dp3-tp1-pp1-zero1`` from the
+    snapshot, computing the steps since again."""
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
+                    fit_args=("--zero1", "--start", "dp2-tp2-pp1-zero1", "--snapshot-every", "3", *fit_args)) as job:
+        procs = job.start_launch(4, rank_env={3: {"DYNATRAIN_SWITCH_FAULT": fault}})
+        codes = [job.wait(p, timeout=180) for p in procs]
+        results, log = job.results(), job.tail(400)
+    assert codes == [0, 0, 0, -signal.SIGKILL], log
+    end = "dp3-tp1-pp1-zero1"
+    assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(3, end, MAX_STEPS)}, log
+    assert len({r["shard"] for r in results.values()}) == 1  # the replicas are identical
+    recoveries = {(x["step"], x["snapshot_step"], x["steps_redone"], x["src"], x["dst"], x["old_world"], x["new_world"])
+                  for r in results.values() for x in r["recoveries"]}
+    assert len(recoveries) == 1 and all(len(r["recoveries"]) == 1 for r in results.values()), log
+    step, snapshot_step, redone, src, dst, old_world, new_world = recoveries.pop()
+    assert (src, dst, old_world, new_world) == ("dp2-tp2-pp1-zero1", end, 4, 3), log
+    assert snapshot_step % 3 == 0 and redone == step - snapshot_step and 0 < redone <= 3, log
+    if "--schedule" in fit_args:
+        assert (step, snapshot_step) == (SNAPSHOT_FAULT_STEP - 1, 6), log
+    assert f"{redone} step(s) redone from the in-memory snapshot of step {snapshot_step}" in log, log
+    _same_samples(results, static_run)
+    for r in results.values():
+        assert [s for s, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))  # each step once
+        for s, loss in r["losses"]:
+            assert loss == pytest.approx(static_losses[s], rel=1e-4), s
 
 
 def test_a_stopped_member_is_left_behind_and_a_spare_grows_the_world_back(tmp_path):
