@@ -1,37 +1,28 @@
 """``DynaTrainStrategy``: Lightning training of a megatron-core GPT whose parallel layout can change in memory.
 
-The strategy owns megatron's side of training for the current layout (groups, model shard, megatron
-DDP and optimizer, pipeline schedule; one ``MegatronState``) and gives Lightning what it expects
+The strategy trains a megatron-core model at the current layout and gives Lightning what it expects
 (an optimizer to count steps, checkpoints). Ranks, devices, precision and collectives come from its
-base, ``base.MegatronProcessStrategy``; the rest it hands to three objects it owns, each one concept:
+base, ``base.MegatronProcessStrategy``; the rest it hands to four objects it owns, each one concept:
 
+- ``megatron_side.MegatronSide``: the megatron objects it trains on (groups, switcher, model shard,
+  optimizer settings, the current ``MegatronState``), built across the set-up hooks and replaced by
+  every switch (``_install``);
 - ``switch_control.SwitchControl``: when a layout switch runs (``reconfigure``, ``prepare_reconfigure``,
   at the optimizer-step boundary; the switch itself is ``switching.LayoutSwitcher``'s);
 - ``stepping.Stepping``: the step entry points (``train_step``, ``eval_step``) and ``reduce``;
 - ``checkpointing.Checkpointing``: Lightning's save and restore hooks, onto layout-free checkpoint
   directories (a run saved at one layout resumes at any other layout and world size).
 
-Its own methods are the life cycle (groups, model, optimizer, the state each switch installs) and
-one-line hand-offs; the work is in plain functions (``megatron_step``, ``validation``, ``report``,
-``checkpoint``, ``switching``).
-
-Example::
-
-    strategy = DynaTrainStrategy("dp2-tp2-pp1", staging_budget="256MiB")
-    trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1000,
-                      callbacks=[ScheduledReconfig({200: "dp1-tp2-pp2"})])
-    trainer.fit(GPTLightningModule(shape, lr=3e-3, global_batch_size=16, micro_batch_size=2),
-                datamodule=StdlibTextDataModule(seq_length=128, global_batch_size=16))
-
-Processes, launchers and global batches: ``base.py``. Every data-parallel notion
-(``distributed_sampler_kwargs``, ``reduce``) comes from the *current layout*.
+Its own methods are Lightning's hooks, the world's set-up and one-line hand-offs; the work is in
+plain functions (``megatron_step``, ``validation``, ``report``, ``checkpoint``, ``switching``).
+Example: the README's quick start. Processes, launchers and global batches: ``base.py``. Every
+data-parallel notion (``distributed_sampler_kwargs``, ``reduce``) comes from the *current layout*.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -44,7 +35,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dynatrain.checkpoint.writer import CheckpointWriter
@@ -53,14 +43,13 @@ from lightning_dynatrain.engine.deadline import parse_switch_timeout
 from lightning_dynatrain.engine.staging import parse_bytes
 from lightning_dynatrain.strategy.base import MegatronProcessStrategy
 from lightning_dynatrain.strategy.checkpointing import Checkpointing
-from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe, optimizer_config
+from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
+from lightning_dynatrain.strategy.megatron_side import MegatronSide
 from lightning_dynatrain.strategy.optimizer_handle import DynaTrainOptimizer, handle_for
-from lightning_dynatrain.strategy.precision import resolve_params_dtype
 from lightning_dynatrain.strategy.report import ReconfigReport
 from lightning_dynatrain.strategy.stepping import Stepping
 from lightning_dynatrain.strategy.switch_control import SwitchControl
 from lightning_dynatrain.strategy.switching import LayoutSwitcher, parse_switch_safety
-from lightning_dynatrain.strategy.validation import validate_optimizer, validate_target
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
@@ -98,9 +87,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         timeout: timeout of collectives (``init_process_group``).
         switch_timeout: how long any wait of a switch may take (seconds or a ``timedelta``); ``None``:
             derived from each switch's bytes and the measured links, with a wide margin and a 60 s
-            floor (``engine.deadline``). A rank that dies or stalls during a switch makes every other
-            rank raise ``SwitchFailedError`` within it, naming the rank and the phase, and the last
-            checkpoint to resume from.
+            floor (``engine.deadline``). Past it every other rank raises ``SwitchFailedError`` naming
+            the rank and the phase (``docs/switch-faults.md``).
         switch_safety: ``"fast"`` (default): a switch frees the old state as it moves it (a failed
             switch loses the state of its step: resume from the last checkpoint); ``"keep_old"``: the
             old state is held until every rank confirmed its new state (the memory check counts it),
@@ -157,18 +145,10 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         self.verify = verify
         self.promote_broadcasts = promote_broadcasts
         self.seed = seed
-        self._layout: ParallelConfig | None = None
-        # what every switch shares, with the groups of every layout used (made at setup: megatron
-        # is imported only then); switching back to a layout costs no group work
-        self._switcher: LayoutSwitcher | None = None
-        self._pgs: ProcessGroupCollection | None = None
-        self._recipe: MegatronRecipe | None = None
-        self._optimizer_settings: AdamSettings | OptimizerConfig | None = None
-        self._gpt_model: torch.nn.Module | None = None
-        self._megatron: MegatronState | None = None
         self._elastic: ElasticDriver | None = None  # with an OnNodeChange callback
         self.init_from_megatron = None if init_from_megatron is None else Path(init_from_megatron)
         # the parts it hands its hooks to, each given what it reads and calls
+        self.megatron_side = MegatronSide(self, local_collectives=self._collectives_are_local, training_timeout=timeout)
         self.switch_control = SwitchControl(self, install=self._install, trainer=self._trainer)
         self.stepping = Stepping(self, local_collectives=self._collectives_are_local)
         self.checkpointing = Checkpointing(self, writer=CheckpointWriter(async_save=async_save), trainer=self._trainer)
@@ -180,67 +160,75 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             strategy_registry.register(cls.strategy_name, cls,
                                        description="megatron-core GPT with in-memory layout switches (auto layout)")
 
-    # ---------------------------------------------------------------------------- properties
+    # ------------------------------------------------- megatron's objects: megatron_side.py
     @property
     def layout(self) -> ParallelConfig:
         """The layout training runs at now."""
-        if self._layout is None:
-            raise RuntimeError("DynaTrainStrategy.layout is set in setup_environment(); the Trainer has not "
-                               "started this strategy yet")
-        return self._layout
+        return self.megatron_side.layout
+
+    @property
+    def _layout(self) -> ParallelConfig | None:
+        """``layout``, or ``None`` before ``setup_environment`` (``callbacks/progress.py`` reads it)."""
+        return self.megatron_side.layout_or_none
 
     @property
     def recipe(self) -> MegatronRecipe:
-        if self._recipe is None:
-            raise RuntimeError("no model recipe yet: the LightningModule's configure_model() must call "
-                               "trainer.strategy.build_model(MegatronRecipe(...))")
-        return self._recipe
+        """The model's recipe ``build_model`` was given."""
+        return self.megatron_side.recipe
+
+    @property
+    def _recipe(self) -> MegatronRecipe | None:
+        """``recipe``, or ``None`` before ``configure_model`` gave one (``strategy/elastic.py`` reads it)."""
+        return self.megatron_side.recipe_or_none
 
     @property
     def switcher(self) -> LayoutSwitcher:
         """What every switch of this run shares (made in ``setup_environment``)."""
-        assert self._switcher is not None, "setup_environment makes the switcher"
-        return self._switcher
+        return self.megatron_side.switcher
 
     @property
     def optimizer_settings(self) -> "AdamSettings | OptimizerConfig":
         """The optimizer settings ``configure_optimizers`` gave (megatron's ``OptimizerConfig``, or
         the GPT preset's ``AdamSettings``)."""
-        assert self._optimizer_settings is not None, "setup_optimizers reads them"
-        return self._optimizer_settings
+        return self.megatron_side.optimizer_settings
 
     @property
     def model_shard(self) -> torch.nn.Module:
         """This rank's megatron model shard (built in ``configure_model``)."""
-        assert self._gpt_model is not None, "configure_model builds it"
-        return self._gpt_model
-
-    @property
-    def elastic(self) -> "ElasticDriver | None":
-        """The elastic side (an ``OnNodeChange`` callback is present), else ``None``."""
-        return self._elastic
+        return self.megatron_side.model_shard
 
     @property
     def megatron(self) -> "MegatronState":
         """The current layout's megatron state (groups, model, DDP, optimizer)."""
-        if self._megatron is None:
-            raise RuntimeError("megatron DDP and optimizer are built in DynaTrainStrategy.setup(); "
-                               "the Trainer has not reached it")
-        return self._megatron
+        return self.megatron_side.state
 
     @property
     def megatron_or_none(self) -> "MegatronState | None":
         """``megatron``, or ``None`` before ``setup`` built it (a ``validate`` run builds none)."""
-        return self._megatron
+        return self.megatron_side.state_or_none
 
     @property
     def groups(self) -> "ProcessGroupCollection":
         """Megatron's groups of the current layout: the megatron state's, or before ``setup`` built
         it, those ``setup_environment`` made for the model shard."""
-        if self._megatron is not None:
-            return self._megatron.groups
-        assert self._pgs is not None, "setup_environment makes the groups"
-        return self._pgs
+        return self.megatron_side.groups
+
+    @property
+    def optimizer_handle(self) -> DynaTrainOptimizer:
+        """The optimizer Lightning steps (its schedule group holds the rate the next step uses)."""
+        handle = self.optimizers[0] if self.optimizers else None
+        assert isinstance(handle, DynaTrainOptimizer), "setup_optimizers makes it"
+        return handle
+
+    def _install(self, state: "MegatronState") -> None:
+        """Make ``state`` the one training runs on (setup, every switch and world change):
+        ``MegatronSide.install``."""
+        self.megatron_side.install(state)
+
+    @property
+    def elastic(self) -> "ElasticDriver | None":
+        """The elastic side (an ``OnNodeChange`` callback is present), else ``None``."""
+        return self._elastic
 
     @property
     def switch_history(self) -> list[ReconfigReport]:
@@ -269,59 +257,19 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             self._owns_process_group = True  # its worlds are this process's to destroy
         else:
             self._setup_distributed()
-        requested = self._requested_layout
-        layout = joined_at or (ParallelConfig(dp=self.world_size) if requested == "auto" else requested)
-        self._layout = validate_target(layout, world_size=self.world_size)
-        from lightning_dynatrain.strategy.megatron_step import init_groups
-        from lightning_dynatrain.strategy.topology import gather_topology
-
-        if self._switcher is None:
-            self._switcher = LayoutSwitcher(staging_budget=self.staging_budget, memory_limit=self.switch_memory_limit,
-                                            verify=self.verify, promote_broadcasts=self.promote_broadcasts,
-                                            switch_timeout=self.switch_timeout, training_timeout=self._timeout,
-                                            resume_from=self.checkpointing.latest_path,
-                                            keep_old=self.switch_safety == "keep_old")
-        self._pgs = init_groups(self._layout, seed=self.seed, groups=self._switcher.groups)
-        topology = gather_topology(self.cluster_environment)
-        self._switcher.new_world(topology)
-        if self._elastic is not None and self._elastic.fills_model_later:
-            self._switcher.world_watch()  # the next world's switch watch, where the others made theirs ahead
-        rank_zero_info(f"[dynatrain] layout {self._layout} on {self.world_size} processes "
-                       f"({self.process_group_backend}, {self.cluster_environment.__class__.__name__}), {topology}")
+        self.megatron_side.start(joined_at or self._requested_layout)
 
     def build_model(self, recipe: MegatronRecipe) -> torch.nn.Module:
         """Build this rank's shard of ``recipe``'s model at the current layout; call from ``configure_model``.
-
-        A ``ModelProvider``'s description is read here (``vps.derive``, on every rank alike), and
-        the module built is checked against it on every rank.
-
-        Raises:
-            LayoutError / BatchSizeError: the layout does not fit the model or the batch sizes.
-            ModelSpecError: the model has a parameter no sharded description covers, or state outside
-                its parameters, or shards that no layout rule explains (the message names them).
-        """
-        validate_target(self.layout, world_size=self.world_size, model=recipe.model,
-                        global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size,
-                        execution=recipe.execution)
-        from lightning_dynatrain.strategy.megatron_step import build_checked_model
-
-        recipe = replace(recipe, params_dtype=resolve_params_dtype(recipe.params_dtype, self.precision_plugin))
-        self._recipe = recipe
-        assert self._pgs is not None, "setup_environment makes the groups"
-        self._gpt_model = build_checked_model(recipe, self.layout, self._pgs, rank=self.global_rank,
-                                              device=self.root_device, agree=not self._collectives_are_local(),
-                                              unfilled=self._elastic is not None and self._elastic.fills_model_later)
-        return self._gpt_model
+        Raises: ``MegatronSide.build_model`` (the layout does not fit the model or the batch sizes, or
+        the model is not what its description says)."""
+        return self.megatron_side.build_model(recipe)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._gpt_model is None:
-            raise TypeError(
-                "DynaTrainStrategy needs the megatron model built through the strategy. HINT: in "
-                "LightningModule.configure_model() do `self.model = self.trainer.strategy.build_model(recipe)` "
-                "(GPTLightningModule does)")
+        self.megatron_side.check_model_built()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.checkpointing.start_from_megatron(trainer)
@@ -340,58 +288,15 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         if not isinstance(given, (AdamSettings, OptimizerConfig)):
             super().setup_optimizers(trainer)  # Lightning's own parsing: optimizers and scheduler configs
         handle, schedulers = handle_for(given, self.optimizers, self.lr_scheduler_configs)
-        from lightning_dynatrain.strategy.megatron_step import attach_optimizer
-
-        self._optimizer_settings = given if isinstance(given, AdamSettings) else handle.config
-        validate_optimizer(handle.config, self.layout)
+        self.megatron_side.take_optimizer_settings(given, handle)
         self.optimizers, self.lr_scheduler_configs = [handle], list(schedulers)
-        assert self._pgs is not None, "setup_environment makes the groups"
-        build = partial(attach_optimizer, self._gpt_model, self.recipe, self.layout, self._optimizer_settings,
-                        self._pgs)
-        if self._elastic is not None and self._elastic.joining:  # the state comes from the old members
-            self._install(self._elastic.receive_state(build))
-            self._elastic.receive_trainer_state(trainer)
-        else:
-            self._install(build())
-
-    @property
-    def optimizer_handle(self) -> DynaTrainOptimizer:
-        """The optimizer Lightning steps (its schedule group holds the rate the next step uses)."""
-        handle = self.optimizers[0] if self.optimizers else None
-        assert isinstance(handle, DynaTrainOptimizer), "setup_optimizers makes it"
-        return handle
-
-    def _install(self, state: "MegatronState") -> None:
-        """Make ``state`` the one training runs on: the module's ``model``, Lightning's optimizer handle.
-
-        The one place that points Lightning at a layout's megatron objects (setup and every switch).
-        The state it replaces is taken apart (``release_state``: nothing may use it afterwards).
-        """
-        old, self._megatron = self._megatron, state
-        self._gpt_model = state.model
-        self._layout = state.layout
-        module = self.lightning_module
-        if module is not None and getattr(module, "model", None) is not state.model:
-            module.model = state.model
-        self.optimizer_handle.rebind(state)
-        if old is not None and old is not state:
-            from lightning_dynatrain.megatron.state import release_state
-
-            release_state(old)
+        self.megatron_side.build_optimizer(trainer)
 
     # ------------------------------------------------------- switching: switch_control.py
     def check_layout(self, target: str | ParallelConfig) -> ParallelConfig:
         """Parse and check ``target`` against the world, the model, the batch and the optimizer; the
-        layout or a typed error."""
-        recipe = self._recipe
-        layout = validate_target(target, world_size=self.world_size, current=self._layout,
-                                 model=recipe.model if recipe else None,
-                                 global_batch_size=recipe.global_batch_size if recipe else None,
-                                 micro_batch_size=recipe.micro_batch_size if recipe else None,
-                                 execution=recipe.execution if recipe else None)
-        if self._optimizer_settings is not None:
-            validate_optimizer(optimizer_config(self._optimizer_settings), layout)
-        return layout
+        layout or a typed error (``MegatronSide.check_layout``)."""
+        return self.megatron_side.check_layout(target)
 
     def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport | None:
         """Switch training to layout ``target`` at the optimizer-step boundary: the switch's report, or
@@ -498,12 +403,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized():
             self.checkpointing.close()  # a background save completes before its groups go
-        if self._switcher is not None and dist.is_available() and dist.is_initialized():
-            from lightning_dynatrain.strategy.megatron_step import teardown_state
-
-            teardown_state()
-            self._switcher.close()
-        self._megatron = None
+        self.megatron_side.close()
         self.switch_control.close()
         if self._elastic is not None:
             self._elastic.close()

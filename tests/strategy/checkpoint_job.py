@@ -46,9 +46,9 @@ def local_state(strategy) -> dict:
     from lightning_dynatrain.megatron.optimizer import group_settings
     from lightning_dynatrain.megatron.state_bridge import adam_step, megatron_store, param_store
 
-    spec, rank, state = strategy.recipe.model.spec(), dist.get_rank(), strategy._megatron
+    spec, rank, state = strategy.recipe.model.spec(), dist.get_rank(), strategy.megatron_or_none
     if state is None or adam_step(state.optimizer) is None:  # no optimizer, or no Adam state yet
-        store, step, groups = param_store(strategy._gpt_model, spec, strategy.layout, rank), None, None
+        store, step, groups = param_store(strategy.model_shard, spec, strategy.layout, rank), None, None
     else:
         store = megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
         step, groups = adam_step(state.optimizer), group_settings(state.optimizer)
@@ -164,7 +164,7 @@ def _plain_megatron_load(path: Path, layout: str) -> dict:
     megatron_ckpt.load(state, str(path))
 
     class Holder:  # what local_state reads of a strategy
-        recipe, _megatron, layout = module.recipe, state, state.layout
+        recipe, megatron_or_none, layout = module.recipe, state, state.layout
 
     loaded = local_state(Holder)
     loss = train_step(state, batch, module.recipe, lr=module.lr_at(0), weight_decay=module.weight_decay)

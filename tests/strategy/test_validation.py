@@ -61,7 +61,7 @@ def _module_logging_dp_rank(**kwargs):
     def step(batch, batch_idx):
         validation_step(batch, batch_idx)
         strategy = module.trainer.strategy
-        dp = strategy.megatron.dp_rank if strategy._megatron is not None else strategy._pgs.dp.rank()
+        dp = strategy.megatron.dp_rank if strategy.megatron_or_none is not None else strategy.groups.dp.rank()
         module.log("dp_rank_mean", float(dp), on_step=False, on_epoch=True, sync_dist=True, batch_size=1)
 
     module.validation_step = step
