@@ -11,7 +11,10 @@ entry, every ``lightning_dynatrain`` file a call enters, until ``torch.distribut
 is first called, and the chain of calls that reached it: ``stack_files``, the files a reader follows
 from ``reconfigure`` to the transfer; ``one_hop_files``, those and every file their code calls into
 directly on the way (what a reader opens to follow each call of the chain once); ``files``, every
-file entered on the way, the target model's build included. ``strategy/dynatrain.py`` (where
+file entered on the way, the target model's build included; ``collective_files``, the files on the
+chain of calls to every ``torch.distributed`` call before that transfer too (the memory check's
+all-reduce, the preflight, group creation): what a reader follows to see each message the switch
+sends. ``strategy/dynatrain.py`` (where
 ``DynaTrainStrategy.reconfigure`` is) and ``strategy/switch_control.py`` (``SwitchControl``, which it
 hands the request to, and which calls ``LayoutSwitcher.switch``) are counted as the first two files.
 Imports are not calls and are not counted.
@@ -29,6 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_dynatrain"
 if str(ROOT) not in sys.path:  # ``benchmarks.baselines`` when run as a script
     sys.path.insert(0, str(ROOT))
+
+
+#: the torch.distributed calls a switch makes before its transfers (``batch_isend_irecv`` is the transfer;
+#: ``isend``/``irecv`` are only named in its ``P2POp``s)
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+                "broadcast_object_list", "barrier", "monitored_barrier", "new_group", "send", "recv", "all_to_all",
+                "reduce_scatter_tensor", "gather_object", "scatter_object_list")
 
 
 def _path_job(rank: int, world_size: int, model: str) -> list[str]:
@@ -86,6 +96,26 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
                     calls.add((str(caller.relative_to(ROOT)), name))
 
     dist.batch_isend_irecv = first_transfer
+    on_collective_chains: list[str] = []
+
+    def chain_files() -> list[str]:  # the package files on the calling chain, outermost first
+        chain = []
+        for frame in reversed(inspect.stack()[2:]):
+            path = Path(frame.filename)
+            if path.is_relative_to(PACKAGE):
+                chain.append(str(path.relative_to(ROOT)))
+        return chain
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            if not done:
+                on_collective_chains.extend(f for f in chain_files() if f not in on_collective_chains)
+            return fn(*args, **kwargs)
+        return call
+
+    collectives = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    for name, fn in collectives.items():
+        setattr(dist, name, recorded(fn))
     try:
         if rank == 0:
             sys.setprofile(profile)
@@ -94,10 +124,13 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
     finally:
         sys.setprofile(None)
         dist.batch_isend_irecv = original
+        for name, fn in collectives.items():
+            setattr(dist, name, fn)
         switcher.close()
     # what a reader opens following the chain: its files and every file they call into directly
     hop = stack + [f for f in files if f not in stack and any((c, f) in calls for c in stack)]
-    return {"entered": files, "stack": stack, "one_hop": hop}
+    collective = list(dict.fromkeys(callers + on_collective_chains + stack))
+    return {"entered": files, "stack": stack, "one_hop": hop, "collective": collective}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         out[model] = found
         print(f"{model}: {len(found['stack'])} files on the call chain to the first transfer, "
               f"{len(found['one_hop'])} with the files it calls into directly, {len(found['entered'])} entered "
-              "on the way")
+              f"on the way; {len(found['collective'])} on the chains to every collective before it: "
+              + ", ".join(Path(f).relative_to("lightning_dynatrain").as_posix() for f in found["collective"]))
         for name in found["one_hop"]:
             print(f"  {name}")
     if args.json:
         print(json.dumps({"stack_files": {k: len(v["stack"]) for k, v in out.items()},
                           "one_hop_files": {k: len(v["one_hop"]) for k, v in out.items()},
+                          "collective_files": {k: len(v["collective"]) for k, v in out.items()},
                           "files": {k: len(v["entered"]) for k, v in out.items()}, "paths": out}))
     return 0
 

@@ -5,25 +5,7 @@ process's ``elastic.ElasticSession`` and does the Lightning and megatron work of
 
 **Entering** (``enter``, from ``setup_environment``): every process asks the job's store to join;
 the ones a launcher started together form the first world, a process started later joins the
-running job. A joiner then takes part in the new world's first collectives, in this order, which
-the old members run at the change's boundary (``world_change.change_world``; built ahead, the
-default, (1) and (2) run at the boundary before, see ``strategy/elastic_ahead.py``, and the Adam
-step comes at the swap):
-
-1. the *header* broadcast from the new world's rank 0: the target layout, the source layout, the
-   global and Adam step (``enter``);
-2. megatron's groups for the target and the new world's topology (one all-gather) (``enter``);
-3. the state: the planner and engine move every tensor from the old members to their new places
-   (the joiner's ``receive_state`` in ``strategy.setup``, after its model and optimizer are built);
-4. Lightning's own state (loops, callbacks, data module; no tensors) from rank 0, restored as a
-   resumed fit restores it (``receive_trainer_state``);
-5. the report of this change (``ChangeReport``, rank 0's), once the members have it: the joiner's
-   ``OnNodeChange.changes`` holds the grow that admitted it, as every member's does, so the job's
-   history survives the first members leaving.
-
-Between those steps the joiner's Lightning runs collectives of its own set-up (barriers, the log
-dir broadcast, the dataloader length check) that the old members passed long ago: while
-``catching_up`` they are local (``local_collectives``), until ``on_train_start``.
+running job and takes part in the new world's first collectives (``strategy/joining.py``).
 
 **Leaving**: a process asked to leave (SIGTERM, SIGUSR1, ``leave()``) keeps training until the
 change's boundary, sends its state over the old world (``hot_switch.send_state``), stops its fit
@@ -37,24 +19,21 @@ Example (what ``OnNodeChange`` does at each boundary)::
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_dynatrain.compat.lightning_internals import restore_as_loaded
 from lightning_dynatrain.elastic.policy import LayoutChoice, StepModel, choose_layout, parse_policy
 from lightning_dynatrain.elastic.records import job_fingerprint
 from lightning_dynatrain.elastic.failure_watch import MemberFailedError, MemberLostError, is_communication_failure
-from lightning_dynatrain.elastic.session import JOIN_FAULT_ENV, ElasticSession, WorldChange
+from lightning_dynatrain.elastic.session import ElasticSession, WorldChange
 from lightning_dynatrain.megatron.step_progress import StepFault, StepProgress
 from lightning_dynatrain.strategy.change_report import ChangeReport
 from lightning_dynatrain.strategy.elastic_environment import ElasticEnvironment, LauncherError, launch_id, set_rank_zero
+from lightning_dynatrain.strategy.joining import join_header
 from lightning_dynatrain.strategy.loggers import logger_versions, pin_logger_versions
 from lightning_dynatrain.strategy.elastic_ahead import AheadChange
 from lightning_dynatrain.strategy.snapshot_recovery import SnapshotKeeper
@@ -63,12 +42,9 @@ from lightning_dynatrain.strategy.world_change import broadcast_object, change_w
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import lightning.pytorch as pl
 
     from lightning_dynatrain.elastic.records import Membership
-    from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
     from lightning_dynatrain.strategy.recovery import Recovered, RecoveryReport
     from lightning_dynatrain.vps.members import Members
@@ -191,53 +167,11 @@ class ElasticDriver:
                                getattr(self.strategy.precision_plugin, "precision", None), versions,
                                {"ahead": self.ahead_requested, "keep_worlds": self.keep_worlds})
 
-    def receive_state(self, build: "Callable[[], MegatronState]") -> "MegatronState":
-        """(3) A joiner's state from the old members: ``build()`` makes its DDP and optimizer at
-        the target (after the memory check, in the old members' order; or first, where they built
-        theirs ahead), the engine fills them."""
-        from lightning_dynatrain.megatron.build_collectives import build_collectives
-        from lightning_dynatrain.megatron.hot_switch import receive_state
-
-        assert self.session is not None and self.session.joined_change is not None and self.header is not None
-        strategy, ahead = self.strategy, bool(self.header["ahead"])
-        setup = strategy.switcher.world_change_setup(strategy.recipe, strategy.optimizer_settings)
-
-        def build_beside_theirs() -> "MegatronState":
-            if os.environ.get(JOIN_FAULT_ENV) == "STOP_IN_BUILD":  # test hook (elastic.session)
-                os.kill(os.getpid(), signal.SIGSTOP)
-            with build_collectives(dist.GroupMember.WORLD):  # a peer whose build failed is named, not a TypeError
-                return build()
-
-        def step_at_the_swap() -> int:  # the others swapped: the switch has begun
-            step = int(broadcast_object(None)["adam_step"])
-            if os.environ.get(JOIN_FAULT_ENV) == "STOP_IN_SWITCH":  # test hook (elastic.session)
-                os.kill(os.getpid(), signal.SIGSTOP)
-            return step
-
-        result = receive_state(build_beside_theirs if ahead else build, strategy.model_shard,
-                               ParallelConfig.parse(self.header["src"]), strategy.layout, setup,
-                               step=step_at_the_swap if ahead else int(self.header["adam_step"]),
-                               members=self.session.joined_change.members, ahead=ahead,
-                               watch=strategy.switcher.world_watch)  # where the others make theirs
-        return result.state
-
     @property
     def fills_model_later(self) -> bool:
         """A joiner whose peers build the target ahead: its model is built unfilled, with no
         collective (``megatron.model_source.build_unfilled``), as theirs."""
         return self.joining and bool(self.header and self.header["ahead"])
-
-    def receive_trainer_state(self, trainer: "pl.Trainer") -> None:
-        """(4) Lightning's state from rank 0, restored as a resumed fit restores it (no tensors), and
-        the rate the schedulers set last (the optimizer's: its tensors came through the engine)."""
-        checkpoint = broadcast_object(None)
-        restore_as_loaded(trainer, checkpoint)
-        scalars = (checkpoint.get("optimizer_states") or [{}])[0]
-        if "schedule" in scalars:
-            self.strategy.optimizer_handle.load_schedule(scalars["schedule"])
-        # (5) the report of the grow that admitted this process (rank 0's, once its figures are known)
-        self.admitted_by = ChangeReport(**broadcast_object(None))
-        self.history.append(self.admitted_by)
 
     def end_catching_up(self) -> None:
         if self.catching_up:
@@ -390,16 +324,6 @@ class ElasticDriver:
             self._ahead.drop()
             self._ahead = None
 
-    def join_header(self, trainer: "pl.Trainer", target: ParallelConfig) -> dict[str, Any]:
-        """(1) what a joiner learns first: the layouts, the step, the loggers' versions, whether the
-        target is built ahead (its Adam step then comes in a broadcast of its own at the swap)."""
-        from lightning_dynatrain.megatron.state_bridge import adam_step
-
-        strategy = self.strategy
-        return {"layout": str(target), "src": str(strategy.layout), "step": trainer.global_step,
-                "adam_step": None if self.ahead else adam_step(strategy.megatron.optimizer) or 0,
-                "ahead": self.ahead, "loggers": logger_versions(trainer.loggers)}
-
     def _prepare(self, change: WorldChange, trainer: "pl.Trainer") -> None:
         """The first of a change built ahead's two boundaries (see ``strategy/elastic_ahead.py``)."""
         assert self.session is not None
@@ -411,7 +335,7 @@ class ElasticDriver:
         if change.grows:  # (1) for the joiners, waiting on the next world
             with borrowed:
                 first = change.new.rank_of(change.me) == 0
-                broadcast_object(self.join_header(trainer, choice.layout) if first else None)
+                broadcast_object(join_header(self, trainer, choice.layout) if first else None)
         kept = self.session.pending_kept
         self._ahead = AheadChange.start(self.strategy, change, choice, borrowed,
                                         kept=kept.extra if kept is not None else None)

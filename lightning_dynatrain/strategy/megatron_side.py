@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe, optimizer_config
+from lightning_dynatrain.strategy.joining import receive_state, receive_trainer_state
 from lightning_dynatrain.strategy.precision import resolve_params_dtype
 from lightning_dynatrain.strategy.switching import LayoutSwitcher
 from lightning_dynatrain.strategy.validation import validate_optimizer, validate_target
@@ -223,8 +224,8 @@ class MegatronSide:
                         self._groups)
         elastic = self._strategy.elastic
         if elastic is not None and elastic.joining:  # the state comes from the old members
-            self.install(elastic.receive_state(build))
-            elastic.receive_trainer_state(trainer)
+            self.install(receive_state(elastic, build))
+            receive_trainer_state(elastic, trainer)
         else:
             self.install(build())
 

@@ -43,6 +43,7 @@ def change_world(driver: "ElasticDriver", change: WorldChange, trainer: "pl.Trai
     from lightning_dynatrain.megatron.hot_switch import hot_switch, send_state
     from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
     from lightning_dynatrain.megatron.state_bridge import adam_step, precision_of
+    from lightning_dynatrain.strategy.joining import join_header
     from lightning_dynatrain.strategy.topology import gather_topology
 
     session = driver.session
@@ -80,7 +81,7 @@ def change_world(driver: "ElasticDriver", change: WorldChange, trainer: "pl.Trai
     if change.grows:  # the joiners wait for (1)-(4) in this order (see the module docstring)
         old_topology = strategy.switcher.topology
         if ahead is None:
-            broadcast_object(driver.join_header(trainer, target) if session.rank == 0 else None)  # (1)
+            broadcast_object(join_header(driver, trainer, target) if session.rank == 0 else None)  # (1)
             initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (2)
             strategy.switcher.new_world(gather_topology(strategy.cluster_environment))
         else:  # (1), (2) and the switch watch came at the prepare boundary; the joiners wait for the Adam step
