@@ -24,7 +24,8 @@ built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; `
 ``--switch-timeout`` sets every switch's deadline; ``--schedule STEP:LAYOUT`` adds a
 ``ScheduledReconfig`` of that one switch; ``--zero1`` shards the optimizer's state
 (ZeRO-1) at every layout of the policy with data parallelism; ``--start LAYOUT`` starts the first
-world at ``LAYOUT``; ``--snapshot-every N`` keeps in-memory snapshots (``OnNodeChange(snapshot_every=N)``).
+world at ``LAYOUT``; ``--snapshot-every N`` keeps in-memory snapshots (``OnNodeChange(snapshot_every=N)``),
+``--snapshot-buffers 2`` in two buffers.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main() -> None:
     parser.add_argument("--zero1", action="store_true", help="ZeRO-1 at every layout with dp > 1")
     parser.add_argument("--start", default=None, help="the first world's layout (instead of the policy's)")
     parser.add_argument("--snapshot-every", type=int, default=None, help="OnNodeChange(snapshot_every=N)")
+    parser.add_argument("--snapshot-buffers", type=int, default=1, help="OnNodeChange(snapshot_buffers=1|2)")
     parser.add_argument("--schedule", default=None, help="STEP:LAYOUT: one scheduled layout switch")
     parser.add_argument("--leave", default=None, help="RANK:STEP: that rank asks to leave after that step")
     parser.add_argument("--switch-while-building", action="store_true",
@@ -198,7 +200,7 @@ def main() -> None:
         callbacks.append(StopInStore())
     if not args.static:
         callbacks.append(OnNodeChange(model["policy"], heartbeat=0.5, exit_after=20.0, ahead=not args.on_demand,
-                                      snapshot_every=args.snapshot_every))
+                                      snapshot_every=args.snapshot_every, snapshot_buffers=args.snapshot_buffers))
     if args.schedule:
         at, layout = args.schedule.split(":")
         callbacks.append(ScheduledReconfig({int(at): layout}))

@@ -20,7 +20,10 @@ Checks, in order:
 7. a model of the user's built from Transformer Engine's layer spec
    (``get_gpt_layer_with_transformer_engine_spec``) through ``ModelProvider``, unchanged: its spec
    read from megatron's description, two bf16 steps, zero1 on and off bit for bit (skipped without
-   a device or without Transformer Engine, saying which).
+   a device or without Transformer Engine, saying which);
+8. an in-memory snapshot's copy into host memory beside training (``devices.snapshot_copy``: on CUDA a
+   side stream after the training stream's event, into pinned buffers): the copy sees an update
+   enqueued before the boundary and overlaps work enqueued after it.
 
 Unchecked with one GPU: NCCL across ranks (NCCL puts no two ranks on one device), tensor and
 pipeline parallel layouts, world changes.
@@ -214,6 +217,29 @@ def _te_case(device: torch.device) -> str:
     return f"{built}; {tensors} tensors read from its description; {steps}; zero1 on and off bit for bit"
 
 
+def _snapshot_copy(device: torch.device) -> str:
+    import threading
+
+    from lightning_dynatrain.devices import device_kind
+
+    copier = device_kind(device).host_copier()
+    state = torch.arange(1 << 24, dtype=torch.float32, device=device)
+    buffer = copier.host_buffer(state)
+    state.mul_(3)  # the optimizer step, enqueued before the boundary: the copy must see it
+    copier.mark()
+    start = time.perf_counter()
+    thread = threading.Thread(target=copier.copy, args=([(buffer, state)],))
+    thread.start()
+    beside = (state * 2).sum()  # the next step's work on the training stream, beside the copy
+    thread.join()
+    seconds = time.perf_counter() - start
+    expected = torch.arange(1 << 24, dtype=torch.float32) * 3
+    if not torch.equal(buffer, expected) or not torch.isfinite(beside.cpu()):
+        raise AssertionError("the host copy does not hold the state as the boundary left it")
+    pinned = device.type == "cuda" and buffer.is_pinned()
+    return f"{type(copier).__name__}: {state.nbytes / 2**20:.0f} MiB in {seconds:.3f} s, pinned buffer: {pinned}"
+
+
 def _host_rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -261,6 +287,7 @@ def main() -> None:
     no_te = None if importlib.util.find_spec("transformer_engine") else \
         "Transformer Engine is not installed (pip install --no-build-isolation transformer_engine[pytorch])"
     checks.run("own model on Transformer Engine's layer spec", lambda: _te_case(device), skip=no_device or no_te)
+    checks.run("snapshot copy into host memory beside training", lambda: _snapshot_copy(device))
     dist.destroy_process_group()
     proved = [r["check"] for r in checks.rows if r["verdict"] == "PASS"]
     print(f"[gpu_check] proved: {', '.join(proved) or 'nothing'}")

@@ -22,10 +22,11 @@ def test_gpu_check_runs_its_cpu_part_and_names_what_it_skipped() -> None:
     verdicts = {row["check"]: (row["verdict"], row["detail"]) for row in result["checks"]}
     assert result["cuda"] is False and result["failed"] is False
     for name in ("default group", "bf16 model built (CPU)", "bf16 training steps", "switch dp1 -> dp1-zero1",
-                 "switch dp1-zero1 -> dp1"):
+                 "switch dp1-zero1 -> dp1", "snapshot copy into host memory beside training"):
         assert verdicts[name][0] == "PASS", (name, verdicts[name])
     assert "bit for bit" in verdicts["switch dp1 -> dp1-zero1"][1]
     assert "bfloat16" in verdicts["bf16 model built (CPU)"][1]
+    assert verdicts["snapshot copy into host memory beside training"][1].startswith("PlainHostCopier")
     for name in ("memory bound vs torch.cuda.max_memory_allocated", "a switch's shard allocated on the device",
                  "engine GPU test (world 1)", "own model on Transformer Engine's layer spec"):
         assert verdicts[name] == ("SKIP", "no CUDA device on this machine"), name

@@ -88,6 +88,11 @@ class OnNodeChange(Callback):
             the same learning rates (at most ``snapshot_every``; ``dynatrain/recovery_steps_redone``).
             Costs host memory of one copy of a rank's state plus what it keeps for its peer, and a
             copy of the step's global batches. ``None`` (default): no snapshots.
+        snapshot_buffers: 1 (default): each snapshot overwrites the last in place, so a death while
+            one is being taken (its boundary to the end of its exchange, part of the next step) finds
+            no whole snapshot; 2: snapshots alternate between two buffers, the previous one stays
+            whole meanwhile and a death then goes back to it (up to ``snapshot_every + 1`` steps
+            redone), for twice the host memory.
 
     Raises:
         LayoutError: (at construction) the policy cannot be read; (at a change) it has no valid
@@ -104,19 +109,22 @@ class OnNodeChange(Callback):
     def __init__(self, policy: Policy = "auto", *, memory_per_rank: int | None = None,
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
                  ahead: bool = True, keep_worlds: int = 2, recover: bool = True,
-                 snapshot_every: int | None = None) -> None:
+                 snapshot_every: int | None = None, snapshot_buffers: int = 1) -> None:
         parse_policy(policy)  # fail at construction, not at the first change
         if snapshot_every is not None and (isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int)
                                            or snapshot_every < 1):
             raise ValueError(f"OnNodeChange(snapshot_every={snapshot_every!r}): give a number of steps, 1 or more "
                              "(None: no snapshots)")
+        if snapshot_buffers not in (1, 2) or isinstance(snapshot_buffers, bool):
+            raise ValueError(f"OnNodeChange(snapshot_buffers={snapshot_buffers!r}): 1 (each snapshot overwrites the "
+                             "last) or 2 (the previous snapshot stays whole while the next is taken)")
         if isinstance(keep_worlds, bool) or not isinstance(keep_worlds, int) or keep_worlds < 0:
             raise ValueError(f"OnNodeChange(keep_worlds={keep_worlds!r}): give a count of worlds, 0 or more "
                              "(0: every world left is destroyed)")
         self.policy = policy if not isinstance(policy, (str, Path)) or str(policy).lower() == "auto" else Path(policy)
         self.memory_per_rank, self.step_model = memory_per_rank, step_model
         self.heartbeat, self.exit_after, self.ahead, self.keep_worlds = heartbeat, exit_after, ahead, keep_worlds
-        self.recover, self.snapshot_every = recover, snapshot_every
+        self.recover, self.snapshot_every, self.snapshot_buffers = recover, snapshot_every, snapshot_buffers
         #: every world change of the job, in order: a joiner gets rank 0's list with Lightning's state and
         #: adds the grow that admitted it, so every process holds the same history
         self.changes: list[dict[str, Any]] = []
@@ -140,7 +148,7 @@ class OnNodeChange(Callback):
         self._driver = ElasticDriver(strategy, policy=self.policy, memory_per_rank=self.memory_per_rank,
                                      step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after,
                                      ahead=self.ahead, keep_worlds=self.keep_worlds, recover=self.recover,
-                                     snapshot_every=self.snapshot_every)
+                                     snapshot_every=self.snapshot_every, snapshot_buffers=self.snapshot_buffers)
         return self._driver
 
     @override
@@ -213,7 +221,7 @@ class OnNodeChange(Callback):
             self._snapshot_logged = figures.step
             pl_module.log_dict({"dynatrain/snapshot_copy_seconds": figures.copy_seconds,
                                 "dynatrain/snapshot_exchange_seconds": figures.exchange_seconds,
-                                "dynatrain/snapshot_host_bytes": float(figures.local_bytes + figures.kept_bytes)},
+                                "dynatrain/snapshot_host_bytes": float(figures.host_bytes)},
                                on_step=True, on_epoch=False, batch_size=1)
         if report is not None:
             self.changes.append(asdict(report))

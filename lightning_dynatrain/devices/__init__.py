@@ -12,7 +12,9 @@ into megatron-core ask one ``DeviceKind`` (``device_kind(device)``) instead of t
   torch-function mode they also run under);
 - ``gives_pages_back`` / ``release_pages(start, end)``: whether, and how, part of a storage's
   memory goes back to the system before the whole storage is freed;
-- ``free_bytes()`` / ``pool_name()``: the memory pool a switch draws on (memory check).
+- ``free_bytes()`` / ``pool_name()``: the memory pool a switch draws on (memory check);
+- ``host_copier()``: how an in-memory snapshot copies the state into host buffers beside training
+  (``snapshot_copy``).
 
 Two kinds, frozen dataclasses over the device: ``host.HostKind`` for the CPU (and the storage-free
 ``meta`` device a probe builds on), whose package holds all the code that exists only for CPU
@@ -38,6 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
+    from lightning_dynatrain.devices.snapshot_copy import HostCopier
     from lightning_dynatrain.memory.policy import PlainMemory
 
 #: device types the host's kind serves: the CPU, and ``meta`` (no memory, no accelerator runtime)
@@ -75,6 +78,9 @@ class DeviceKind(Protocol):
 
     def pool_name(self) -> str:
         """Which pool the device draws on: ranks with the same name share its free memory."""
+
+    def host_copier(self) -> HostCopier:
+        """What copies this device's tensors into host buffers beside training (``snapshot_copy``)."""
 
 
 def device_kind(device: torch.device | str) -> DeviceKind:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from lightning_dynatrain.devices.snapshot_copy import HostCopier, PlainHostCopier, StreamHostCopier
 from lightning_dynatrain.megatron.norm_patch import patch_torch_norm
 from lightning_dynatrain.memory.policy import KeepOldMemory, PlainMemory
 
@@ -70,6 +71,10 @@ class AcceleratorKind:
     def pool_name(self) -> str:
         """``host/type:index``: each device is one pool."""
         return f"{socket.gethostname()}/{self.device.type}:{self.device.index or 0}"
+
+    def host_copier(self) -> HostCopier:
+        """CUDA: copies on a side stream into pinned buffers; other accelerators: plain copies."""
+        return StreamHostCopier(self.device) if self.device.type == "cuda" else PlainHostCopier()
 
 
 __all__ = ["AcceleratorKind"]

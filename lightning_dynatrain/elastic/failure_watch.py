@@ -16,6 +16,11 @@ failed (``await_survivors``), or in the watchdog thread, every second:
   and came back too late) the job cannot go on here: ``failure`` holds the message, raised as
   ``MemberFailedError`` by the main thread, and the watchdog ends the process after
   ``exit_after`` seconds if the main thread is stuck.
+
+A survivor that dies too while the others build the survivors' world (they wait for it in the
+store's rendezvous, not in a collective) is found by ``survivors_group``: after ``SLOW_WORLD_BUILD``
+seconds it reports a suspected failure, the store records a world without that member too, and
+the recovery starts again into it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -32,8 +38,14 @@ from lightning_dynatrain.elastic.client import JobStore
 from lightning_dynatrain.elastic.records import Membership
 from lightning_dynatrain.vps.errors import DynaTrainError
 
+if TYPE_CHECKING:
+    from lightning_dynatrain.elastic.world import NextWorld
+
 #: exit status of a process the watchdog ends (a member failed and a collective would hang)
 EXIT_MEMBER_FAILED = 75
+
+#: seconds a survivors' world may take to build before the store is told a member may be gone
+SLOW_WORLD_BUILD = 2.0
 
 
 class MemberFailedError(DynaTrainError):
@@ -139,6 +151,31 @@ class FailureWatch:
             if self.lost is None and self.failure is None:
                 time.sleep(0.1)
         return self.lost if self.failure is None else None
+
+    def survivors_group(self, nxt: "NextWorld", record: Membership, *, timeout: float) -> dist.ProcessGroup:
+        """``record``'s world, once every survivor took part in its build (``nxt``, building in a
+        thread) within ``timeout`` seconds.
+
+        Raises:
+            MemberLostError: a survivor of ``record`` died too before the world was built: the store
+                recorded the world without it, to recover into next (a slow build is reported as a
+                suspected failure, so the store names the silent in ``suspect_after``, not ``dead_after``).
+            AdmissionError: the build failed or timed out and the store named nobody.
+        """
+        start, reported = time.monotonic(), False
+        while not nxt.wait(0.25) and time.monotonic() - start < timeout:
+            newer = self.lost
+            if newer is not None and newer.generation > record.generation:
+                raise MemberLostError(newer)  # (the build's thread waits out its timeout, unused)
+            if not reported and time.monotonic() - start > SLOW_WORLD_BUILD:
+                self.store.suspect_failure(f"the survivors' world of generation {record.generation} was not built "
+                                           f"in {SLOW_WORLD_BUILD:.0f} s")
+                reported = True
+        if not nxt.ready:  # failed (a peer vanished in the build) or timed out: the store may say who
+            newer = self.await_survivors(SLOW_WORLD_BUILD * 10, cause="the survivors' world was not built")
+            if newer is not None and newer.generation > record.generation:
+                raise MemberLostError(newer)
+        return nxt.group(timeout=0)
 
     def take(self, record: Membership) -> bool:
         """The main thread recovers into ``record`` now (the watchdog no longer abandons or ends)."""

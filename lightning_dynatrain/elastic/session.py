@@ -55,6 +55,10 @@ from lightning_dynatrain.vps.members import Members
 #: world and started the switch that fills it (built ahead; ``strategy.elastic``)
 JOIN_FAULT_ENV = "DYNATRAIN_JOIN_FAULT"
 
+#: test hook: ``DYNATRAIN_RECOVERY_FAULT=KILL_IN_WORLD`` kills this process (SIGKILL) as it starts
+#: building the survivors' world of a recovery, while the others wait for it there
+RECOVERY_FAULT_ENV = "DYNATRAIN_RECOVERY_FAULT"
+
 
 @dataclass(frozen=True, slots=True)
 class WorldChange:
@@ -377,9 +381,11 @@ class ElasticSession:
         self.failures.take(record)  # (the caller abandoned the old world first)
         rank = record.rank_of(self.me)
         assert rank is not None, "only a survivor recovers"
-        group = NextWorld(self.store.for_thread().raw, generation=record.generation, rank=rank,
-                          size=len(record.members), backend=self.backend, timeout=self.timeout, device=self.device,
-                          background=False).group(timeout=self.timeout.total_seconds())
+        if os.environ.get(RECOVERY_FAULT_ENV) == "KILL_IN_WORLD":  # test hook
+            os.kill(os.getpid(), signal.SIGKILL)
+        nxt = NextWorld(self.store.for_thread().raw, generation=record.generation, rank=rank,
+                        size=len(record.members), backend=self.backend, timeout=self.timeout, device=self.device)
+        group = self.failures.survivors_group(nxt, record, timeout=self.timeout.total_seconds())
         retire(self.kept.prune(()))
         old = install(group, self.store.raw, generation=record.generation)
         self.world, self._seen = record, max(self._seen, record.generation)

@@ -5,24 +5,32 @@ starts ``Snapshots.take`` and trains on. A thread of its own
 
 1. copies this rank's whole state (every local tensor the engine keys: parameters, fp32 main
    parameters, the optimizer's state; ``state_bridge.megatron_store``) and Adam's step into host
-   buffers, allocated once per layout and reused; the next optimizer step waits for this copy
-   (``wait_local``, called before the step's update: the forward and backward overlap it);
+   buffers, allocated once per layout and reused, with the device kind's copier
+   (``devices.snapshot_copy``: plain copies on the host, a side stream into pinned buffers on CUDA);
+   the next optimizer step waits for this copy (``wait_local``, called before the step's update:
+   the forward and backward overlap it);
 2. sends the boxes that only this rank's failure domain holds (``vps.snapshot_plan``: a ZeRO-1
    shard, a tp/pp shard at dp1) to its *keeper*, a rank in another domain, and receives those it
    keeps for others into buffers of their own, over a gloo group of the world's processes (host
-   memory travels over the host backend whatever the training backend is). Both copies are
-   overwritten in place: host memory holds one copy of the rank's state and one of what it keeps.
+   memory travels over the host backend whatever the training backend is).
 
-A recovery (``strategy/snapshot_recovery.py``) reads both: each survivor's own state at ``S``
-(``restore``, which also gives back the memory of the storages a failed switch freed) and the copies
-of the dead's boxes its keepers hold (``kept``). A snapshot counts for
-step ``S`` only where both completed at ``S``: a death while one is being taken (between the
-boundary and the end of the exchange, a fraction of the next step) leaves no whole snapshot, and the
-recovery says so and the job ends naming the checkpoint.
+Both copies live in a *buffer* (``SnapshotBuffer``), overwritten in place by the next snapshot. With
+one buffer (``buffers=1``, the default) host memory holds one copy of the rank's state and one of
+what it keeps, and a death while a snapshot is being taken (between the boundary and the end of the
+exchange, a fraction of the next step) leaves no whole snapshot: the recovery says so and the job
+ends naming the checkpoint. With two, snapshots alternate between them: the previous snapshot stays
+whole while the next is taken (twice the host memory; a recovery in that window redoes up to
+``N + 1`` steps).
+
+A recovery (``strategy/snapshot_recovery.py``) reads a snapshot step ``S`` every survivor holds
+whole: each survivor's own state at ``S`` (``restore``, which also gives back the memory of the
+storages a failed switch freed) and the copies of the dead's boxes its keepers hold (``kept``).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.compat.torch_internals import is_registered
+from lightning_dynatrain.devices import device_kind
+from lightning_dynatrain.devices.snapshot_copy import HostCopier
 from lightning_dynatrain.engine.store import RegionIndex, StoreKey, box_pieces, box_view, torch_dtype
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import adam_step, megatron_store, set_adam_step
@@ -42,6 +52,10 @@ from lightning_dynatrain.vps.spec import ModelSpec, StateKind
 
 KeptKey = tuple[str, StateKind, Box]
 
+#: test hook: ``DYNATRAIN_SNAPSHOT_FAULT=RANK:STEP:KILL`` kills that rank (SIGKILL) as its snapshot
+#: thread starts the snapshot of step ``STEP``
+SNAPSHOT_FAULT_ENV = "DYNATRAIN_SNAPSHOT_FAULT"
+
 
 @dataclass(frozen=True)
 class SnapshotFigures:
@@ -50,28 +64,42 @@ class SnapshotFigures:
     step: int
     local_bytes: int
     kept_bytes: int
+    host_bytes: int
+    """Every snapshot buffer of this rank (its own copies and what it keeps, all buffers)."""
     sent_bytes: int
     copy_seconds: float
     exchange_seconds: float
 
 
+class SnapshotBuffer:
+    """One snapshot's host copies: this rank's own state and what it keeps for others, each with
+    the step it holds whole (``None``: none, or being overwritten)."""
+
+    def __init__(self) -> None:
+        self.local: dict[StoreKey, torch.Tensor] = {}
+        self.kept: dict[KeptKey, torch.Tensor] = {}
+        self.local_step: int | None = None
+        self.kept_step: int | None = None
+        self.adam_step: int | None = None
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.local.values()) + sum(t.nbytes for t in self.kept.values())
+
+
 class Snapshots:
     """One rank's in-memory snapshots (see the module docstring); one per process, kept across worlds."""
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, *, buffers: int = 1) -> None:
         if every < 1:
             raise ValueError(f"snapshot_every={every}: take a snapshot every N >= 1 steps, or pass None for none")
+        if buffers not in (1, 2):
+            raise ValueError(f"snapshot_buffers={buffers}: 1 (one copy, overwritten in place) or 2 (the previous "
+                             "snapshot stays whole while the next is taken)")
         self.every = every
         self.layout: ParallelConfig | None = None
-        self.local_step: int | None = None
-        """The step this rank's own copy holds (``None``: none)."""
-        self.kept_step: int | None = None
-        """The step of the copies this rank keeps for others (``None``: none)."""
-        self.adam_step: int | None = None
         self.figures: SnapshotFigures | None = None
-        self._local: dict[StoreKey, torch.Tensor] = {}
+        self._buffers = [SnapshotBuffer() for _ in range(buffers)]
         self._storage_bytes: dict[StoreKey, int] = {}  # each live tensor's storage when taken (``restore``)
-        self._kept: dict[KeptKey, torch.Tensor] = {}
         self._plan: SnapshotPlan | None = None
         self._spec: ModelSpec | None = None
         self._rank = 0
@@ -82,6 +110,25 @@ class Snapshots:
         self._copied.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._copier: HostCopier | None = None  # the state's device kind's (chosen at the first take)
+
+    @property
+    def buffers(self) -> int:
+        return len(self._buffers)
+
+    @property
+    def own_steps(self) -> tuple[int, ...]:
+        """The steps of this rank's whole own copies, newest first."""
+        return tuple(sorted((b.local_step for b in self._buffers if b.local_step is not None), reverse=True))
+
+    @property
+    def kept_steps(self) -> tuple[int, ...]:
+        """The steps of the whole copies this rank keeps for others, newest first."""
+        return tuple(sorted((b.kept_step for b in self._buffers if b.kept_step is not None), reverse=True))
+
+    def host_bytes(self) -> int:
+        """Host memory the snapshot buffers hold on this rank."""
+        return sum(b.nbytes() for b in self._buffers)
 
     # ---------------------------------------------------------------------------- taking
     def prepare(self, layout: ParallelConfig, spec: ModelSpec, plan: SnapshotPlan, rank: int) -> None:
@@ -102,59 +149,75 @@ class Snapshots:
         the thread runs)."""
         self.wait()
         if self._error is not None:  # (a death that failed it is recovered from first, which forgets it)
-            raise RuntimeError(f"the in-memory snapshot of step {self.local_step} failed: "
+            raise RuntimeError("the last in-memory snapshot failed: "
                                f"{type(self._error).__name__}: {self._error}") from self._error
         assert self._spec is not None and state.layout == self.layout, "prepare the snapshots of this layout first"
         live = megatron_store(state.ddp, state.optimizer, self._spec, state.layout, self._rank)
         self._storage_bytes = {key: tensor.untyped_storage().nbytes() for key, tensor in live.items()}
+        if self._copier is None and live:
+            self._copier = device_kind(next(iter(live.values())).device).host_copier()
+        if self._copier is not None:
+            self._copier.mark()  # what the copy comes after: this boundary's optimizer step
+        # the buffer overwritten: the one not holding the newest whole own copy (the only one, with one)
+        newest = self.own_steps[0] if self.own_steps else None
+        target = next((b for b in self._buffers if newest is None or b.local_step != newest), self._buffers[0])
         self._copied.clear()
-        self._thread = threading.Thread(target=self._run, args=(step, state, live), name="dynatrain-snapshot",
+        self._thread = threading.Thread(target=self._run, args=(step, state, live, target), name="dynatrain-snapshot",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, step: int, state: MegatronState, live: dict[StoreKey, torch.Tensor]) -> None:
+    def _run(self, step: int, state: MegatronState, live: dict[StoreKey, torch.Tensor],
+             target: SnapshotBuffer) -> None:
         try:
+            if os.environ.get(SNAPSHOT_FAULT_ENV) == f"{self._rank}:{step}:KILL":  # test hook
+                os.kill(os.getpid(), signal.SIGKILL)
             start = time.perf_counter()
-            self.local_step = None  # being overwritten
+            target.local_step = target.kept_step = None  # being overwritten
+            copier = self._copier
+            assert copier is not None or not live
+            pairs = []
             for key, tensor in live.items():
-                buffer = self._local.get(key)
+                buffer = target.local.get(key)
                 if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                    buffer = self._local[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-                buffer.copy_(tensor)
-            self.adam_step = adam_step(state.optimizer)
-            self.local_step = step
+                    buffer = target.local[key] = copier.host_buffer(tensor)
+                pairs.append((buffer, tensor))
+            if pairs:
+                copier.copy(pairs)
+            target.adam_step = adam_step(state.optimizer)
+            target.local_step = step
             copied = time.perf_counter()
             self._copied.set()
-            sent = self._exchange(step)
-            self.figures = SnapshotFigures(step, sum(t.nbytes for t in self._local.values()),
-                                           sum(t.nbytes for t in self._kept.values()), sent, copied - start,
+            sent = self._exchange(step, target)
+            self.figures = SnapshotFigures(step, sum(t.nbytes for t in target.local.values()),
+                                           sum(t.nbytes for t in target.kept.values()), self.host_bytes(), sent,
+                                           copied - start,
                                            time.perf_counter() - copied)
         except BaseException as err:  # noqa: BLE001 - reported by wait(); a dead peer ends the exchange
             self._error = err
         finally:
             self._copied.set()
 
-    def _exchange(self, step: int) -> int:
-        """Send this rank's share of ``plan.copies``, receive what it keeps; the bytes sent."""
+    def _exchange(self, step: int, target: SnapshotBuffer) -> int:
+        """Send this rank's share of ``plan.copies`` out of ``target``'s own copy, receive what it
+        keeps into ``target``; the bytes sent."""
         plan, group, rank, regions = self._plan, self._group, self._rank, self._regions
         assert plan is not None and group is not None and regions is not None
         ops, sent = [], 0
-        self.kept_step = None  # being overwritten (in place: the own copies were, already)
         for copy in plan.copies:
             if copy.sender == rank:
-                data = _box_of(self._local, regions, copy)
+                data = _box_of(target.local, regions, copy)
                 ops.append(dist.P2POp(dist.isend, data, group=group, group_peer=copy.keeper))
                 sent += data.nbytes
             elif copy.keeper == rank:
                 key = (copy.tensor, copy.kind, copy.box)
-                buffer = self._kept.get(key)
+                buffer = target.kept.get(key)
                 if buffer is None:
-                    buffer = self._kept[key] = torch.empty(copy.box.shape, dtype=self._dtypes[(copy.tensor, copy.kind)])
+                    buffer = target.kept[key] = torch.empty(copy.box.shape, dtype=self._dtypes[(copy.tensor, copy.kind)])
                 ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=copy.sender))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        self.kept_step = step
+        target.kept_step = step
         return sent
 
     # --------------------------------------------------------------------------- waiting
@@ -175,19 +238,20 @@ class Snapshots:
         return True
 
     # --------------------------------------------------------------------------- reading
-    def restore(self, state: MegatronState) -> None:
-        """Write this rank's own copy back into ``state`` (the layout it was taken at). A switch that
-        failed may have freed some of that state's storages as it moved them (resized to nothing):
-        each gets its memory back first, as large as it was when the snapshot was taken."""
-        assert self.local_step is not None and self._spec is not None and state.layout == self.layout
+    def restore(self, state: MegatronState, step: int) -> None:
+        """Write this rank's own copy of step ``step`` back into ``state`` (the layout it was taken
+        at). A switch that failed may have freed some of that state's storages as it moved them
+        (resized to nothing): each gets its memory back first, as large as it was when taken."""
+        assert self._spec is not None and state.layout == self.layout
+        held = self._buffer(step, own=True)
         live = megatron_store(state.ddp, state.optimizer, self._spec, state.layout, self._rank)
         for key, tensor in live.items():
             storage = tensor.untyped_storage()
             if storage.nbytes() < self._storage_bytes[key] and storage.resizable():
                 storage.resize_(self._storage_bytes[key])
-            tensor.copy_(self._local[key])
-        if self.adam_step is not None:
-            set_adam_step(state.optimizer, self.adam_step)
+            tensor.copy_(held.local[key])
+        if held.adam_step is not None:
+            set_adam_step(state.optimizer, held.adam_step)
 
     def restore_gradient_memory(self, state: MegatronState) -> None:
         """Give ``state``'s gradient buffers the memory a failed switch took (``take_old_buffers``),
@@ -199,19 +263,26 @@ class Snapshots:
                 storage.resize_(need)
             buffer.zero_()
 
-    def kept(self) -> dict[KeptKey, torch.Tensor]:
-        """The boxes this rank keeps for others, at ``kept_step``."""
-        return self._kept
+    def kept(self, step: int) -> dict[KeptKey, torch.Tensor]:
+        """The boxes this rank keeps for others, of step ``step``."""
+        return self._buffer(step, own=False).kept
+
+    def _buffer(self, step: int, *, own: bool) -> SnapshotBuffer:
+        for buffer in self._buffers:
+            if (buffer.local_step if own else buffer.kept_step) == step:
+                return buffer
+        raise KeyError(f"no whole snapshot {'own copy' if own else 'kept copy'} of step {step} on this rank "
+                       f"(own: {self.own_steps}, kept: {self.kept_steps})")
 
     @property
     def plan(self) -> SnapshotPlan | None:
-        """The copies the snapshot held was taken with (``None``: none held)."""
-        return self._plan if self.local_step is not None else None
+        """The copies the snapshots held were taken with (``None``: none held)."""
+        return self._plan if self.own_steps else None
 
     def forget(self) -> None:
         """The state moved on (a switch, a world change): what is held describes it no more."""
-        self._local, self._kept, self.local_step, self.kept_step, self._error = {}, {}, None, None, None
-        self._storage_bytes = {}
+        self._buffers = [SnapshotBuffer() for _ in self._buffers]
+        self._storage_bytes, self._error = {}, None
 
     def drop_group(self) -> None:
         """Forget the world's gloo group (the world was abandoned: no collective on it again)."""
@@ -229,4 +300,4 @@ def _box_of(store: dict[StoreKey, torch.Tensor], regions: RegionIndex, copy: Sna
     return torch.cat([p.reshape(-1) for p in pieces]).view(copy.box.shape)
 
 
-__all__ = ["KeptKey", "SnapshotFigures", "Snapshots"]
+__all__ = ["SNAPSHOT_FAULT_ENV", "KeptKey", "SnapshotBuffer", "SnapshotFigures", "Snapshots"]

@@ -59,10 +59,10 @@ class ElasticDriver:
     def __init__(self, strategy: "DynaTrainStrategy", *, policy: Any, memory_per_rank: int | None = None,
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
                  ahead: bool = True, keep_worlds: int = 2, recover: bool = True,
-                 snapshot_every: int | None = None) -> None:
+                 snapshot_every: int | None = None, snapshot_buffers: int = 1) -> None:
         self.strategy = strategy
         self.recover_from_loss = recover
-        self.snapshots = SnapshotKeeper(snapshot_every) if snapshot_every else None
+        self.snapshots = SnapshotKeeper(snapshot_every, buffers=snapshot_buffers) if snapshot_every else None
         """In-memory snapshots and the step log (``strategy/snapshot_recovery.py``), or ``None``."""
         self.recoveries: list[RecoveryReport] = []
         """Every recovery from a member lost without leaving (``strategy/recovery.py``)."""
@@ -297,23 +297,29 @@ class ElasticDriver:
         assert self.session is not None and self.session.world is not None
         state_world = state_world or self.session.world
         was_rank_zero = was_rank_zero or self.strategy.global_rank == 0
+        noticed = time.perf_counter()  # (the figures span every attempt)
         for attempt in range(1, MAX_RECOVERY_ATTEMPTS + 1):
             try:
                 if retired is not None:
                     assert error is not None
                     outcome = recover_in_world(self, trainer, error=error, state_world=state_world, retired=retired,
-                                               was_rank_zero=was_rank_zero)
+                                               was_rank_zero=was_rank_zero, noticed=noticed)
                 else:
                     outcome = recover(self, trainer, error=error, record=record, progress=progress,
-                                      state_world=state_world, was_rank_zero=was_rank_zero)
+                                      state_world=state_world, was_rank_zero=was_rank_zero, noticed=noticed)
                 break
             except Exception as err:  # another member died before the state moved: again, without it too
-                if attempt == MAX_RECOVERY_ATTEMPTS or isinstance(err, MemberFailedError) or not self.recovers(err):
+                lost = isinstance(err, MemberLostError)  # (the store recorded it while the world was built)
+                if attempt == MAX_RECOVERY_ATTEMPTS or isinstance(err, MemberFailedError) or \
+                        not (lost or self.recovers(err)):
                     raise  # (MemberFailedError: the recovery itself found the job cannot go on)
                 rank_zero_warn(f"[dynatrain] a member died during the recovery ({type(err).__name__}: {err}); "
                                "the survivors agree on a world without it too")
                 freed = getattr(error, "freed", False)  # (a state freed stays freed: the snapshot or nothing)
-                error, record, retired = error if freed else err, None, None
+                if lost:
+                    record, retired = err.record, None
+                else:
+                    error, record, retired = error if freed else err, None, None
         self.recoveries.append(outcome.report)
         self._last_boundary = time.perf_counter()  # the pause is not a step
         return outcome

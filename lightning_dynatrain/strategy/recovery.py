@@ -112,18 +112,21 @@ class Recovered:
 
 def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseException | None = None,
             record: "Membership | None" = None, progress: "StepProgress | None" = None,
-            state_world: "Membership | None" = None, was_rank_zero: bool | None = None) -> Recovered:
+            state_world: "Membership | None" = None, was_rank_zero: bool | None = None,
+            noticed: float | None = None) -> Recovered:
     """Steps 1-7 of the module docstring on this survivor; ``error``: the collective that failed,
     ``record``: the survivors' world when the store's record came first, ``progress``: the step in
     flight (``None`` at a boundary), ``state_world``: the world whose ranks hold the state when it is
     not the running one (a shrink's switch failed on a member that stays: the world before it; a
     recovery that lost another member: the world before the first), ``was_rank_zero``: whether this
-    process was rank 0 of that world (its loggers' files are then its own)."""
+    process was rank 0 of that world (its loggers' files are then its own), ``noticed``: when the
+    failure was first noticed here (``time.perf_counter()``; an attempt that lost another member
+    came before this one), the start of the figures."""
     from lightning_dynatrain.strategy.topology import gather_topology
 
     session, strategy = driver.session, driver.strategy
     assert session is not None and session.world is not None
-    start = time.perf_counter()
+    start = time.perf_counter() if noticed is None else noticed
     session.abandon_world()  # (1)
     if driver.snapshots is not None:
         driver.snapshots.quiesce()
@@ -151,13 +154,14 @@ def recover(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcept
 
 
 def recover_in_world(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseException,
-                     state_world: "Membership", retired: tuple, was_rank_zero: bool) -> Recovered:
+                     state_world: "Membership", retired: tuple, was_rank_zero: bool,
+                     noticed: float | None = None) -> Recovered:
     """Steps 4-7 only: the running world is whole, but the state it was moving is not (a leaver died
     handing its state off in a shrink's switch, which ran over ``state_world``, the world before;
     ``retired``: that world's caches and groups, destroyed here)."""
     session, strategy = driver.session, driver.strategy
     assert session is not None and session.world is not None
-    start = time.perf_counter()
+    start = time.perf_counter() if noticed is None else noticed
     if driver.snapshots is not None:
         driver.snapshots.quiesce()  # (its group spans the world before)
     return _go_on(driver, trainer, error=error, progress=None, state_world=state_world,
@@ -236,7 +240,7 @@ def _switch_and_redo(driver: "ElasticDriver", trainer: "pl.Trainer", everyone: l
     target = choice.layout
     initialize_for_layout(target, seed=strategy.seed, groups=groups)  # (6)
     if snapshot is not None:
-        driver.snapshots.go_back(strategy)
+        driver.snapshots.go_back(strategy, snapshot.step)
     result = hot_switch(strategy.megatron, target, setup, groups=groups, members=members,
                         watch=strategy.switcher.world_watch(), restore_source_groups=False)
     strategy._install(result.state)

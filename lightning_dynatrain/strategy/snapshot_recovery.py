@@ -50,8 +50,8 @@ SNAPSHOT_WAIT = 30.0
 class SnapshotKeeper:
     """An elastic fit's snapshots and step log (see the module docstring)."""
 
-    def __init__(self, every: int) -> None:
-        self.snapshots = Snapshots(every)
+    def __init__(self, every: int, *, buffers: int = 1) -> None:
+        self.snapshots = Snapshots(every, buffers=buffers)
         self.log = StepLog()
         self._fresh = True  # a new world or layout: snapshot at the next boundary ...
         self._not_before = 1  # ... from this step on
@@ -89,9 +89,11 @@ class SnapshotKeeper:
             own = sum(t.nbytes for t in megatron_store(state.ddp, state.optimizer, spec, state.layout, rank).values())
             rank_zero_info(f"[dynatrain] step {step}: in-memory snapshots of {state.layout} every "
                            f"{self.snapshots.every} steps, host memory of rank 0: its own copy {own / 2**20:.1f} MiB, "
-                           f"kept for others {plan.held_bytes(rank) / 2**20:.1f} MiB; {plan}")
+                           f"kept for others {plan.held_bytes(rank) / 2**20:.1f} MiB"
+                           f"{', twice (two buffers)' if self.snapshots.buffers == 2 else ''}; {plan}")
+        staying = self.snapshots.own_steps[:self.snapshots.buffers - 1]  # (the newest, with two buffers)
         self.snapshots.take(step, state)
-        self.log.drop_through(step)
+        self.log.drop_through(min(staying + (step,)))  # a recovery may go back to any whole snapshot
         self._fresh = False
 
     def before_state_change(self) -> None:
@@ -118,7 +120,7 @@ class SnapshotKeeper:
 
     def holding(self) -> dict[str, Any]:
         """What this survivor has to go back with (gathered by the recovery)."""
-        return {"own": self.snapshots.local_step, "kept": self.snapshots.kept_step, "logged": self.log.steps()}
+        return {"own": self.snapshots.own_steps, "kept": self.snapshots.kept_steps, "logged": self.log.steps()}
 
     def source(self, setup: "SwitchSetup", everyone: list[dict], *, old_size: int, lost: StateLostError
                ) -> SnapshotSource:
@@ -127,7 +129,8 @@ class SnapshotKeeper:
         plan = self.snapshots.plan
         if plan is None:
             raise lost
-        holdings = [SnapshotHolding(e["old_rank"], e["snapshot"]["own"], e["snapshot"]["kept"]) for e in everyone]
+        holdings = [SnapshotHolding(e["old_rank"], tuple(e["snapshot"]["own"]), tuple(e["snapshot"]["kept"]))
+                    for e in everyone]
         source = snapshot_source(setup.spec, plan, old_size=old_size, survivors=holdings)
         last = max(e["state"] for e in everyone)
         short = [e["old_rank"] for e in everyone
@@ -137,10 +140,10 @@ class SnapshotKeeper:
                                  "to compute them again", hint="restart the job from its last checkpoint")
         return source
 
-    def go_back(self, strategy: "DynaTrainStrategy") -> None:
-        """Step 2's first half: this survivor's own copy of step ``source.step`` back in its state."""
+    def go_back(self, strategy: "DynaTrainStrategy", step: int) -> None:
+        """Step 2's first half: this survivor's own copy of step ``step`` (``source.step``) back in its state."""
         self.restored = True
-        self.snapshots.restore(strategy.megatron)
+        self.snapshots.restore(strategy.megatron, step)
 
     def fill(self, strategy: "DynaTrainStrategy", source: SnapshotSource, everyone: list[dict],
              precision: "Precision") -> int:
@@ -157,7 +160,8 @@ class SnapshotKeeper:
         pieces = fill_plan(spec, state.layout, precision, source.lost, keepers)
         host = dist.new_group(backend="gloo")
         try:
-            return fill_from_kept(state, spec, precision, pieces, self.snapshots.kept(), dist.get_rank(), group=host)
+            return fill_from_kept(state, spec, precision, pieces, self.snapshots.kept(source.step), dist.get_rank(),
+                                  group=host)
         finally:
             dist.destroy_process_group(host)
 
@@ -181,14 +185,16 @@ class SnapshotKeeper:
         buffers get their memory back, and steps ``S+1 .. step`` run again. Returns ``S`` and the
         seconds the steps took; ``MemberFailedError`` when the members' snapshots are not of one step."""
         held: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(held, (self.snapshots.local_step, self.log.steps()))
-        snapshot_step = held[0][0]
-        needed = set(range((snapshot_step or 0) + 1, step + 1))
-        if snapshot_step is None or any(s != snapshot_step or not needed <= set(logged) for s, logged in held):
+        dist.all_gather_object(held, (self.snapshots.own_steps, self.log.steps()))
+        common = set.intersection(*(set(own) for own, _ in held))
+        whole = [s for s in sorted(common, reverse=True)
+                 if all(set(range(s + 1, step + 1)) <= set(logged) for _, logged in held)]
+        if not whole:
             raise MemberFailedError(f"the grow's switch freed state and no snapshot of one step is held by every "
-                                    f"member (snapshot steps {[s for s, _ in held]})",
+                                    f"member (snapshot steps {[own for own, _ in held]})",
                                     hint="restart the job from its last checkpoint")
-        self.snapshots.restore(strategy.megatron)
+        snapshot_step = whole[0]
+        self.snapshots.restore(strategy.megatron, snapshot_step)
         self.snapshots.restore_gradient_memory(strategy.megatron)
         start = time.perf_counter()
         self.replay(strategy, snapshot_step + 1, step)

@@ -90,12 +90,12 @@ def recovery_source(spec: ModelSpec, layout: ParallelConfig, precision: Precisio
 
 @dataclass(frozen=True)
 class SnapshotHolding:
-    """What a survivor holds of an in-memory snapshot: the step of its own copy and of the copies
-    it keeps for others (``None``: none whole)."""
+    """What a survivor holds of in-memory snapshots: the steps of its whole own copies and of the
+    whole copies it keeps for others (one of each per snapshot buffer; empty: none whole)."""
 
     old_rank: int
-    own_step: int | None
-    kept_step: int | None
+    own_steps: tuple[int, ...]
+    kept_steps: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -112,33 +112,40 @@ class SnapshotSource:
 
 def snapshot_source(spec: ModelSpec, plan: SnapshotPlan, *, old_size: int,
                     survivors: Sequence[SnapshotHolding]) -> SnapshotSource:
-    """The snapshot every survivor can go back to (``plan``: the copies it was taken with, for
-    the old layout), or ``StateLostError`` saying why there is none: a survivor without its own
-    copy of the same step, or a box of the dead whose copy is on no survivor at that step."""
-    steps = {s.own_step for s in survivors}
-    if len(steps) != 1 or None in steps:
-        raise StateLostError(f"the survivors' own snapshot copies are not of one step ({sorted(map(str, steps))}): "
-                             "a member died while a snapshot was being taken, or before the first",
-                             hint="restart the job from its last checkpoint")
-    step = steps.pop()
-    assert step is not None
+    """The newest snapshot every survivor can go back to (``plan``: the copies it was taken with,
+    for the old layout): a step of which every survivor holds its own copy and, for each box of the
+    dead, a survivor the copy. ``StateLostError`` saying why when there is none: no step whose own
+    copies every survivor holds, or a box of the dead whose copy is on no survivor at that step."""
+    common = set.intersection(*(set(s.own_steps) for s in survivors)) if survivors else set()
+    if not common:
+        held = sorted({tuple(sorted(s.own_steps)) for s in survivors})
+        raise StateLostError(f"the survivors' own snapshot copies are not of one step (held: {held}): a member died "
+                             "while a snapshot was being taken, or before the first",
+                             hint="restart the job from its last checkpoint; OnNodeChange(snapshot_buffers=2) keeps "
+                             "the previous snapshot whole while the next one is taken")
     process = {s.old_rank: p for p, s in enumerate(survivors)}
     dead = frozenset(range(old_size)) - process.keys()
     lost = lost_state(spec, plan.layout, dead, plan.precision)
-    keeping = {s.old_rank for s in survivors if s.kept_step == step}
-    keepers = {(c.tensor, c.kind, c.box): c.keeper for c in plan.copies if c.keeper in keeping}
-    missing = tuple(b for b in lost if (b.tensor, b.kind, b.box) not in keepers)
-    if missing:
-        counted, shown = describe_lost(spec, missing, plan.precision)
-        raise StateLostError(f"{counted} of the {plan.layout} state at step {step} are in no survivor's snapshot "
-                             f"copies (dead: {sorted(dead)}): {shown}",
-                             hint="restart the job from its last checkpoint; the snapshot of a failure domain is "
-                             "kept in another one, so losing two at once loses it",
-                             lost=missing, ranks=tuple(sorted(dead)))
-    members = Members(tuple(process.get(r) for r in range(old_size)), tuple(range(len(survivors))), len(survivors),
-                      holes=bool(lost))
-    return SnapshotSource(step=step, members=members, keepers={(b.tensor, b.kind, b.box): keepers[(b.tensor, b.kind,
-                          b.box)] for b in lost}, lost=lost)
+    newest: StateLostError | None = None
+    for step in sorted(common, reverse=True):
+        keeping = {s.old_rank for s in survivors if step in s.kept_steps}
+        keepers = {(c.tensor, c.kind, c.box): c.keeper for c in plan.copies if c.keeper in keeping}
+        missing = tuple(b for b in lost if (b.tensor, b.kind, b.box) not in keepers)
+        if not missing:
+            members = Members(tuple(process.get(r) for r in range(old_size)), tuple(range(len(survivors))),
+                              len(survivors), holes=bool(lost))
+            return SnapshotSource(step=step, members=members,
+                                  keepers={(b.tensor, b.kind, b.box): keepers[(b.tensor, b.kind, b.box)] for b in lost},
+                                  lost=lost)
+        if newest is None:
+            counted, shown = describe_lost(spec, missing, plan.precision)
+            newest = StateLostError(
+                f"{counted} of the {plan.layout} state at step {step} are in no survivor's snapshot copies (dead: "
+                f"{sorted(dead)}): {shown}", hint="restart the job from its last checkpoint; the snapshot of a "
+                "failure domain is kept in another one, so losing two at once loses it", lost=missing,
+                ranks=tuple(sorted(dead)))
+    assert newest is not None
+    raise newest
 
 
 __all__ = ["RecoverySource", "SnapshotHolding", "SnapshotSource", "SurvivorState", "recovery_source", "snapshot_source"]

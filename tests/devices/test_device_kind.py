@@ -21,6 +21,7 @@ from lightning_dynatrain.devices.host.carve_buffers import CarveBuffers
 from lightning_dynatrain.devices.host.megatron_patches import cuda_is_used
 from lightning_dynatrain.devices.host.page_moves import can_move_pages
 from lightning_dynatrain.devices.host.recycling import RecyclingMemory
+from lightning_dynatrain.devices.snapshot_copy import PlainHostCopier
 from lightning_dynatrain.memory import KeepOldMemory, PlainMemory
 from lightning_dynatrain.memory.old_storage import OldStorage, ReturnToOS
 
@@ -101,12 +102,28 @@ def test_the_hosts_megatron_context_answers_cuda_on_cpu():
         assert torch.zeros(2, device="cuda").device.type == "cpu"
 
 
+def test_a_snapshot_copies_host_state_plainly_from_its_thread():
+    import threading
+
+    copier = device_kind("cpu").host_copier()
+    assert type(copier) is PlainHostCopier and type(device_kind("xpu").host_copier()) is PlainHostCopier
+    state = torch.arange(1000, dtype=torch.float32)
+    buffer = copier.host_buffer(state)
+    assert buffer.shape == state.shape and buffer.dtype == state.dtype and buffer.data_ptr() != state.data_ptr()
+    copier.mark()
+    thread = threading.Thread(target=copier.copy, args=([(buffer, state)],))
+    thread.start()
+    thread.join()
+    assert torch.equal(buffer, state)
+
+
 def test_the_accelerator_path_never_imports_the_host_package():
     code = """
 import sys
 import torch
 import lightning_dynatrain.megatron.ahead, lightning_dynatrain.megatron.hot_switch
 import lightning_dynatrain.megatron.memory_check, lightning_dynatrain.engine.walker
+import lightning_dynatrain.megatron.snapshot
 from lightning_dynatrain.devices import device_kind
 kind = device_kind(torch.device("cuda"))
 kind.switch_memory(recycle=True, idle_cap=0).start({})

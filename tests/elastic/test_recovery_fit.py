@@ -99,15 +99,19 @@ def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_pa
                 assert loss == pytest.approx(static_losses[step], rel=1e-4), step
 
 
-def test_a_member_dying_in_the_recovery_switch_is_left_behind_too(tmp_path, static_run, static_losses):
+@pytest.mark.parametrize("where", ["switch", "world"])
+def test_a_member_dying_in_the_recovery_is_left_behind_too(tmp_path, static_run, static_losses, where):
     """``dp2-tp2-pp1`` with snapshots every 3 steps: rank 3 is killed after its optimizer step of step
-    8; rank 2 kills itself entering the transfer of the recovery's switch (its first switch). Ranks 0
-    and 1 (a whole replica between them) agree on a world without it too and train on at
-    ``dp2-tp1-pp1``: one recovery, both named, the same samples and losses. Where the failed
-    recovery switch had freed state, they go back to the snapshot of step 6 and compute steps 7 and 8
-    again; else the state of step 8 comes from their replicas."""
-    fault = {3: {"DYNATRAIN_STEP_FAULT": f"3:{SNAPSHOT_FAULT_STEP}:optimizer"},
-             2: {"DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL:1"}}
+    8; rank 2 kills itself during the recovery: entering the transfer of the recovery's switch (its
+    first switch), or as it starts building the survivors' world, where the others wait for it (they
+    tell the store, which names it in ``suspect_after``). Ranks 0 and 1 (a whole replica between
+    them) agree on a world without it too and train on at ``dp2-tp1-pp1``: one recovery, both named,
+    the same samples and losses. Where the failed recovery switch had freed state, they go back to the
+    snapshot of step 6 and compute steps 7 and 8 again; else the state of step 8 comes from their
+    replicas."""
+    dies = {"DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL:1"} if where == "switch" else \
+        {"DYNATRAIN_RECOVERY_FAULT": "KILL_IN_WORLD"}
+    fault = {3: {"DYNATRAIN_STEP_FAULT": f"3:{SNAPSHOT_FAULT_STEP}:optimizer"}, 2: dies}
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
                     fit_args=("--snapshot-every", "3")) as job:
         procs = job.start_launch(4, rank_env=fault)
@@ -172,6 +176,32 @@ def test_state_only_the_dead_held_comes_back_from_the_in_memory_snapshot(tmp_pat
     for r in results.values():
         assert [step for step, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))  # each step once
         for step, loss in r["losses"]:  # the same samples and schedule, at another layout after the failure
+            assert loss == pytest.approx(static_losses[step], rel=1e-4), step
+
+
+def test_a_member_lost_while_a_snapshot_is_taken_goes_back_to_the_previous_one(tmp_path, static_run, static_losses):
+    """``OnNodeChange(snapshot_every=3, snapshot_buffers=2)`` at ``dp2-tp2-pp1-zero1``: rank 1 dies
+    as its snapshot thread starts the snapshot of step 6, so no rank holds the snapshot of step 6
+    whole (rank 1's ZeRO-1 shard of it was never copied). The previous snapshot, of step 3, is whole
+    in every survivor's other buffer: they go back to it and compute steps 4-6 again (at most
+    ``snapshot_every + 1``), each step counted once, the losses those of the static fit."""
+    fault = {1: {"DYNATRAIN_SNAPSHOT_FAULT": "1:6:KILL"}}
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
+                    fit_args=("--zero1", "--start", "dp2-tp2-pp1-zero1", "--snapshot-every", "3",
+                              "--snapshot-buffers", "2")) as job:
+        procs = job.start_launch(4, rank_env=fault)
+        codes = [job.wait(p, timeout=180) for p in procs]
+        results, log = job.results(), job.tail(400)
+    assert codes == [0, -signal.SIGKILL, 0, 0], log
+    end = "dp3-tp1-pp1-zero1"
+    assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(3, end, MAX_STEPS)}, log
+    assert len({r["shard"] for r in results.values()}) == 1
+    recoveries = {(x["step"], x["snapshot_step"], x["steps_redone"]) for r in results.values() for x in r["recoveries"]}
+    assert recoveries == {(6, 3, 3)}, log
+    _same_samples(results, static_run)
+    for r in results.values():
+        assert [step for step, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))
+        for step, loss in r["losses"]:
             assert loss == pytest.approx(static_losses[step], rel=1e-4), step
 
 

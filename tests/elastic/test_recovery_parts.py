@@ -17,6 +17,12 @@ def test_a_snapshot_interval_that_is_not_a_step_count_is_refused_at_construction
         OnNodeChange({2: "dp2-tp1-pp1"}, snapshot_every=bad)
 
 
+@pytest.mark.parametrize("bad", [0, 3, True, "2"])
+def test_a_snapshot_buffer_count_other_than_one_or_two_is_refused_at_construction(bad):
+    with pytest.raises(ValueError, match="snapshot_buffers"):
+        OnNodeChange({2: "dp2-tp1-pp1"}, snapshot_every=3, snapshot_buffers=bad)
+
+
 def test_the_step_log_keeps_copies_of_the_steps_after_the_snapshot():
     log = StepLog()
     tokens = torch.arange(8).view(2, 4)

@@ -90,7 +90,7 @@ def test_going_back_to_a_snapshot_rebuilds_every_element_once_from_the_survivors
     if not dead:
         return
     source = snapshot_source(spec, plan, old_size=plan.layout.world_size,
-                             survivors=[SnapshotHolding(r, 6, 6) for r in survivors])
+                             survivors=[SnapshotHolding(r, (6,), (6,)) for r in survivors])
     assert source.step == 6 and source.members.holes == bool(source.lost)
     event("boxes from keepers" if source.lost else "replicas hold it all")
     assert {(b.tensor, b.kind, b.box) for b in source.lost} == set(source.keepers)
@@ -108,13 +108,29 @@ def test_going_back_to_a_snapshot_rebuilds_every_element_once_from_the_survivors
 def test_a_snapshot_not_whole_on_the_survivors_is_refused_naming_why():
     one_node = Topology.uniform(4, 4)
     plan = snapshot_plan(SPEC, ParallelConfig.parse("dp1-tp2-pp2"), one_node, Precision.FP32)
+
+    def held(rank, own, kept):
+        return SnapshotHolding(rank, tuple(own), tuple(kept))
+
     with pytest.raises(StateLostError, match="not of one step"):  # a death while a snapshot was taken
-        snapshot_source(SPEC, plan, old_size=4,
-                        survivors=[SnapshotHolding(0, 6, 6), SnapshotHolding(2, 9, 9), SnapshotHolding(3, 9, 9)])
+        snapshot_source(SPEC, plan, old_size=4, survivors=[held(0, [6], [6]), held(2, [9], [9]), held(3, [9], [9])])
     with pytest.raises(StateLostError, match="in no survivor's snapshot copies"):  # rank 1's keeper (2) is stale
-        snapshot_source(SPEC, plan, old_size=4, survivors=[SnapshotHolding(0, 6, 6), SnapshotHolding(2, 6, 3),
-                                                           SnapshotHolding(3, 6, 6)])
+        snapshot_source(SPEC, plan, old_size=4, survivors=[held(0, [6], [6]), held(2, [6], [3]), held(3, [6], [6])])
     with pytest.raises(StateLostError, match="in no survivor's snapshot copies"):  # two neighbours in the ring
-        snapshot_source(SPEC, plan, old_size=4, survivors=[SnapshotHolding(0, 6, 6), SnapshotHolding(3, 6, 6)])
-    source = snapshot_source(SPEC, plan, old_size=4, survivors=[SnapshotHolding(r, 6, 6) for r in (0, 2, 3)])
+        snapshot_source(SPEC, plan, old_size=4, survivors=[held(0, [6], [6]), held(3, [6], [6])])
+    source = snapshot_source(SPEC, plan, old_size=4, survivors=[held(r, [6], [6]) for r in (0, 2, 3)])
     assert set(source.keepers.values()) == {2} and source.members.src == (0, None, 1, 2)
+
+
+def test_with_two_buffers_the_newest_step_whole_everywhere_is_gone_back_to():
+    """Rank 1 died while the snapshot of step 9 was taken: ranks 2 and 3 had copied their own state
+    of step 9, rank 0 not yet, and rank 2 (rank 1's keeper) had not received rank 1's copy of step 9.
+    Every survivor still holds the snapshot of step 6 in its other buffer: the recovery goes back to 6."""
+    one_node = Topology.uniform(4, 4)
+    plan = snapshot_plan(SPEC, ParallelConfig.parse("dp1-tp2-pp2"), one_node, Precision.FP32)
+    survivors = [SnapshotHolding(0, (6,), (6,)), SnapshotHolding(2, (6, 9), (6,)), SnapshotHolding(3, (9, 6), (6, 9))]
+    assert snapshot_source(SPEC, plan, old_size=4, survivors=survivors).step == 6
+    both = [SnapshotHolding(r, (6, 9), (6, 9)) for r in (0, 2, 3)]
+    assert snapshot_source(SPEC, plan, old_size=4, survivors=both).step == 9
+    stale_at_9 = [SnapshotHolding(0, (6, 9), (6, 9)), SnapshotHolding(2, (6, 9), (6,)), SnapshotHolding(3, (6, 9), (6, 9))]
+    assert snapshot_source(SPEC, plan, old_size=4, survivors=stale_at_9).step == 6  # rank 1's copy of 9 is not kept

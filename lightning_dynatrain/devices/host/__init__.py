@@ -32,6 +32,7 @@ from lightning_dynatrain.devices.host.meminfo import host_available_bytes
 from lightning_dynatrain.devices.host.page_moves import can_move_pages, discard_pages
 from lightning_dynatrain.devices.host.recycler import StorageRecycler
 from lightning_dynatrain.devices.host.recycling import RecyclingMemory
+from lightning_dynatrain.devices.snapshot_copy import PlainHostCopier
 from lightning_dynatrain.memory.policy import KeepOldMemory, PlainMemory
 
 
@@ -74,6 +75,10 @@ class HostKind:
 
     def pool_name(self) -> str:
         return socket.gethostname()
+
+    def host_copier(self) -> PlainHostCopier:
+        """Plain copies: the state is in host memory already."""
+        return PlainHostCopier()
 
 
 __all__ = ["HostKind"]
