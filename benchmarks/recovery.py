@@ -3,7 +3,8 @@
 The elastic run (``elastic_job.ElasticJob``: ``dynatrain store`` and two launches of two processes
 with node ranks 0 and 1, each process its own child as ``srun`` starts them: two failure domains)
 trains the model of ``elastic_fit.py`` at world 4, ``dp2-tp2-pp1-zero1`` with in-memory snapshots
-every ``--snapshot-every`` steps (``OnNodeChange(snapshot_every=N)``). After a few steps both
+every ``--snapshot-every`` steps (``OnNodeChange(snapshot_every=N)``; ``--snapshot-buffers 2`` keeps
+two). After a few steps both
 processes of the second launch are killed (SIGKILL: a node lost, with its ZeRO-1 optimizer shards);
 the store names them within ``--suspect-after`` seconds of the survivors' failed collectives, and
 the two survivors go back to the snapshot (their own copies, the lost shards from the copies they
@@ -62,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-before", type=int, default=3, help="steps at world 4 before the kill")
     p.add_argument("--suspect-after", type=float, default=4.0, help="the store's bound once a collective failed")
     p.add_argument("--snapshot-every", type=int, default=10, help="OnNodeChange(snapshot_every=N)")
+    p.add_argument("--snapshot-buffers", type=int, default=1, choices=(1, 2), help="OnNodeChange(snapshot_buffers=)")
     p.add_argument("--replicas", action="store_true", help="dp2-tp2-pp1 without ZeRO-1 and without snapshots")
     p.add_argument("--overhead-runs", type=int, default=3, help="pairs of fits with and without snapshots")
     p.add_argument("--workdir", default=None, help="checkpoints and logs go to a fresh directory under it")
@@ -128,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     model = "tiny" if args.quick else "270m"
     out = Path(tempfile.mkdtemp(prefix="dynatrain-recovery-", dir=args.workdir))
     layout_args = () if args.replicas else ("--zero1",)
-    snapshots = () if args.replicas else ("--snapshot-every", str(args.snapshot_every))
+    buffers = ("--snapshot-buffers", str(args.snapshot_buffers))
+    snapshots = () if args.replicas else ("--snapshot-every", str(args.snapshot_every), *buffers)
     try:
         report, killed_at = _recovery_run(model, out, args.steps_before, args.suspect_after,
                                           (*layout_args, *snapshots))
         overhead = None if args.replicas else _snapshot_overhead(model, out / "overhead", args.snapshot_every,
-                                                                 args.overhead_runs, layout_args)
+                                                                 args.overhead_runs, (*layout_args, *buffers))
         ckpt = _save_source(model, out, out / "source.ckpt")
         restart = _torchrun(2, out / "restart", model, "--max-steps", "3", "--resume", str(ckpt))
     except BaseException:
@@ -149,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                "steps_redone": report["steps_redone"],
                "restart_seconds": restart, "pause_over_restart": pause / restart,
                "suspect_after": args.suspect_after, "snapshot_every": None if args.replicas else args.snapshot_every,
+               "snapshot_buffers": None if args.replicas else args.snapshot_buffers,
                "snapshot_step": report.get("snapshot_step"), "snapshot_step_overhead": overhead}
     goals = {k: {"goal": g, "value": figures[k], "met": figures[k] <= g} for k, g in GOALS.items()
              if figures[k] is not None}
-    limit = 0 if args.replicas else args.snapshot_every  # steps redone: none with replicas, at most N from a snapshot
+    # steps redone: none with replicas, at most N from a snapshot (N + 1 with two buffers: the previous one)
+    limit = 0 if args.replicas else args.snapshot_every + (args.snapshot_buffers == 2)
     goals["steps_redone"] = {"goal": limit, "value": report["steps_redone"], "met": report["steps_redone"] <= limit}
     print(f"model {model}, 2 cores, gloo; {time.perf_counter() - started:.0f} s")
     print(f"{figures['change']} ({figures['src']} -> {figures['dst']}), a node of 2 processes killed"

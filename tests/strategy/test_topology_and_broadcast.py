@@ -53,8 +53,8 @@ def _job(rank: int, world_size: int) -> dict:
     nodes = _fit(SMALL, "dp2-tp2-pp1", NODE_SCHEDULE, 5, devices=2, num_nodes=2)
     os.environ["NODE_RANK"], os.environ["LOCAL_RANK"] = "0", str(rank)
     wide = _fit(WIDE, "dp1-tp2-pp2", {1: "dp4-tp1-pp1"}, 2, devices=4)
-    return dict(topology=nodes._switcher.topology.nodes, node_history=[r.to_json() for r in nodes.switch_history],
-                link_costs=wide._switcher.link_costs, wide_history=[r.to_json() for r in wide.switch_history])
+    return dict(topology=nodes.switcher.topology.nodes, node_history=[r.to_json() for r in nodes.switch_history],
+                link_costs=wide.switcher.link_costs, wide_history=[r.to_json() for r in wide.switch_history])
 
 
 @pytest.fixture(scope="module")
