@@ -60,7 +60,12 @@ def store_ports(store: dist.Store) -> tuple[int, ...]:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     port = store.port if isinstance(store, dist.TCPStore) else 0
-    return tuple(p for p in (port, int(os.environ.get("MASTER_PORT", "0") or 0)) if p)
+    return tuple(p for p in (port, launcher_store_port()) if p)
+
+
+def launcher_store_port() -> int:
+    """The port of the launcher's store (torchrun's, Lightning's: ``MASTER_PORT``), 0 if none."""
+    return int(os.environ.get("MASTER_PORT", "0") or 0)
 
 
 def shut_connections(*, keep_ports: Iterable[int] = (), only: frozenset[str] | None = None) -> int:
@@ -118,4 +123,4 @@ def _established_inodes(keep: set[int]) -> set[str]:
     return inodes
 
 
-__all__ = ["abandon_world", "connection_inodes", "shut_connections", "store_ports"]
+__all__ = ["abandon_world", "connection_inodes", "launcher_store_port", "shut_connections", "store_ports"]

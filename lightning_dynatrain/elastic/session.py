@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.compat.torch_internals import registered_groups
-from lightning_dynatrain.elastic.abandon import abandon_world
+from lightning_dynatrain.elastic.abandon import abandon_world, launcher_store_port
 from lightning_dynatrain.elastic.client import JobStore
 from lightning_dynatrain.elastic.failure_watch import (
     EXIT_MEMBER_FAILED,
@@ -370,8 +370,7 @@ class ElasticSession:
     def abandon_world(self) -> None:
         """Make every collective still waiting on this process's worlds fail at once, here and on
         its peers (``abandon.abandon_world``; the job's stores stay connected)."""
-        launcher_store = int(os.environ.get("MASTER_PORT", "0") or 0)  # torchrun's and Lightning's store
-        abandon_world(registered_groups(), keep_ports=(self.store.port, launcher_store))
+        abandon_world(registered_groups(), keep_ports=(self.store.port, launcher_store_port()))
 
     def recover_into(self, record: Membership) -> WorldGroups:
         """Install the survivors' world ``record`` (a failure record this process is a member of),

@@ -193,9 +193,7 @@ class ElasticDriver:
             self.recover(trainer, record=lost.record)
             return None
         except Exception as err:  # the vote's all-reduce, with a member gone
-            if not self.recovers(err):
-                raise
-            self.recover(trainer, error=err)
+            self.recover_or_raise(trainer, err)
             return None
         pending = self.session.pending
         if self._ahead is not None and (pending is None or pending.generation != self._ahead.generation):
@@ -228,9 +226,7 @@ class ElasticDriver:
                 try:
                     broadcast_object(asdict(report) if self.session.rank == 0 else None)
                 except Exception as err:  # a member died after the grow: recovered from in its world
-                    if not self.recovers(err):
-                        raise
-                    self.recover(trainer, error=err)
+                    self.recover_or_raise(trainer, err)
             self.history.append(report)
             rank_zero_info(str(report))
         return report
@@ -282,6 +278,13 @@ class ElasticDriver:
             return (not err.freed or self.snapshots is not None) and \
                 (err.rank is not None or is_communication_failure(err))
         return is_communication_failure(err)
+
+    def recover_or_raise(self, trainer: "pl.Trainer", err: BaseException) -> None:
+        """Called where ``err`` was caught at a boundary: the survivors go on (``recover``) if
+        ``recovers(err)``, else ``err`` is raised again."""
+        if not self.recovers(err):
+            raise err
+        self.recover(trainer, error=err)
 
     def recover(self, trainer: "pl.Trainer", *, error: BaseException | None = None,
                 record: "Membership | None" = None, progress: StepProgress | None = None,

@@ -191,10 +191,16 @@ def _go_on(driver: "ElasticDriver", trainer: "pl.Trainer", *, error: BaseExcepti
         return _switch_and_redo(driver, trainer, everyone, error=error, in_step=in_step, state_world=state_world,
                                 groups=groups, was_rank_zero=was_rank_zero, times=times)
     finally:  # the old world's groups (abandoned): destroyed here (local), also when this attempt fails
-        old_subgroups, old_caches, old_groups = retired
-        old_subgroups.close()
-        old_caches.close()
-        retire(old_groups)
+        retire_world(retired)
+
+
+def retire_world(retired: tuple) -> None:
+    """Destroy an abandoned world's groups (local): its subgroup and megatron group caches, then
+    its own groups (``retired``, in that order)."""
+    old_subgroups, old_caches, old_groups = retired
+    old_subgroups.close()
+    old_caches.close()
+    retire(old_groups)
 
 
 def _switch_and_redo(driver: "ElasticDriver", trainer: "pl.Trainer", everyone: list[dict], *,
@@ -292,4 +298,4 @@ def _check_the_loops_agree(everyone: list[dict], step: int) -> None:
                                 hint="restart the job from its last checkpoint")
 
 
-__all__ = ["AGREE_TIMEOUT", "Recovered", "RecoveryReport", "recover", "recover_in_world"]
+__all__ = ["AGREE_TIMEOUT", "Recovered", "RecoveryReport", "recover", "recover_in_world", "retire_world"]

@@ -26,6 +26,7 @@ from lightning_dynatrain.engine.errors import was_refused
 from lightning_dynatrain.strategy.change_report import ChangeReport
 from lightning_dynatrain.strategy.elastic_environment import set_rank_zero
 from lightning_dynatrain.strategy.loggers import continue_loggers, flush_loggers
+from lightning_dynatrain.strategy.recovery import retire_world
 from lightning_dynatrain.strategy.switching import WorldGroupCaches
 
 if TYPE_CHECKING:
@@ -113,9 +114,7 @@ def change_world(driver: "ElasticDriver", change: WorldChange, trainer: "pl.Trai
         try:
             broadcast_object(trainer_state(trainer) if session.rank == 0 else None)  # (4)
         except Exception as err:  # a member died once the state had moved: recovered from in the new world
-            if not driver.recovers(err):
-                raise
-            driver.recover(trainer, error=err)
+            driver.recover_or_raise(trainer, err)
             return None
     else:  # the leavers send over the old world; the survivors build the target on the new one
         if ahead is None:
@@ -194,9 +193,7 @@ def _shrink_failed(driver: "ElasticDriver", change: WorldChange, trainer: "pl.Tr
         driver.recover(trainer, error=err, state_world=change.old, retired=old_groups, was_rank_zero=was_rank_zero)
         return
     driver.recover(trainer, error=err, state_world=change.old)
-    old_caches.subgroups.close()
-    old_caches.groups.close()
-    retire(left_world.groups.groups)
+    retire_world(old_groups)
 
 
 def _joiners_lost_with_a_snapshot(driver: "ElasticDriver", change: WorldChange, err: Exception) -> bool:
