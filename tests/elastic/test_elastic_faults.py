@@ -181,8 +181,10 @@ def test_a_joiner_killed_in_the_transfer_that_fills_it_fails_the_grow_naming_its
         log = job.tail(400)
         assert job.wait(killed) == -signal.SIGKILL, log
     assert code != 0, log
+    # (both survivors print to one log at once: a traceback's underline carets can land inside the
+    # other's message, so they are left out before counting)
     failures = re.findall(r"SwitchFailedError: layout switch dp2-tp1-pp1 -> dp3-tp1-pp1 failed: rank 2 stopped "
-                          r"answering in phase 'transfer'", log)
+                          r"answering in phase 'transfer'", log.replace("^", ""))
     assert len(failures) >= 2, log  # on both survivors
     assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
 
