@@ -136,7 +136,7 @@ def main() -> None:
         answer: list[str] | None = None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            from lightning_dynatrain.engine.errors import was_refused
+            from lightning_dynatrain.transition.errors import was_refused
 
             if self.answer is None and trainer.strategy.elastic.preparing is not None:
                 try:

@@ -9,7 +9,7 @@ processes of the second launch are killed (SIGKILL: a node lost, with its ZeRO-1
 the store names them within ``--suspect-after`` seconds of the survivors' failed collectives, and
 the two survivors go back to the snapshot (their own copies, the lost shards from the copies they
 keep for the other node), switch to ``dp1-tp2-pp1``, compute the steps since the snapshot again
-and train on (``strategy/recovery.py``, ``strategy/snapshot_recovery.py``). ``--replicas`` measures
+and train on (``elastic/driver/recovery.py``, ``elastic/driver/snapshots.py``). ``--replicas`` measures
 ``dp2-tp2-pp1`` without ZeRO-1 and without snapshots instead (the replicas hold everything). Figures:
 
 - ``pause_seconds``: from the kill to the survivors' state installed at the new layout, the lost

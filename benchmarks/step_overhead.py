@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _setup(args: argparse.Namespace):
     from lightning_dynatrain.data import GlobalBatchSampler, StdlibBytes
     from lightning_dynatrain.megatron.gpt import GPTShape
-    from lightning_dynatrain.strategy import vocab_divisor_for
+    from lightning_dynatrain.runtime.layout_checks import vocab_divisor_for
     from lightning_dynatrain.vps.layout import ParallelConfig
 
     layout = ParallelConfig.parse(args.layout or f"dp{args.devices}")
@@ -119,9 +119,9 @@ def lightning_run(args: argparse.Namespace) -> tuple[list[float], list[float]]:
 
     from lightning_dynatrain.data.datamodule import GlobalBatchDataLoader
     from lightning_dynatrain.strategy import DynaTrainStrategy, GPTLightningModule
-    from lightning_dynatrain.strategy import megatron_step
+    from lightning_dynatrain.runtime import steps as training_steps
 
-    megatron_step.run_train_step = _timed_run_train_step  # the strategy's step calls it through this module
+    training_steps.run_train_step = _timed_run_train_step  # the strategy's step calls it through this module
     _INNER.clear()
 
     layout, shape, dataset, sampler = _setup(args)

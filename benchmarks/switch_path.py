@@ -15,7 +15,7 @@ file entered on the way, the target model's build included; ``collective_files``
 chain of calls to every ``torch.distributed`` call before that transfer too (the memory check's
 all-reduce, the preflight, group creation): what a reader follows to see each message the switch
 sends. ``strategy/dynatrain.py`` (where
-``DynaTrainStrategy.reconfigure`` is) and ``strategy/switch_control.py`` (``SwitchControl``, which it
+``DynaTrainStrategy.reconfigure`` is) and ``strategy/switch_requests.py`` (``SwitchControl``, which it
 hands the request to, and which calls ``LayoutSwitcher.switch``) are counted as the first two files.
 Imports are not calls and are not counted.
 """
@@ -46,9 +46,10 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
     import torch.distributed as dist
 
     from lightning_dynatrain.megatron.gpt import GPTShape, gpt_provider
-    from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
-    from lightning_dynatrain.strategy.megatron_step import attach_optimizer, build_model, init_groups, train_step
-    from lightning_dynatrain.strategy.switching import LayoutSwitcher
+    from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe
+    from lightning_dynatrain.runtime.training_state import attach_optimizer, build_model, init_groups
+    from lightning_dynatrain.runtime.steps import train_step
+    from lightning_dynatrain.runtime.switcher import LayoutSwitcher
     from lightning_dynatrain.vps.layout import ParallelConfig
     from lightning_dynatrain.vps.topology import Topology
 
@@ -64,7 +65,7 @@ def _path_job(rank: int, world_size: int, model: str) -> list[str]:
     state = attach_optimizer(build_model(recipe, layout, groups), recipe, layout, adam, groups)
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     train_step(state, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}, recipe, lr=1e-3, weight_decay=0.0)
-    callers = ["lightning_dynatrain/strategy/dynatrain.py", "lightning_dynatrain/strategy/switch_control.py"]
+    callers = ["lightning_dynatrain/strategy/dynatrain.py", "lightning_dynatrain/strategy/switch_requests.py"]
     files: list[str] = list(callers)
     stack: list[str] = []
     done = False

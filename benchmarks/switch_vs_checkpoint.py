@@ -118,7 +118,7 @@ def vocab_divisor(vocab: int, tps: set[int]) -> int:
 
 def build_setup(args: argparse.Namespace, pairs: list[tuple[str, str]]):
     from benchmarks.baselines.state import BenchSetup
-    from lightning_dynatrain.engine.staging import parse_bytes
+    from lightning_dynatrain.transition.staging import parse_bytes
     from lightning_dynatrain.megatron.gpt import GPTShape
     from lightning_dynatrain.vps.layout import ParallelConfig
 

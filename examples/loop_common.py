@@ -12,8 +12,9 @@ from pathlib import Path
 from lightning_dynatrain.accelerate import DynaTrainEngine, DynaTrainPlugin
 from lightning_dynatrain.data import VOCAB_SIZE, StdlibBytes
 from lightning_dynatrain.megatron.gpt import GPTShape
-from lightning_dynatrain.strategy import AdamSettings, MegatronRecipe, vocab_divisor_for, warmup_cosine_lr
-from lightning_dynatrain.strategy.report import dumps
+from lightning_dynatrain.runtime.layout_checks import vocab_divisor_for
+from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe, warmup_cosine_lr
+from lightning_dynatrain.runtime.reconfig_report import dumps
 
 
 def add_run_args(p: argparse.ArgumentParser, *, out: str) -> None:

@@ -9,7 +9,7 @@ same reason (``--manual-gc``).
 The planner pauses it around ``plan_rank`` too, for a caller that plans outside a switch.
 
 Nothing in a switch depends on the collector: old state is freed by its storages as the engine
-is done with it (``memory.old_storage``), not by collection. The old model's module graph, full of
+is done with it (``devices.old_storage``), not by collection. The old model's module graph, full of
 reference cycles, is taken apart once its successor is installed (``megatron.state.release_state``),
 so reference counting frees it without waiting for a full collection.
 

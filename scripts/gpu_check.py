@@ -16,7 +16,7 @@ Checks, in order:
    the free memory) against the device memory the switch really took
    (``torch.cuda.max_memory_allocated`` over the switch, above what was allocated before it);
 5. the shard a switch builds lives on the device (no host copy);
-6. the engine's own GPU test (``tests/engine/test_switch_gpu.py``, world 1), where pytest is installed;
+6. the engine's own GPU test (``tests/transition/test_switch_gpu.py``, world 1), where pytest is installed;
 7. a model of the user's built from Transformer Engine's layer spec
    (``get_gpt_layer_with_transformer_engine_spec``) through ``ModelProvider``, unchanged: its spec
    read from megatron's description, two bf16 steps, zero1 on and off bit for bit (skipped without
@@ -90,8 +90,8 @@ class Run:
 
     def __init__(self, device: torch.device, model=None) -> None:
         from lightning_dynatrain.megatron.shapes import model_shape
-        from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
-        from lightning_dynatrain.strategy.switching import LayoutSwitcher
+        from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe
+        from lightning_dynatrain.runtime.switcher import LayoutSwitcher
         from lightning_dynatrain.vps.layout import ParallelConfig
         from lightning_dynatrain.vps.topology import Topology
 
@@ -108,7 +108,7 @@ class Run:
         self.results: list = []
 
     def build(self) -> str:
-        from lightning_dynatrain.strategy.megatron_step import attach_optimizer, build_model, init_groups
+        from lightning_dynatrain.runtime.training_state import attach_optimizer, build_model, init_groups
 
         groups = init_groups(self.layout, seed=self.recipe.seed, groups=self.switcher.groups)
         model = build_model(self.recipe, self.layout, groups, device=self.device)
@@ -124,7 +124,7 @@ class Run:
         return torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
 
     def step(self) -> str:
-        from lightning_dynatrain.strategy.megatron_step import train_step
+        from lightning_dynatrain.runtime.steps import train_step
 
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 256, (self.recipe.global_batch_size, self.recipe.model.seq_length + 1),
@@ -138,7 +138,7 @@ class Run:
 
     def switch(self, target: str) -> str:
         from lightning_dynatrain.megatron.hot_switch import hot_switch
-        from lightning_dynatrain.strategy.switching import fingerprint, verify_unchanged
+        from lightning_dynatrain.runtime.switcher import fingerprint, verify_unchanged
         from lightning_dynatrain.vps.layout import ParallelConfig
 
         setup = self.switcher.setup(self.recipe, self.adam)
@@ -247,7 +247,7 @@ def _host_rss() -> int:
 
 def _engine_gpu_test() -> str:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "tests/engine/test_switch_gpu.py::test_world1_local_copies_on_gpu"]
+               "tests/transition/test_switch_gpu.py::test_world1_local_copies_on_gpu"]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:]
     if proc.returncode != 0:

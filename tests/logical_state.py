@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lightning_dynatrain.engine.pieces import stored_shape
+from lightning_dynatrain.transition.pieces import stored_shape
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.spec import Precision
@@ -18,7 +18,7 @@ from lightning_dynatrain.vps.spec import Precision
 def assemble(spec, layout: ParallelConfig, per_rank: list[dict], precision: Precision, kinds=None) -> dict:
     """The full logical state's bits from every rank's local tensors (replicas must agree bit for bit);
     of the state kinds in ``kinds`` only, when given."""
-    from lightning_dynatrain.engine.store import box_pieces, box_view
+    from lightning_dynatrain.transition.local_state import box_pieces, box_view
 
     import torch
 

@@ -10,7 +10,7 @@ included) from layout A to layout B and leaves it in a freshly built megatron mo
 - ``allgather``: the naive in-memory switch: every rank all-gathers every full tensor, then slices.
 - ``floor``: bytes that must cross a process boundary at the measured link speed, plus local copies.
 
-``state`` builds and rebuilds the training state, ``engine.fingerprint`` checks that every method ends
-with the same full logical state, ``memory`` says what fits, ``launch`` spawns the ranks and
+``state`` builds and rebuilds the training state, ``transition.fingerprint`` checks that every method ends
+with the same full logical state, ``devices.memory_policy`` says what fits, ``launch`` spawns the ranks and
 ``pair`` runs all methods for one layout pair.
 """

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.engine.pieces import LayoutPieces, Piece, layout_pieces
+from lightning_dynatrain.transition.pieces import LayoutPieces, Piece, layout_pieces
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind

@@ -6,7 +6,7 @@ keys. For the distributed optimizer (zero1) the only resharding format that runs
 megatron-core 0.16.1 on CPU is ``fully_reshardable`` (``fully_sharded_model_space`` fails with
 ``ShardedTensor.flattened_range is not supported``). That format gathers each DP group's shards on
 save and, on load, allocates the whole TP/PP-local optimizer state on every rank before slicing
-its shard: its memory need is what ``memory.py`` budgets for it. The save uses megatron's
+its shard: its memory need is what ``devices/memory_policy.py`` budgets for it. The save uses megatron's
 ``distrib_optim_fully_reshardable_mem_efficient`` variant (gather on DP rank 0 only, over the
 "gloo" DP group, which on CPU is the DP group itself): the default gathers on every DP rank and
 does not fit in memory here for the 270M model at dp4.

@@ -12,7 +12,7 @@ no model needs to be built to know it.
 
 from __future__ import annotations
 
-from lightning_dynatrain.engine.compiler import switch_program
+from lightning_dynatrain.transition.compiler import switch_program
 from lightning_dynatrain.devices.host.meminfo import host_available_bytes, proc_field_bytes
 from lightning_dynatrain.megatron.memory_check import GRAD_BYTES_PER_ELEMENT, local_numels, switch_need_bytes
 from lightning_dynatrain.vps.layout import ParallelConfig

@@ -19,7 +19,7 @@ Before each method, untimed, the ranks write and free as much memory as the stat
 (``warm_memory``), so that no method pays for memory the machine's host took back while another
 finds memory just freed. After each method the state at B is fingerprinted against A's, then
 brought back to A (a hot switch back when it fits in memory, else a deterministic rebuild of A)
-for the next method. A method whose extra memory does not fit (``memory.py``) or that megatron
+for the next method. A method whose extra memory does not fit (``devices/memory_policy.py``) or that megatron
 cannot run is skipped with the reason. Times are the slowest rank's, between barriers.
 """
 
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from benchmarks.baselines import dcp, megatron_ckpt
 from benchmarks.baselines.allgather import CHUNK_ELEMENTS, allgather_switch
-from lightning_dynatrain.engine.fingerprint import Fingerprint, diff, logical_fingerprint
+from lightning_dynatrain.transition.fingerprint import Fingerprint, diff, logical_fingerprint
 from benchmarks.baselines.floor import measure_speeds, switch_floor
 from benchmarks.baselines.memory import (
     GiB,

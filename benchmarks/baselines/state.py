@@ -48,7 +48,7 @@ class BenchSetup:
     staging_budget: int = 256 * 2**20
     """The hot switch's staging budget (bytes)."""
     recycle: bool = True
-    """Whether the hot switch writes new state into old storages (the host's ``RecyclingMemory``, ``devices.host.recycling``)."""
+    """Whether the hot switch writes new state into old storages (the host's ``RecyclingMemory``, ``devices.host.recycling_memory``)."""
     derived: bool = False
     """The hot switch reads the model's description from megatron (``gpt_provider``: the spec
     derived at its first use, in the job) instead of the hand-written GPT spec. The other methods and

@@ -10,7 +10,7 @@ gloo; on GPUs the same script runs on nccl)::
     from lightning_dynatrain.accelerate import DynaTrainEngine, DynaTrainPlugin
     from lightning_dynatrain.data import StdlibBytes
     from lightning_dynatrain.megatron.gpt import GPTShape
-    from lightning_dynatrain.strategy import AdamSettings, MegatronRecipe, warmup_cosine_lr
+    from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe, warmup_cosine_lr
 
     accelerator = Accelerator(cpu=True)
     set_seed(1234)
@@ -53,18 +53,20 @@ without it. ``accelerator.save_state``/``load_state`` write and read the engine'
 checkpoint through Accelerate's save/load pre-hooks (``checkpoint.py``), because Accelerate writes
 rank 0's state dicts only; the run's progress joins them through ``register_for_checkpointing``.
 
-The pieces, one per file: ``plugin`` (the settings: layout, schedule, budgets; ``DYNATRAIN_*``
-environment variables; a ``dynatrain_config:`` YAML block), ``environment`` (what is taken from the
-Accelerator, and what is refused), ``host`` (the Accelerator as the engine's ``LoopHost``),
-``checkpoint`` (save/load hooks). The engine itself, the objects handed to ``prepare`` and the
-global-batch loader are shared with the Fabric integration (``lightning_dynatrain.loop``).
+The pieces, one per file: ``plugin`` (``DynaTrainPlugin``: the run's ``runtime.settings.DynaTrainSettings``
+with ``DYNATRAIN_*`` environment variables and a ``dynatrain_config:`` YAML block), ``environment``
+(what is taken from the Accelerator, and what is refused), ``library`` (the Accelerator as the
+engine's ``LoopLibrary``), ``checkpoint`` (save/load hooks), ``engine`` (``DynaTrainEngine`` over an
+Accelerator). The engine itself, the objects handed to ``prepare`` and the global-batch loader are
+shared with the Fabric integration (``lightning_dynatrain.loop``).
 """
 
 from lightning_dynatrain.accelerate.checkpoint import CheckpointError
+from lightning_dynatrain.accelerate.engine import DynaTrainEngine
 from lightning_dynatrain.accelerate.environment import AcceleratorSetupError
 from lightning_dynatrain.accelerate.plugin import AccelerateConfigError, DynaTrainPlugin
 from lightning_dynatrain.loop.data import global_batch_loader
-from lightning_dynatrain.loop.engine import DataMismatchError, DynaTrainEngine
+from lightning_dynatrain.loop.engine import DataMismatchError
 from lightning_dynatrain.loop.prepared import DynaTrainModel, DynaTrainScheduler, LoopOptimizer
 
 __all__ = [

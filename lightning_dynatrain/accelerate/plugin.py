@@ -4,252 +4,45 @@ It plays the part of Accelerate's ``MegatronLMPlugin`` (a layout fixed for the r
 ``MEGATRON_LM_*`` environment variables the launcher sets from the config file's
 ``megatron_lm_config:`` block) and adds what that one lacks: a schedule of layout switches.
 
-Where the settings come from, first match wins:
+It is the run's ``runtime.settings.DynaTrainSettings`` (the one settings type every front end
+parses into) under the name Accelerate users look for, with one difference: a setting not given
+comes from its ``DYNATRAIN_*`` environment variable where one is set, so
+``DYNATRAIN_LAYOUT=dp2-tp2-pp1 accelerate launch ...`` works with an unchanged script. Fields,
+defaults, the YAML block (``DynaTrainPlugin.from_yaml``) and the errors: ``DynaTrainSettings``.
 
-1. the constructor's arguments;
-2. environment variables ``DYNATRAIN_LAYOUT``, ``DYNATRAIN_SCHEDULE``, ``DYNATRAIN_STAGING_BUDGET``,
-   ``DYNATRAIN_SWITCH_MEMORY_LIMIT``, ``DYNATRAIN_VERIFY``, ``DYNATRAIN_PROMOTE_BROADCASTS``,
-   ``DYNATRAIN_SEED``, ``DYNATRAIN_SWITCH_TIMEOUT``, ``DYNATRAIN_SWITCH_SAFETY``,
-   ``DYNATRAIN_SCHEDULE_AHEAD``, ``DYNATRAIN_ON_REFUSED`` (as Accelerate's
-   plugins read ``MEGATRON_LM_TP_DEGREE``, ``FSDP_*``, ...), so
-   ``DYNATRAIN_LAYOUT=dp2-tp2-pp1 accelerate launch ...`` works with an unchanged script;
-3. the defaults below.
+Example::
 
-A YAML block in the style of Accelerate's config file, read with ``DynaTrainPlugin.from_yaml``::
-
-    dynatrain_config:
-      dynatrain_layout: dp2-tp2-pp1
-      dynatrain_schedule: {200: dp1-tp2-pp2, 400: dp4-tp1-pp1}
-      dynatrain_staging_budget: 256MiB
-
-It lives in a file of its own: Accelerate 1.15's config loader refuses unknown top-level keys
-(``ValueError: The config file at ... had unknown keys (['dynatrain_config'])``), so the block
-cannot share the file given to ``accelerate launch --config_file``. Other top-level keys of the
-file are ignored, so a copy of an Accelerate config with the block added reads fine here.
-
-Everything is parsed and checked at construction (typed errors with a HINT); ``validate`` checks
-the layout and every schedule entry against the world, the model and the batch before anything
-is built.
+    plugin = DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={200: "dp1-tp2-pp2"}, staging_budget="64MiB")
+    str(plugin)   # 'DynaTrainPlugin(dp2-tp2-pp1, 200:dp1-tp2-pp2, staging 64.0 MiB)'
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
 
-from lightning_dynatrain.callbacks.scheduled import ScheduleLike, parse_schedule, validate_schedule
-from lightning_dynatrain.engine.deadline import SwitchDeadline, parse_switch_timeout
-from lightning_dynatrain.engine.staging import parse_bytes
-from lightning_dynatrain.strategy.switching import parse_switch_safety
-from lightning_dynatrain.strategy.validation import validate_target
-from lightning_dynatrain.vps.errors import DynaTrainError
-from lightning_dynatrain.vps.layout import ParallelConfig
+from lightning_dynatrain.runtime.settings import (
+    ENV_PREFIX,
+    FIELDS,
+    YAML_BLOCK,
+    DynaTrainSettings,
+    SettingsError,
+    with_environment,
+)
 
-#: the environment variables' prefix, as ``MEGATRON_LM_`` is Accelerate's Megatron-LM plugin's
-ENV_PREFIX = "DYNATRAIN_"
-#: the YAML block ``from_yaml`` reads, and the prefix of its keys
-YAML_BLOCK = "dynatrain_config"
-_FIELDS = ("layout", "schedule", "staging_budget", "switch_memory_limit", "verify", "promote_broadcasts", "seed",
-           "switch_timeout", "switch_safety", "schedule_ahead", "on_refused")
-
-
-class AccelerateConfigError(DynaTrainError):
-    """A ``DYNATRAIN_*`` environment variable or a ``dynatrain_config`` YAML key cannot be used."""
+#: the error a ``DYNATRAIN_*`` variable or a ``dynatrain_config`` key that cannot be used raises
+AccelerateConfigError = SettingsError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DynaTrainPlugin:
-    """How an Accelerate run lays out its megatron-core GPT, and when it switches layout.
-
-    Args:
-        layout: the starting layout, e.g. ``"dp2-tp2-pp1"``; ``"auto"`` is pure data parallelism over
-            every process. Default: ``$DYNATRAIN_LAYOUT``, else ``"auto"``.
-        schedule: switches by optimizer step: ``{200: "dp1-tp2-pp2"}``, ``"200:dp1-tp2-pp2,400:dp4"`` or
-            a YAML file; entry ``S: L`` runs once ``S`` steps are done (step ``S + 1`` trains at ``L``).
-            Default: ``$DYNATRAIN_SCHEDULE``, else none.
-        staging_budget: bytes of in-flight buffers a switch may use (``"256MiB"``, an int).
-            Default: ``$DYNATRAIN_STAGING_BUDGET``, else 256 MiB.
-        switch_memory_limit: at most this many bytes a switch may take on one rank beyond the state;
-            ``None``: no limit of its own (every switch still checks the free memory of each host).
-        verify: fingerprint the whole logical state around every switch (collective, slow; tests).
-        promote_broadcasts: measure the links once and let switches broadcast where that pays.
-        seed: seed of megatron's RNG trackers (the weights are seeded by ``MegatronRecipe.seed``).
-        switch_timeout: how long any wait of a switch may take, in seconds; ``None`` or ``"auto"``:
-            derived from each switch's bytes and the measured links. A rank that dies or stalls in a
-            switch makes every other rank raise ``SwitchFailedError`` within it.
-        switch_safety: ``"fast"`` (default): a switch frees the old state as it moves it;
-            ``"keep_old"``: the old state is held until every rank has its new state, so a failed
-            switch rolls back to the old layout (and the memory check counts both).
-        schedule_ahead: build each schedule entry's switch in a background thread during the steps
-            before it (``megatron.ahead``), so its pause is the transfer (default ``True``).
-        on_refused: what a schedule entry's switch refused before anything moved does (memory,
-            staging budget; or rolled back by ``switch_safety="keep_old"`` with the old state whole
-            on every rank): ``"continue"`` (default, as ``ScheduledReconfig``) prints why, records it
-            (``DynaTrainEngine.refusals``) and training goes on at the old layout; ``"raise"``: the
-            error leaves ``optimizer.step()``.
-
-    After construction the fields hold the parsed values: ``layout`` a ``ParallelConfig`` or ``"auto"``,
-    ``schedule`` a tuple of ``(step, ParallelConfig)`` sorted by step, the budgets whole bytes,
-    ``switch_timeout`` a ``SwitchDeadline`` or ``None``; the
-    plugin is frozen and hashable (``dataclasses.replace`` derives another).
-
-    Raises:
-        LayoutError: ``layout`` cannot be parsed.
-        ScheduleError: the schedule cannot be read (the message names the entry).
-        StagingBudgetError: ``staging_budget`` or ``switch_memory_limit`` is not a byte count.
-        AccelerateConfigError: a ``DYNATRAIN_*`` variable holds a value of the wrong kind.
-
-    Example::
-
-        plugin = DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={200: "dp1-tp2-pp2"}, staging_budget="64MiB")
-        str(plugin)   # 'DynaTrainPlugin(dp2-tp2-pp1, 200:dp1-tp2-pp2, staging 64.0 MiB)'
-    """
-
-    layout: ParallelConfig | Literal["auto"] | str | None = None
-    schedule: ScheduleLike | tuple[tuple[int, ParallelConfig], ...] = None
-    staging_budget: int | str | None = None
-    switch_memory_limit: int | str | None = None
-    verify: bool | None = None
-    promote_broadcasts: bool | None = None
-    seed: int | None = None
-    switch_timeout: float | str | SwitchDeadline | None = None
-    switch_safety: Literal["fast", "keep_old"] | str | None = None
-    schedule_ahead: bool | None = None
-    on_refused: Literal["continue", "raise"] | str | None = None
+class DynaTrainPlugin(DynaTrainSettings):
+    """``DynaTrainSettings`` whose fields not given come from ``DYNATRAIN_*`` variables (see the module docstring)."""
 
     def __post_init__(self) -> None:
-        env = os.environ
-        given = {name: getattr(self, name) for name in _FIELDS}
-        for name, value in given.items():
-            if value is None and f"{ENV_PREFIX}{name.upper()}" in env:
-                given[name] = env[f"{ENV_PREFIX}{name.upper()}"]
-        layout = given["layout"] if given["layout"] is not None else "auto"
-        if isinstance(layout, str) and layout.strip().lower() == "auto":
-            layout = "auto"
-        else:
-            layout = ParallelConfig.parse(layout)
-        schedule = given["schedule"]
-        if isinstance(schedule, tuple):  # dataclasses.replace passes the parsed form back
-            schedule = dict(schedule)
-        entries = tuple(parse_schedule(schedule or None).items())
-        budget = parse_bytes(given["staging_budget"] if given["staging_budget"] is not None else "256MiB")
-        limit = given["switch_memory_limit"]
-        limit = None if limit in (None, "", "none", "None") else parse_bytes(limit)
-        values = dict(layout=layout, schedule=entries, staging_budget=budget, switch_memory_limit=limit,
-                      verify=_flag("verify", given["verify"], default=False),
-                      promote_broadcasts=_flag("promote_broadcasts", given["promote_broadcasts"], default=True),
-                      seed=_whole("seed", given["seed"], default=1234),
-                      switch_timeout=parse_switch_timeout(given["switch_timeout"]),
-                      switch_safety=parse_switch_safety(given["switch_safety"]),
-                      schedule_ahead=_flag("schedule_ahead", given["schedule_ahead"], default=True),
-                      on_refused=_choice("on_refused", given["on_refused"], ("continue", "raise")))
-        for name, value in values.items():
+        given = {name: getattr(self, name) for name in FIELDS}
+        for name, value in with_environment(given, os.environ).items():
             object.__setattr__(self, name, value)
-
-    # ------------------------------------------------------------------------------- reading
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "DynaTrainPlugin":
-        """The plugin of the ``dynatrain_config:`` block of the YAML file ``path`` (see the module
-        docstring); ``overrides`` (constructor arguments) win over the file.
-
-        Raises:
-            AccelerateConfigError: the file cannot be read, has no ``dynatrain_config`` mapping, or
-                the block has a key that is not ``dynatrain_<field>``.
-        """
-        import yaml
-
-        path = Path(path)
-        try:
-            document = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as err:
-            raise AccelerateConfigError(f"cannot read {path}: {err}",
-                                        hint=f"pass a YAML file with a `{YAML_BLOCK}:` mapping") from err
-        block = document.get(YAML_BLOCK) if isinstance(document, dict) else None
-        if not isinstance(block, dict):
-            raise AccelerateConfigError(f"{path} has no `{YAML_BLOCK}:` mapping",
-                                        hint=f"write `{YAML_BLOCK}:` with keys such as dynatrain_layout: dp2-tp2-pp1")
-        known = {f"dynatrain_{name}": name for name in _FIELDS}
-        unknown = sorted(set(map(str, block)) - set(known))
-        if unknown:
-            raise AccelerateConfigError(f"{path}: unknown keys {unknown} in `{YAML_BLOCK}`",
-                                        hint=f"use only {', '.join(sorted(known))}")
-        kwargs = {known[str(key)]: value for key, value in block.items()}
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    # ---------------------------------------------------------------------------- using it
-    @property
-    def schedule_map(self) -> dict[int, ParallelConfig]:
-        """``{step: layout}``, sorted by step."""
-        return dict(self.schedule)
-
-    def start_layout(self, world_size: int) -> ParallelConfig:
-        """The layout training starts at on ``world_size`` processes (``auto``: ``dp{world_size}``)."""
-        return ParallelConfig(dp=world_size) if self.layout == "auto" else self.layout
-
-    def validate(self, *, world_size: int, model: Any = None, global_batch_size: int | None = None,
-                 micro_batch_size: int | None = None) -> ParallelConfig:
-        """Check the starting layout and every schedule entry against the world, the model and the
-        batch; the starting layout.
-
-        Raises:
-            LayoutError / WorldSizeError / BatchSizeError: the starting layout does not fit.
-            ScheduleError: an entry does not fit (the message names its step and the rule).
-        """
-        start = validate_target(self.start_layout(world_size), world_size=world_size, model=model,
-                                global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
-        validate_schedule(self.schedule_map, world_size=world_size, start=start, model=model,
-                          global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
-        return start
-
-    def __str__(self) -> str:
-        from lightning_dynatrain.engine.staging import format_bytes
-
-        schedule = ",".join(f"{step}:{layout}" for step, layout in self.schedule) or "no switches"
-        faults = "" if self.switch_timeout is None else f", switch_timeout {self.switch_timeout.seconds:g} s"
-        faults += "" if self.switch_safety == "fast" else f", switch_safety {self.switch_safety}"
-        faults += "" if self.schedule_ahead or not self.schedule else ", switches built on demand"
-        faults += "" if self.on_refused == "continue" else ", refused switches raise"
-        return f"DynaTrainPlugin({self.layout}, {schedule}, staging {format_bytes(self.staging_budget)}{faults})"
-
-
-def _flag(name: str, value: Any, *, default: bool) -> bool:
-    if value is None:
-        return default
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise AccelerateConfigError(f"{name}={value!r} is not a yes/no value",
-                                hint=f"write {ENV_PREFIX}{name.upper()}=true or false")
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    """``value`` (default the first of ``choices``), one of ``choices``."""
-    if value is None:
-        return choices[0]
-    text = str(value).strip().lower()
-    if text not in choices:
-        raise AccelerateConfigError(f"{name}={value!r} is not one of {', '.join(choices)}",
-                                    hint=f"write {ENV_PREFIX}{name.upper()}={choices[0]}")
-    return text
-
-
-def _whole(name: str, value: Any, *, default: int) -> int:
-    if value is None:
-        return default
-    try:
-        if isinstance(value, bool) or float(value) != int(float(value)):
-            raise ValueError
-        return int(float(value))
-    except (TypeError, ValueError):
-        raise AccelerateConfigError(f"{name}={value!r} is not a whole number",
-                                    hint=f"write e.g. {ENV_PREFIX}{name.upper()}=1234") from None
+        DynaTrainSettings.__post_init__(self)
 
 
 __all__ = ["AccelerateConfigError", "DynaTrainPlugin", "ENV_PREFIX", "YAML_BLOCK"]

@@ -9,7 +9,9 @@ off at the next change boundary and exits 0; but a torchrun worker whose launch 
 at once with it (torchrun's agent stops the launch: ``elastic/launch_teardown.py``). A process
 that dies without leaving (SIGKILL, a lost node) is named by the store within seconds; the
 survivors rebuild the state from the replicas they hold, or an in-memory snapshot
-(``snapshot_every``), and go on (``recover``; ``strategy/recovery.py``). At each change ``policy`` picks the new
+(``snapshot_every``), and go on (``recover``; ``elastic/driver/recovery.py``). The work of every
+change is the elastic driver's (``elastic.driver.ElasticDriver``, Lightning-free); this callback
+makes it for the strategy, hands it each step boundary and logs what it did. At each change ``policy`` picks the new
 world's layout.
 
 Example::
@@ -43,26 +45,28 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dynatrain.compat.lightning_internals import log_this_step
+from lightning_dynatrain.elastic.driver.front import ElasticCallback
 from lightning_dynatrain.elastic.launch_teardown import launch_torn_down
-from lightning_dynatrain.elastic.policy import Policy, StepModel, parse_policy
+from lightning_dynatrain.elastic.driver.layout_policy import Policy, StepModel, parse_policy
 from lightning_dynatrain.elastic.session import MemberFailedError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
-    from lightning_dynatrain.strategy.elastic import ElasticDriver
+    from lightning_dynatrain.elastic.driver.driver import ElasticDriver
+    from lightning_dynatrain.elastic.driver.front import TrainingFront
+    from lightning_dynatrain.runtime.training_run import TrainingRun
 
 #: the signals that mean "this process will be taken away": leave
 LEAVE_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
 
 
-class OnNodeChange(Callback):
+class OnNodeChange(Callback, ElasticCallback):
     """Make the fit elastic and pick the layout of every new world.
 
     Args:
         policy: ``"auto"`` (the best modelled throughput among valid layouts; see
-            ``elastic.policy``), a map ``{world size: layout}``, or a YAML file holding one.
+            ``elastic.driver.layout_policy``), a map ``{world size: layout}``, or a YAML file holding one.
         memory_per_rank: ``auto`` keeps only layouts whose state takes at most this many bytes a rank.
         step_model: the hardware ``auto`` ranks layouts for.
         heartbeat: seconds between this process's liveness stamps in the store.
@@ -140,12 +144,12 @@ class OnNodeChange(Callback):
         self._signal_connector: Any = None  # Lightning's, while its handler registration is wrapped
         self._leave_noticed = False
 
-    def make_driver(self, strategy: "DynaTrainStrategy") -> "ElasticDriver":
-        """The strategy's elastic side (called by the strategy when it sets up)."""
-        from lightning_dynatrain.strategy.elastic import ElasticDriver
+    def make_driver(self, run: "TrainingRun", front: "TrainingFront") -> "ElasticDriver":
+        """The run's elastic side (called by the strategy when it sets up: ``ElasticCallback``)."""
+        from lightning_dynatrain.elastic.driver.driver import ElasticDriver
 
         self._listen_for_leave()  # from before this process enters the job: a notice during its set-up counts
-        self._driver = ElasticDriver(strategy, policy=self.policy, memory_per_rank=self.memory_per_rank,
+        self._driver = ElasticDriver(run, front, policy=self.policy, memory_per_rank=self.memory_per_rank,
                                      step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after,
                                      ahead=self.ahead, keep_worlds=self.keep_worlds, recover=self.recover,
                                      snapshot_every=self.snapshot_every, snapshot_buffers=self.snapshot_buffers)
@@ -204,7 +208,7 @@ class OnNodeChange(Callback):
             self._driver.leave(trainer.global_step)
         seen = len(self._driver.rolled_back)
         try:
-            report = self._driver.at_boundary(trainer)
+            report = self._driver.at_boundary()
         except BaseException:  # the fit ends here, before the loop would log this step
             log_this_step(trainer)
             raise
@@ -239,7 +243,7 @@ class OnNodeChange(Callback):
         """A collective failed: when a member failed, say so (the store's account, within its
         liveness bound) instead of the transport's message. A ``SwitchFailedError`` (a world
         change's grow runs under the switch watch) names the rank and the phase already."""
-        from lightning_dynatrain.engine.errors import SwitchFailedError
+        from lightning_dynatrain.transition.errors import SwitchFailedError
 
         if isinstance(exception, (MemberFailedError, SwitchFailedError)) or self._driver is None \
                 or self._driver.session is None:
@@ -271,17 +275,4 @@ class OnNodeChange(Callback):
         self.recoveries = list(state_dict.get("recoveries", []))
 
 
-def node_change_of(trainer: "pl.Trainer | None") -> OnNodeChange | None:
-    """The trainer's ``OnNodeChange`` callback, if it has one: with it the run is elastic.
-
-    The one place the callback is looked for, by the strategy's ``setup_environment``: that hook must
-    know whether the job's store makes the world (instead of ``init_process_group``), and Lightning
-    calls it before any callback hook (``Trainer._run``: ``strategy.setup_environment()``, then
-    ``Callback.setup``), so the callback cannot hand itself over first. The strategy then asks it for
-    its elastic side (``make_driver``), the explicit link both keep for the rest of the fit.
-    """
-    found = [c for c in (trainer.callbacks if trainer is not None else []) if isinstance(c, OnNodeChange)]
-    return found[0] if found else None
-
-
-__all__ = ["LEAVE_SIGNALS", "OnNodeChange", "node_change_of"]
+__all__ = ["LEAVE_SIGNALS", "OnNodeChange"]

@@ -6,7 +6,7 @@ what the last switch cost, next to the step and the loss::
     Epoch 0:  52%|█████▏    | 125/240 [00:31<00:29, 3.9it/s, train/loss=2.410, layout=dp1-tp2-pp2-zero1, switch=0.11s]
 
 Add it like any progress bar (``Trainer(callbacks=[LayoutProgressBar()])``; it replaces the default
-one). The one line per switch on rank 0 (``strategy/report.py``) still prints as before.
+one). The one line per switch on rank 0 (``runtime/reconfig_report.py``) still prints as before.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class LayoutProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         strategy = trainer.strategy
-        layout = getattr(strategy, "_layout", None)  # None before setup_environment
+        run = getattr(strategy, "run", None)  # a DynaTrainStrategy's TrainingRun
+        layout = run.layout_or_none if run is not None else None  # None before setup_environment
         if layout is not None:
             items["layout"] = str(layout)
         history = getattr(strategy, "switch_history", None)

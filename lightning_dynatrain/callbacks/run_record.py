@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dynatrain.strategy.report import ReconfigReport, dumps
+from lightning_dynatrain.runtime.reconfig_report import ReconfigReport, dumps
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -7,7 +7,7 @@
 - ``megatron_import``: starting from a checkpoint megatron-core's ``dist_checkpointing`` wrote;
 - ``legacy``: the per-rank checkpoints of earlier versions (read at the layout that wrote them).
 
-``strategy/checkpoint.py`` puts them behind ``DynaTrainStrategy``'s checkpoint hooks. Importing
+``checkpoint/training_checkpoint.py`` puts them behind ``DynaTrainStrategy``'s checkpoint hooks. Importing
 this package does not import megatron-core (``megatron_import`` does).
 """
 

@@ -4,7 +4,7 @@ Plain DCP over ``module.state_dict()`` reshards pipeline stages wrong (keys carr
 indices). Here every checkpoint key is a logical tensor and state kind (``<tensor>::<kind>``, e.g.
 ``decoder.layers.mlp.linear_fc1.weight::exp_avg``), one ``ShardedTensor`` of the logical shape
 (global layer and expert axes, vocabulary at the layout's padded size) whose shards are the rank's
-pieces (``engine.pieces``): its TP/PP/EP boxes, one per local tensor, and its zero1 shards as boxes
+pieces (``transition.pieces``): its TP/PP/EP boxes, one per local tensor, and its zero1 shards as boxes
 too. Saving, replicas are written once (only a piece's primary holder lists it as a local shard).
 Loading at another layout lists *every* piece the rank holds (replicas too): DCP intersects them
 with the saved chunks and copies straight into the live storage (the shards are views of it).
@@ -37,7 +37,7 @@ from lightning_dynatrain.compat.torch_internals import (
     TensorProperties,
     sharded_tensor_from_shards,
 )
-from lightning_dynatrain.engine.pieces import LayoutPieces, Piece, TensorKind, layout_pieces
+from lightning_dynatrain.transition.pieces import LayoutPieces, Piece, TensorKind, layout_pieces
 from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import VOCAB, ModelSpec, Precision, StateKind

@@ -5,7 +5,7 @@ into megatron-core ask one ``DeviceKind`` (``device_kind(device)``) instead of t
 ``device.type``:
 
 - ``switch_memory(recycle=, idle_cap=, keep_old=)``: the memory policy of one switch
-  (``memory.PlainMemory`` or a subclass);
+  (``devices.memory_policy.PlainMemory`` or a subclass);
 - ``unfilled_buffer_mode()``: the torch-function mode a build ahead of a switch makes megatron's
   DDP buffers under, or ``None``;
 - ``megatron_context(inner)``: the context megatron-core's calls run in (``inner``: another
@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
     from lightning_dynatrain.devices.snapshot_copy import HostCopier
-    from lightning_dynatrain.memory.policy import PlainMemory
+    from lightning_dynatrain.devices.memory_policy import PlainMemory
 
 #: device types the host's kind serves: the CPU, and ``meta`` (no memory, no accelerator runtime)
 HOST_TYPES = ("cpu", "meta")

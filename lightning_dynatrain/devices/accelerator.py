@@ -1,9 +1,9 @@
 """An accelerator's device kind: plain memory, megatron-core as it is.
 
 ``AcceleratorKind`` answers ``devices.DeviceKind`` for any device but the host. Its caching
-allocator reuses freed blocks by itself, so a switch allocates and frees (``memory.PlainMemory``),
+allocator reuses freed blocks by itself, so a switch allocates and frees (``devices.memory_policy.PlainMemory``),
 keeps nothing by ranges (no pages to give back), and megatron builds its buffers as it does;
-megatron-core runs unpatched but for its Apex-free norm (patch D, ``megatron/norm_patch.py``).
+megatron-core runs unpatched but for its Apex-free norm (patch D, ``devices/norm_patch.py``).
 Memory figures come from ``torch.accelerator``, whatever the backend.
 
 Example::
@@ -23,8 +23,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_dynatrain.devices.snapshot_copy import HostCopier, PlainHostCopier, StreamHostCopier
-from lightning_dynatrain.megatron.norm_patch import patch_torch_norm
-from lightning_dynatrain.memory.policy import KeepOldMemory, PlainMemory
+from lightning_dynatrain.devices.norm_patch import patch_torch_norm
+from lightning_dynatrain.devices.memory_policy import KeepOldMemory, PlainMemory
 
 
 @dataclass(frozen=True, slots=True)

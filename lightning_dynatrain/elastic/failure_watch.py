@@ -7,7 +7,7 @@ reads such a record at a step boundary (``ElasticSession.poll``), after one of i
 failed (``await_survivors``), or in the watchdog thread, every second:
 
 - a survivors' world with this process in it and recovery on: ``lost`` holds it until the main
-  thread ``take``s it (``strategy/recovery.py`` rebuilds the state there). The main thread may be
+  thread ``take``s it (``elastic/driver/recovery.py`` rebuilds the state there). The main thread may be
   waiting in a collective that will not end (with a member that hangs, or with a survivor that gave
   up on the old world already): after ``grace`` seconds the watchdog abandons the old world
   (``abandon.abandon_world``), which makes that wait fail at once, and the main thread recovers.

@@ -6,7 +6,7 @@ exited (then SIGKILL after its timeout): for the siblings of a worker that died,
 the launch going down, not a notice, and a leave would be a second change the agent cuts short.
 ``launch_torn_down`` tells the two apart: under torchrun, with more than one worker in the launch,
 fewer of the agent's children are alive than the launch started. The sibling then ends at once,
-with the dead worker, and the survivors recover from both in one recovery (``strategy/recovery.py``).
+with the dead worker, and the survivors recover from both in one recovery (``elastic/driver/recovery.py``).
 
 Linux (``/proc``); elsewhere, and outside torchrun, every SIGTERM is a notice to leave.
 """

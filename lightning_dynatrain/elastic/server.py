@@ -31,7 +31,7 @@ a count in ``suspects``: gloo says at once when a peer's connection closed), the
 ``suspect_after`` instead, a few heartbeats: the dead are named in seconds, not ``dead_after``
 (which stays for a member that hangs without anything failing). That generation is the survivors'
 world, effective at once: its members are the running world's without the failed ones (a change
-not yet installed is dropped with it), and the survivors recover into it (``strategy/recovery.py``)
+not yet installed is dropped with it), and the survivors recover into it (``elastic/driver/recovery.py``)
 or, where the state the dead held is gone, stop. When no member survives, the job is over and every
 request after that is refused (also when the members stopped because their fit ended). A joiner
 that stops before its generation is installed only cancels that change (a generation with the

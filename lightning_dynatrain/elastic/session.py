@@ -17,7 +17,7 @@ Liveness: a daemon thread says every ``heartbeat`` seconds that this member is a
 process records a member silent for ``dead_after`` seconds (``suspect_after`` once a collective
 failed) as failed, in a generation whose members are the survivors. A watchdog thread reads the
 generation every second (``failure_watch.FailureWatch``): a survivor recovers into that world
-(``recover_into``, called by the strategy, ``strategy/recovery.py``); when the job cannot go on the
+(``recover_into``, called by the strategy, ``elastic/driver/recovery.py``); when the job cannot go on the
 watchdog records ``failure`` (the callback raises ``MemberFailedError`` with it) and, when the main
 thread is stuck in a collective that will never complete, ends the process after ``exit_after``
 seconds with that message, so a job never hangs silently.
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.compat.torch_internals import registered_groups
-from lightning_dynatrain.elastic.abandon import abandon_world, launcher_store_port
+from lightning_dynatrain.transition.abandon import abandon_world, launcher_store_port
 from lightning_dynatrain.elastic.client import JobStore
 from lightning_dynatrain.elastic.failure_watch import (
     EXIT_MEMBER_FAILED,
@@ -52,7 +52,7 @@ from lightning_dynatrain.vps.members import Members
 #: test hook: ``DYNATRAIN_JOIN_FAULT=STOP`` stops a joiner (SIGSTOP) right after it is admitted, before
 #: the world that admits it is built, so that the change must be cancelled; ``STOP_IN_BUILD`` once its
 #: peers build the target ahead, before its own build; ``STOP_IN_SWITCH`` once they swapped to the new
-#: world and started the switch that fills it (built ahead; ``strategy.elastic``)
+#: world and started the switch that fills it (built ahead; ``elastic.driver.driver``)
 JOIN_FAULT_ENV = "DYNATRAIN_JOIN_FAULT"
 
 #: test hook: ``DYNATRAIN_RECOVERY_FAULT=KILL_IN_WORLD`` kills this process (SIGKILL) as it starts

@@ -8,7 +8,7 @@ What a user writes (every rank runs it; ``fabric run --accelerator cpu --devices
     from lightning_dynatrain.fabric import DynaTrainEngine, DynaTrainFabricStrategy
     from lightning_dynatrain.data import StdlibBytes
     from lightning_dynatrain.megatron.gpt import GPTShape
-    from lightning_dynatrain.strategy import AdamSettings, MegatronRecipe, warmup_cosine_lr
+    from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe, warmup_cosine_lr
 
     strategy = DynaTrainFabricStrategy(layout="dp2-tp2-pp1", schedule={100: "dp1-tp2-pp2"})
     fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)   # precision="bf16-true": bf16 params
@@ -39,12 +39,13 @@ current layout (``engine.eval_step``), over ``fabric.setup_dataloaders(engine.ev
 Accelerate integration uses (``lightning_dynatrain.loop``): the same step, switches and messages.
 
 The pieces: ``strategy`` (``DynaTrainFabricStrategy``: no DDP wrapper, no distributed sampler,
-megatron's own precision, the engine's checkpoints, threads fitted to the cores) and ``host`` (a
-launched Fabric as the engine's ``LoopHost``).
+megatron's own precision, the engine's checkpoints, threads fitted to the cores) ``library`` (a
+launched Fabric as the engine's ``LoopLibrary``) and ``engine`` (``DynaTrainEngine`` over a Fabric).
 """
 
-from lightning_dynatrain.accelerate.plugin import DynaTrainPlugin
+from lightning_dynatrain.fabric.engine import DynaTrainEngine
 from lightning_dynatrain.fabric.strategy import DynaTrainFabricStrategy, FabricSetupError
-from lightning_dynatrain.loop.engine import DataMismatchError, DynaTrainEngine
+from lightning_dynatrain.loop.engine import DataMismatchError
+from lightning_dynatrain.runtime.settings import DynaTrainSettings
 
-__all__ = ["DataMismatchError", "DynaTrainEngine", "DynaTrainFabricStrategy", "DynaTrainPlugin", "FabricSetupError"]
+__all__ = ["DataMismatchError", "DynaTrainEngine", "DynaTrainFabricStrategy", "DynaTrainSettings", "FabricSetupError"]

@@ -26,11 +26,12 @@ over the world -- and differs where DDP would be wrong under tensor and pipeline
 
   It loads at any layout and any number of processes, bf16 included.
 - each process's intra-op threads are fitted to the node's cores, as ``DynaTrainStrategy`` does
-  (``fabric run`` sets ``OMP_NUM_THREADS`` to every core in each process; ``strategy/threads.py``).
+  (``fabric run`` sets ``OMP_NUM_THREADS`` to every core in each process; ``runtime/threads.py``).
 
 The layout, the switch schedule and the budgets are the strategy's: ``DynaTrainFabricStrategy(layout=...,
-schedule=..., staging_budget=...)`` takes ``DynaTrainPlugin``'s arguments (and its ``DYNATRAIN_*``
-environment variables), or ``plugin=DynaTrainPlugin(...)``.
+schedule=..., staging_budget=...)`` takes ``DynaTrainSettings``' fields (each one not given from its
+``DYNATRAIN_*`` environment variable: ``DynaTrainSettings.from_environment``), or
+``settings=DynaTrainSettings(...)``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_dynatrain.accelerate.plugin import DynaTrainPlugin
+from lightning_dynatrain.runtime.settings import DynaTrainSettings
 from lightning_dynatrain.vps.errors import DynaTrainError
 
 if TYPE_CHECKING:
@@ -66,15 +67,15 @@ class DynaTrainFabricStrategy(DDPStrategy):
     """Fabric's strategy for a ``DynaTrainEngine`` (see the module docstring).
 
     Args:
-        plugin: the layout, the switch schedule and budgets; or give them as ``settings``.
+        settings: the layout, the switch schedule and budgets (``DynaTrainSettings``); or give them as ``values``.
         process_group_backend: the default group's backend (default: gloo on CPU, nccl on GPUs).
         timeout: the default group's timeout.
-        **settings: ``DynaTrainPlugin``'s arguments (``layout``, ``schedule``, ``staging_budget``,
+        **values: ``DynaTrainSettings``' fields (``layout``, ``schedule``, ``staging_budget``,
             ``switch_memory_limit``, ``verify``, ``promote_broadcasts``, ``seed``, ``switch_timeout``,
             ``switch_safety``, ``schedule_ahead``).
 
     Raises:
-        FabricSetupError: both a plugin and settings given.
+        FabricSetupError: both ``settings`` and values given.
         LayoutError / ScheduleError / StagingBudgetError / AccelerateConfigError: a setting cannot be read.
 
     Example::
@@ -85,13 +86,13 @@ class DynaTrainFabricStrategy(DDPStrategy):
         engine = DynaTrainEngine(fabric, recipe=recipe, adam=adam)
     """
 
-    def __init__(self, plugin: DynaTrainPlugin | None = None, *, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout, **settings: Any) -> None:
+    def __init__(self, settings: DynaTrainSettings | None = None, *, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout, **values: Any) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen")
-        if plugin is not None and settings:
-            raise FabricSetupError(f"DynaTrainFabricStrategy got a plugin and settings {sorted(settings)}",
-                                   hint="give the settings to the plugin, or pass them here without one")
-        self.plugin = plugin if plugin is not None else DynaTrainPlugin(**settings)
+        if settings is not None and values:
+            raise FabricSetupError(f"DynaTrainFabricStrategy got settings and the values {sorted(values)}",
+                                   hint="give the values to DynaTrainSettings(...), or pass them here without it")
+        self.settings = settings if settings is not None else DynaTrainSettings.from_environment(**values)
         self._plain = Precision()
         self._engine: DynaTrainEngine | None = None
 
@@ -123,7 +124,7 @@ class DynaTrainFabricStrategy(DDPStrategy):
     # --------------------------------------------------------------------------- set-up
     def setup_environment(self) -> None:
         """Check the precision, fit the intra-op threads to the cores, then start the process group."""
-        from lightning_dynatrain.strategy.threads import fit_intra_op_threads
+        from lightning_dynatrain.runtime.threads import fit_intra_op_threads
         from lightning_dynatrain.warning_filters import quiet_third_party_warnings
 
         self.params_dtype  # a bad precision stops here, before any process group exists
@@ -202,7 +203,7 @@ class DynaTrainFabricStrategy(DDPStrategy):
         return super().load_checkpoint(Path(path) / FABRIC_STATE, state, strict=strict, weights_only=weights_only)
 
     def __repr__(self) -> str:
-        return f"DynaTrainFabricStrategy({self.plugin})"
+        return f"DynaTrainFabricStrategy({self.settings})"
 
 
 __all__ = ["FABRIC_STATE", "DynaTrainFabricStrategy", "FabricSetupError", "PARAMS_DTYPES"]

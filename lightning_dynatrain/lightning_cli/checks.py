@@ -74,12 +74,12 @@ def check_config(cfg: Any) -> None:
         ConfigError: the message names the key (``model.heads``, ``trainer.strategy.init_args.layout``,
             ``schedule``, ...) and the rule, with the rule's hint.
     """
-    from lightning_dynatrain.callbacks.scheduled import parse_schedule, validate_schedule
-    from lightning_dynatrain.engine.staging import parse_bytes
+    from lightning_dynatrain.runtime.switch_schedule import parse_schedule, validate_schedule
+    from lightning_dynatrain.transition.staging import parse_bytes
     from lightning_dynatrain.lightning_cli.model import TP_SIZES_PADDED_ALIKE
     from lightning_dynatrain.megatron.shapes import model_shape
     from lightning_dynatrain.strategy.precision import MegatronPrecision
-    from lightning_dynatrain.strategy.validation import validate_target, vocab_divisor_for
+    from lightning_dynatrain.runtime.layout_checks import validate_target, vocab_divisor_for
     from lightning_dynatrain.vps.layout import ParallelConfig
 
     model = _get(cfg, "model")
@@ -128,7 +128,7 @@ def check_config(cfg: Any) -> None:
 
     raw_policy = _get(cfg, ELASTIC_KEY)
     if raw_policy:
-        from lightning_dynatrain.elastic.policy import parse_policy
+        from lightning_dynatrain.elastic.driver.layout_policy import parse_policy
 
         _at(ELASTIC_KEY, raw_policy, lambda: parse_policy(raw_policy))
 

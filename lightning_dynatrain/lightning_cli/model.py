@@ -22,8 +22,8 @@ from typing import Literal
 from lightning_dynatrain.data.stdlib_text import VOCAB_SIZE
 from lightning_dynatrain.megatron.execution import Recompute
 from lightning_dynatrain.megatron.shapes import model_shape
-from lightning_dynatrain.strategy.module import GPTLightningModule
-from lightning_dynatrain.strategy.validation import vocab_divisor_for
+from lightning_dynatrain.strategy.lightning_modules import GPTLightningModule
+from lightning_dynatrain.runtime.layout_checks import vocab_divisor_for
 
 Family = Literal["gpt", "llama", "moe"]
 """``megatron.shapes.FAMILIES``, spelled out for the schema (a test keeps the two equal)."""

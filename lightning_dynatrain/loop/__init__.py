@@ -1,8 +1,9 @@
-"""A megatron-core GPT trained in a plain loop that a loop library owns (Accelerate, Lightning Fabric).
+"""A megatron-core model trained in a plain loop that a loop library owns (Accelerate, Lightning Fabric).
 
-- ``engine``: ``DynaTrainEngine`` (the current layout's megatron state, its step, its switches);
-- ``host``: ``LoopHost``, all the engine takes from the loop library (``accelerate/host.py``,
-  ``fabric/host.py``);
+- ``engine``: ``DynaTrainEngine`` (the run at its current layout, its steps, its switches: a
+  ``runtime.training_run.TrainingRun`` with the schedule and the progress a loop keeps);
+- ``library``: ``LoopLibrary``, all the engine takes from the loop library (``accelerate/library.py``,
+  ``fabric/library.py``; each of those packages has a ``DynaTrainEngine`` over its library's object);
 - ``prepared``: the model, optimizer and scheduler the loop hands to ``accelerator.prepare`` or
   ``fabric.setup``, views of one engine that those leave unwrapped;
 - ``data``: the loader of whole global batches;
@@ -11,6 +12,6 @@
 """
 
 from lightning_dynatrain.loop.engine import DataMismatchError, DynaTrainEngine, LoopSetupError
-from lightning_dynatrain.loop.host import LoopHost
+from lightning_dynatrain.loop.library import LoopLibrary
 
-__all__ = ["DataMismatchError", "DynaTrainEngine", "LoopHost", "LoopSetupError"]
+__all__ = ["DataMismatchError", "DynaTrainEngine", "LoopLibrary", "LoopSetupError"]

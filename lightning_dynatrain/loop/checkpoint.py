@@ -12,7 +12,7 @@ the strategy's ``save_checkpoint``)::
         .metadata  __0_0.distcp ...   #   params, fp32 main params (bf16), Adam's moments; Adam's step
       ...                             # the library's own files (the run's progress among them)
 
-``dynatrain/`` is the format of ``DynaTrainStrategy``'s checkpoints (``strategy/checkpoint.py``,
+``dynatrain/`` is the format of ``DynaTrainStrategy``'s checkpoints (``checkpoint/training_checkpoint.py``,
 ``lightning_dynatrain.checkpoint``): it loads at any layout and any number of processes, bf16
 included, and says what model and precision it holds, which are checked before anything is
 loaded. A loaded run trains on at the layout the engine was built at (its plugin's ``layout``);
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 from lightning_dynatrain.checkpoint.identity import CheckpointError
 from lightning_dynatrain.checkpoint.reader import is_layout_free
 from lightning_dynatrain.loop.gather import every_rank
-from lightning_dynatrain.strategy.checkpoint import load_rank_checkpoint
-from lightning_dynatrain.strategy.validation import WorldSizeError
+from lightning_dynatrain.checkpoint.training_checkpoint import load_rank_checkpoint
+from lightning_dynatrain.runtime.layout_checks import WorldSizeError
 from lightning_dynatrain.vps.errors import LayoutError
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def save_engine_state(engine: "DynaTrainEngine", output_dir: str | Path) -> Path
     """Write the engine's training state as the layout-free checkpoint ``output_dir/dynatrain``
     (collective: every file is in place when it returns on any rank); its path."""
     from lightning_dynatrain.checkpoint.writer import CheckpointWriter
-    from lightning_dynatrain.strategy import checkpoint as checkpointing
+    from lightning_dynatrain.checkpoint import training_checkpoint as checkpointing
 
     state, path = engine.state, Path(output_dir) / SHARDS
     checkpoint = {"optimizer_states": [checkpointing.optimizer_scalars(state)], "dynatrain_step": engine.step}
@@ -69,7 +69,7 @@ def load_engine_state(engine: "DynaTrainEngine", input_dir: str | Path) -> None:
             number of processes (or a rank's file disagrees with its ``layout.json``).
     """
     from lightning_dynatrain.megatron.state_bridge import precision_of
-    from lightning_dynatrain.strategy import checkpoint as checkpointing
+    from lightning_dynatrain.checkpoint import training_checkpoint as checkpointing
 
     path = Path(input_dir) / SHARDS
     if _agreed_kind(path) == "per_rank":
@@ -83,19 +83,19 @@ def load_engine_state(engine: "DynaTrainEngine", input_dir: str | Path) -> None:
     checkpointing.load_optimizer(checkpoint, state, spec, engine.rank)
     info = checkpointing.source_of(checkpoint).info
     engine.loaded_step, engine.last_checkpoint = checkpoint.get("dynatrain_step"), str(input_dir)
-    engine.host.print(f"[dynatrain] loaded {input_dir} (step {checkpoint.get('dynatrain_step')}, written at "
+    engine.library.print(f"[dynatrain] loaded {input_dir} (step {checkpoint.get('dynatrain_step')}, written at "
                       f"{info.layout} on {info.world_size} processes) into {state.layout} on {engine.world_size}")
 
 
 def _load_per_rank(engine: "DynaTrainEngine", input_dir: str | Path) -> None:
     """Read this rank's shards of an earlier version's folder, switching the engine to the
     checkpoint's layout first if needed (collective)."""
-    from lightning_dynatrain.strategy.megatron_step import load_optimizer_state_dict
+    from lightning_dynatrain.runtime.steps import load_optimizer_state_dict
 
     folder = Path(input_dir) / SHARDS
     meta = agreed_meta(_gathered(folder / _META), where=folder / _META, world_size=engine.world_size)
     if meta["layout"] != str(engine.layout):  # to the checkpoint's layout, in memory, then read its shards
-        engine.host.print(f"[dynatrain] loading {input_dir}: it was written at {meta['layout']} (step "
+        engine.library.print(f"[dynatrain] loading {input_dir}: it was written at {meta['layout']} (step "
                           f"{meta['step']}) in per-rank files; switching from {engine.layout} to it before "
                           "reading the shards")
         engine.reconfigure(meta["layout"])

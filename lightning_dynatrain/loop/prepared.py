@@ -37,7 +37,7 @@ import torch
 
 if TYPE_CHECKING:
     from lightning_dynatrain.loop.engine import DynaTrainEngine
-    from lightning_dynatrain.strategy.report import ReconfigReport
+    from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
 
 
 class DynaTrainModel(torch.nn.Module):
@@ -69,15 +69,15 @@ class DynaTrainModel(torch.nn.Module):
         training mode; in eval mode the batch's loss, forward only (nothing trains).
 
         Returns:
-            The global mean loss as a 0-dim tensor on the host's device. In training mode it is a
+            The global mean loss as a 0-dim tensor on the library's device. In training mode it is a
             leaf that requires grad, so ``accelerator.backward(loss)`` (``fabric.backward``) runs
             and changes nothing: the step ran.
         """
         batch = batch if batch is not None else tensors
         if not self.training:
-            return torch.tensor(self._engine.eval_step(batch), dtype=torch.float32, device=self._engine.host.device)
+            return torch.tensor(self._engine.eval_step(batch), dtype=torch.float32, device=self._engine.library.device)
         loss = self._engine.train_step(batch)
-        return torch.tensor(loss, dtype=torch.float32, device=self._engine.host.device, requires_grad=True)
+        return torch.tensor(loss, dtype=torch.float32, device=self._engine.library.device, requires_grad=True)
 
     def extra_repr(self) -> str:
         return repr(self._engine)

@@ -28,7 +28,7 @@ embedding's construction-time all-reduce over the embedding group is left out (i
 last stage's copy of the embedding, is written by the switch); any other collective fails the
 build, and the switch then runs on demand.
 
-A world change (``prepare_world_switch``, from ``strategy/elastic_ahead.py``) builds the same way
+A world change (``prepare_world_switch``, from ``elastic/driver/ahead_change.py``) builds the same way
 on groups made on the next world before its install; its all-gather runs on the next world's
 default group, which training does not use yet (``docs/ahead-of-time.md``).
 
@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.devices import device_kind
-from lightning_dynatrain.engine.comm import group_rank
-from lightning_dynatrain.engine.compiler import switch_program
-from lightning_dynatrain.engine.program import SwitchProgram
+from lightning_dynatrain.transition.comm import group_rank
+from lightning_dynatrain.transition.compiler import switch_program
+from lightning_dynatrain.transition.program import SwitchProgram
 from lightning_dynatrain.megatron.build_collectives import build_collectives
 from lightning_dynatrain.megatron.model_source import build_unfilled
 from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, optimizer_state_views

@@ -2,7 +2,7 @@
 
 On every rank, between two optimizer steps:
 
-1. **plan**: this rank's compiled switch program (``engine.compiler.switch_program``: pure, cached
+1. **plan**: this rank's compiled switch program (``transition.compiler.switch_program``: pure, cached
    by its inputs), and its old state as the engine's store of local tensors;
 2. **check memory**: every rank's bound on what its switch takes beyond the state
    (``memory_check``), compared per host or device in one small all-gather; a switch that does not
@@ -10,7 +10,7 @@ On every rank, between two optimizer steps:
 3. **rebuild**: megatron's groups for the target (kept in ``groups``), the target's model, DDP
    buffers and optimizer, built *without* initialising weights, on those groups, and Adam state
    at the current step, uninitialised (the program writes every element);
-4. **execute**: the engine walks the program (``engine.walker``) with the memory policy the
+4. **execute**: the engine walks the program (``transition.walker``) with the memory policy the
    device's kind chooses once (``devices.device_kind(device).switch_memory``): on accelerators
    plain allocation, on CPU new state written into the old state's memory (the host's
    ``RecyclingMemory``; megatron's DDP buffers built into the old gradient buffers);
@@ -19,7 +19,7 @@ On every rank, between two optimizer steps:
 A switch refused before anything moved (memory, a budget below a row, state that does not match,
 on every rank) restores the old gradient buffers and groups: training can go on at the source.
 With ``SwitchSetup(keep_old=True)`` the old state is held until every rank confirmed its new state,
-so a switch that fails later rolls back the same way (``memory.KeepOldMemory``).
+so a switch that fails later rolls back the same way (``devices.memory_policy.KeepOldMemory``).
 
 Example (every rank)::
 
@@ -43,14 +43,14 @@ import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig
 
 from lightning_dynatrain.devices import device_kind
-from lightning_dynatrain.engine.collectives import LinkCosts, SubgroupCache
-from lightning_dynatrain.engine.comm import group_rank
-from lightning_dynatrain.engine.errors import mark_refused, was_refused
-from lightning_dynatrain.engine.program import SwitchProgram
-from lightning_dynatrain.engine.report import SwitchReport
-from lightning_dynatrain.engine.walker import execute_switch
-from lightning_dynatrain.engine.switch_attempt import SwitchAttempt
-from lightning_dynatrain.engine.watch import SwitchWatch
+from lightning_dynatrain.transition.collectives import LinkCosts, SubgroupCache
+from lightning_dynatrain.transition.comm import group_rank
+from lightning_dynatrain.transition.errors import mark_refused, was_refused
+from lightning_dynatrain.transition.program import SwitchProgram
+from lightning_dynatrain.transition.report import SwitchReport
+from lightning_dynatrain.transition.walker import execute_switch
+from lightning_dynatrain.transition.switch_attempt import SwitchAttempt
+from lightning_dynatrain.transition.watch import SwitchWatch
 from lightning_dynatrain.gc_pause import automatic_gc_paused
 from lightning_dynatrain.megatron.ahead import PreparedSwitch, process_program
 from lightning_dynatrain.megatron.execution import ExecutionOptions
@@ -67,7 +67,7 @@ from lightning_dynatrain.megatron.state_bridge import (
     megatron_store,
     precision_of,
 )
-from lightning_dynatrain.memory.policy import KeepOldMemory, MemoryFigures, PlainMemory
+from lightning_dynatrain.devices.memory_policy import KeepOldMemory, MemoryFigures, PlainMemory
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.members import Members
@@ -168,7 +168,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     each rank of A and B (a world change; default process ``p`` is rank ``p`` of both). The target's
     megatron groups are made on the default group (the new world, installed before).
 
-    ``watch`` (``engine.watch.SwitchWatch``, made once per world): every wait of the switch runs
+    ``watch`` (``transition.watch.SwitchWatch``, made once per world): every wait of the switch runs
     under its deadline, on the watch's group (instead of ``group``), and a rank that dies or stalls
     makes every survivor raise ``SwitchFailedError``.
 
@@ -185,7 +185,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         PreparedSwitchError: ``prepared`` was made for another switch, or used already.
         SwitchMemoryError: the switch would not fit in memory (or exceed ``setup.memory_limit``).
         StagingBudgetError, StateStoreError, SwitchAbortedError: refused before anything moved.
-        In each case on every rank, with the old state whole (``engine.errors.was_refused``).
+        In each case on every rank, with the old state whole (``transition.errors.was_refused``).
         SwitchFailedError: (with ``watch``) a rank went missing, or a wait ran past the deadline.
     """
     start, phase = time.perf_counter(), _Phases()

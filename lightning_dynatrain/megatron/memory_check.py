@@ -3,7 +3,7 @@
 A switch takes memory on top of the state it starts from: the new model's buffers (megatron's
 gradient buffer; under zero1 a flat param buffer too; bf16 main params), whatever the engine's
 order holds of new state before old state is given back, and the stage buffer
-(``engine.memory_fold``). ``switch_need_bytes`` bounds that per rank from the compiled program alone. Ranks draw on shared
+(``transition.memory_fold``). ``switch_need_bytes`` bounds that per rank from the compiled program alone. Ranks draw on shared
 pools (on CPU every rank of a host shares its RAM; on an accelerator, each device is one pool: the
 device's kind names the pool and reads its free bytes, ``devices.DeviceKind.pool_name`` and
 ``free_bytes``), so ``check_switch_memory`` gathers every rank's need and its pool's free bytes (one small
@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.devices import device_kind
-from lightning_dynatrain.engine.comm import default_device
-from lightning_dynatrain.engine.memory_fold import switch_peak_bytes
-from lightning_dynatrain.engine.program import SwitchProgram
-from lightning_dynatrain.engine.store import RegionIndex, local_numel
+from lightning_dynatrain.transition.comm import default_device
+from lightning_dynatrain.transition.memory_fold import switch_peak_bytes
+from lightning_dynatrain.transition.program import SwitchProgram
+from lightning_dynatrain.transition.local_state import RegionIndex, local_numel
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import DTYPE_SIZES, rank_regions

@@ -136,7 +136,7 @@ def optimizer_config_at(config: OptimizerConfig, layout: ParallelConfig, params_
 #: ``is_expert_parallel``, which is set only where experts are sharded (ep > 1)
 _GROUP_KEY = ("wd_mult", "lr_mult", "is_decoupled_lr")
 #: what a training loop sets on each group between steps (megatron's ``OptimizerParamScheduler``,
-#: ``strategy.megatron_step.set_lr_and_wd``); a freshly built optimizer has the config's values
+#: ``runtime.steps.set_lr_and_wd``); a freshly built optimizer has the config's values
 _GROUP_SETTINGS = ("lr", "weight_decay")
 
 

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from lightning_dynatrain.compat.megatron_internals import forget_megatron_groups, megatron_groups
 from lightning_dynatrain.compat.torch_internals import is_registered
 from lightning_dynatrain.devices import device_kind
-from lightning_dynatrain.engine.comm import default_device
+from lightning_dynatrain.transition.comm import default_device
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -109,7 +109,7 @@ def initialize_for_layout(layout: ParallelConfig, *, seed: int, groups: ProcessG
     Runs ``destroy()`` first if groups exist, then ``initialize_model_parallel`` with the layout's
     tp/pp/cp/ep/etp sizes (data parallel is what remains) in order ``tp-cp-ep-dp-pp``, then
     ``model_parallel_cuda_manual_seed(seed)``, in the megatron context of the device kind WORLD's
-    collectives run on (``engine.comm.default_device``; on CPU the host's megatron patches, with their
+    collectives run on (``transition.comm.default_device``; on CPU the host's megatron patches, with their
     CPU RNG tracker). Collective: every rank of WORLD must call it with the same arguments.
     With ``groups``, groups come from (and stay in) that cache. ``timeout``: the new groups' own
     timeout, their creation's included (default megatron's 30 minutes; a switch passes its deadline).

@@ -22,7 +22,7 @@ ends naming the checkpoint. With two, snapshots alternate between them: the prev
 whole while the next is taken (twice the host memory; a recovery in that window redoes up to
 ``N + 1`` steps).
 
-A recovery (``strategy/snapshot_recovery.py``) reads a snapshot step ``S`` every survivor holds
+A recovery (``elastic/driver/snapshots.py``) reads a snapshot step ``S`` every survivor holds
 whole: each survivor's own state at ``S`` (``restore``, which also gives back the memory of the
 storages a failed switch freed) and the copies of the dead's boxes its keepers hold (``kept``).
 """
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from lightning_dynatrain.compat.torch_internals import is_registered
 from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.devices.snapshot_copy import HostCopier
-from lightning_dynatrain.engine.store import RegionIndex, StoreKey, box_pieces, box_view, torch_dtype
+from lightning_dynatrain.transition.local_state import RegionIndex, StoreKey, box_pieces, box_view, torch_dtype
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import adam_step, megatron_store, set_adam_step
 from lightning_dynatrain.vps.box import Box

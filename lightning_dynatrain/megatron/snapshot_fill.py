@@ -1,6 +1,6 @@
 """The boxes a recovery switch left as holes, written from the keepers' snapshot copies.
 
-A recovery from a snapshot (``strategy/snapshot_recovery.py``) first switches every survivor's own
+A recovery from a snapshot (``elastic/driver/snapshots.py``) first switches every survivor's own
 state of step ``S`` to the new layout with ``Members.holes``: a box that only the dead held becomes
 a zero fill. Its copy of step ``S`` sits on a keeper (``megatron.snapshot``);
 ``vps.snapshot_plan.fill_plan`` says, purely, which piece of each such box goes from which keeper
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.engine.store import RegionIndex, StoreKey, box_pieces, box_view, torch_dtype
+from lightning_dynatrain.transition.local_state import RegionIndex, StoreKey, box_pieces, box_view, torch_dtype
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import megatron_store
 from lightning_dynatrain.vps.box import Box

@@ -16,9 +16,9 @@ import torch
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
-from lightning_dynatrain.engine.adoption import owns_storage
+from lightning_dynatrain.transition.adoption import owns_storage
 from lightning_dynatrain.megatron.state import MegatronState
-from lightning_dynatrain.engine.store import RegionIndex, StoreKey
+from lightning_dynatrain.transition.local_state import RegionIndex, StoreKey
 from lightning_dynatrain.megatron.optimizer import optimizer_state_views
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions

@@ -3,7 +3,7 @@
 A member that dies mid-step leaves the survivors at different points of it: some failed in
 forward/backward or in the gradient all-reduce (their state is the last step's), some had already
 passed megatron's ``optimizer.step()`` (their state is this step's). ``stepped`` says which; the
-recovery then takes every box from survivors at one step only (``strategy/recovery.py``), so the
+recovery then takes every box from survivors at one step only (``elastic/driver/recovery.py``), so the
 step is in the new world's state everywhere or nowhere.
 
 ``StepFault`` is a test hook: ``DYNATRAIN_STEP_FAULT=<rank>:<step>:<phase>`` kills this process

@@ -1,28 +1,29 @@
-"""``DynaTrainStrategy``: Lightning training of a megatron-core GPT whose parallel layout can change in memory.
+"""``DynaTrainStrategy``: Lightning training of a megatron-core model whose parallel layout can change in memory.
 
-The strategy trains a megatron-core model at the current layout and gives Lightning what it expects
-(an optimizer to count steps, checkpoints). Ranks, devices, precision and collectives come from its
-base, ``base.MegatronProcessStrategy``; the rest it hands to four objects it owns, each one concept:
+The strategy is Lightning's side of a run; the run itself is a ``runtime.training_run.TrainingRun``
+(the Lightning-free training core the Fabric and Accelerate loop engine uses too), which it builds
+across Lightning's hooks: the starting layout's groups in ``setup_environment``, the model shard in
+``configure_model`` (through ``build_model``), megatron DDP and optimizer in ``setup_optimizers``.
+Ranks, devices, precision and collectives come from its base, ``processes.MegatronProcessStrategy``.
+What is left it hands to three parts, each given what it may touch:
 
-- ``megatron_side.MegatronSide``: the megatron objects it trains on (groups, switcher, model shard,
-  optimizer settings, the current ``MegatronState``), built across the set-up hooks and replaced by
-  every switch (``_install``);
-- ``switch_control.SwitchControl``: when a layout switch runs (``reconfigure``, ``prepare_reconfigure``,
-  at the optimizer-step boundary; the switch itself is ``switching.LayoutSwitcher``'s);
+- ``switch_requests.SwitchRequests``: when a layout switch runs (``reconfigure``,
+  ``prepare_reconfigure``, at the optimizer-step boundary) and how it is logged;
 - ``stepping.Stepping``: the step entry points (``train_step``, ``eval_step``) and ``reduce``;
-- ``checkpointing.Checkpointing``: Lightning's save and restore hooks, onto layout-free checkpoint
+- ``checkpoint_hooks.Checkpointing``: Lightning's save and restore hooks, onto layout-free checkpoint
   directories (a run saved at one layout resumes at any other layout and world size).
 
-Its own methods are Lightning's hooks, the world's set-up and one-line hand-offs; the work is in
-plain functions (``megatron_step``, ``validation``, ``report``, ``checkpoint``, ``switching``).
-Example: the README's quick start. Processes, launchers and global batches: ``base.py``. Every
-data-parallel notion (``distributed_sampler_kwargs``, ``reduce``) comes from the *current layout*.
+With an ``OnNodeChange`` callback the run is elastic: the callback makes the driver
+(``elastic.driver.ElasticDriver``), which reaches Lightning only through ``elastic_front.LightningFront``.
+Example: the README's quick start. Every data-parallel notion (``distributed_sampler_kwargs``,
+``reduce``) comes from the *current layout*.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -35,31 +36,33 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dynatrain.checkpoint.writer import CheckpointWriter
 from lightning_dynatrain.data.sampler import global_batch_samplers
-from lightning_dynatrain.engine.deadline import parse_switch_timeout
-from lightning_dynatrain.engine.staging import parse_bytes
-from lightning_dynatrain.strategy.base import MegatronProcessStrategy
-from lightning_dynatrain.strategy.checkpointing import Checkpointing
-from lightning_dynatrain.strategy.config import AdamSettings, MegatronRecipe
-from lightning_dynatrain.strategy.megatron_side import MegatronSide
+from lightning_dynatrain.elastic.driver.front import ElasticCallback
+from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe
+from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
+from lightning_dynatrain.runtime.settings import DynaTrainSettings
+from lightning_dynatrain.runtime.training_run import TrainingRun
+from lightning_dynatrain.strategy.checkpoint_hooks import Checkpointing
+from lightning_dynatrain.strategy.elastic_front import LightningFront
 from lightning_dynatrain.strategy.optimizer_handle import DynaTrainOptimizer, handle_for
-from lightning_dynatrain.strategy.report import ReconfigReport
+from lightning_dynatrain.strategy.precision import resolve_params_dtype
+from lightning_dynatrain.strategy.processes import MegatronProcessStrategy
 from lightning_dynatrain.strategy.stepping import Stepping
-from lightning_dynatrain.strategy.switch_control import SwitchControl
-from lightning_dynatrain.strategy.switching import LayoutSwitcher, parse_switch_safety
+from lightning_dynatrain.strategy.switch_requests import SwitchRequests
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from megatron.core.optimizer import OptimizerConfig
-
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from lightning_dynatrain.elastic.driver.driver import ElasticDriver
     from lightning_dynatrain.megatron.state import MegatronState
-    from lightning_dynatrain.strategy.elastic import ElasticDriver
+    from lightning_dynatrain.runtime.switcher import LayoutSwitcher
 
 
 class DynaTrainStrategy(MegatronProcessStrategy):
@@ -87,7 +90,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         timeout: timeout of collectives (``init_process_group``).
         switch_timeout: how long any wait of a switch may take (seconds or a ``timedelta``); ``None``:
             derived from each switch's bytes and the measured links, with a wide margin and a 60 s
-            floor (``engine.deadline``). Past it every other rank raises ``SwitchFailedError`` naming
+            floor (``transition.deadline``). Past it every other rank raises ``SwitchFailedError`` naming
             the rank and the phase (``docs/switch-faults.md``).
         switch_safety: ``"fast"`` (default): a switch frees the old state as it moves it (a failed
             switch loses the state of its step: resume from the last checkpoint); ``"keep_old"``: the
@@ -95,6 +98,9 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             so a failed switch rolls back to the old layout on every surviving rank.
         cluster_environment: Lightning's cluster environment; ``None`` lets the Trainer detect it.
         seed: seed of megatron's RNG trackers (model weights are seeded by the module's recipe).
+
+    The switch settings are parsed once into ``settings`` (``runtime.settings.DynaTrainSettings``, the
+    type every front end uses); the megatron side of the run is ``run`` (``runtime.training_run.TrainingRun``).
         parallel_devices: as for any Lightning ``ParallelStrategy``.
         checkpoint_io: unused: checkpoints are DCP directories the strategy writes itself.
         precision_plugin: leave it out and pass ``Trainer(precision="bf16-mixed" | "32-true")``: the
@@ -104,6 +110,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         LayoutError: ``layout`` cannot be parsed (at construction) or does not fit the world or the
             model (at ``setup_environment`` / ``configure_model``).
         StagingBudgetError: ``staging_budget`` or ``switch_memory_limit`` is not a byte count.
+        SettingsError: ``switch_safety`` (or another setting) is not one of its values.
         SwitchMemoryError: (at a switch) it would not fit in memory, or exceed ``switch_memory_limit``;
             nothing was moved and training can go on at the old layout.
         SwitchFailedError: (at a switch) a rank died or stalled, or a wait ran past ``switch_timeout``.
@@ -136,22 +143,19 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     ) -> None:
         super().__init__(backend=backend, timeout=timeout, cluster_environment=cluster_environment,
                          parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self._requested_layout: ParallelConfig | Literal["auto"] = (
-            "auto" if isinstance(layout, str) and layout.strip().lower() == "auto" else ParallelConfig.parse(layout))
-        self.staging_budget = parse_bytes(staging_budget)
-        self.switch_memory_limit = None if switch_memory_limit is None else parse_bytes(switch_memory_limit)
-        self.switch_timeout = parse_switch_timeout(switch_timeout)
-        self.switch_safety = parse_switch_safety(switch_safety)
-        self.verify = verify
-        self.promote_broadcasts = promote_broadcasts
-        self.seed = seed
-        self._elastic: ElasticDriver | None = None  # with an OnNodeChange callback
+        self.settings = DynaTrainSettings(layout=layout, staging_budget=staging_budget,
+                                          switch_memory_limit=switch_memory_limit, verify=verify,
+                                          promote_broadcasts=promote_broadcasts, seed=seed,
+                                          switch_timeout=switch_timeout, switch_safety=switch_safety)
         self.init_from_megatron = None if init_from_megatron is None else Path(init_from_megatron)
-        # the parts it hands its hooks to, each given what it reads and calls
-        self.megatron_side = MegatronSide(self, local_collectives=self._collectives_are_local, training_timeout=timeout)
-        self.switch_control = SwitchControl(self, install=self._install, trainer=self._trainer)
-        self.stepping = Stepping(self, local_collectives=self._collectives_are_local)
-        self.checkpointing = Checkpointing(self, writer=CheckpointWriter(async_save=async_save), trainer=self._trainer)
+        self._elastic: ElasticDriver | None = None  # with an OnNodeChange callback
+        self.run = TrainingRun(self.settings, training_timeout=timeout, resume_from=lambda: self.checkpointing.latest_path(),
+                               warn=rank_zero_warn, on_install=self._point_lightning_at)
+        self.checkpointing = Checkpointing(self.run, writer=CheckpointWriter(async_save=async_save), trainer=self._trainer,
+                                           handle=lambda: self.optimizer_handle, joining=self._joining)
+        self.switch_requests = SwitchRequests(self.run, elastic=lambda: self._elastic, trainer=self._trainer)
+        self.stepping = Stepping(self.run, handle=lambda: self.optimizer_handle, elastic=lambda: self._elastic,
+                                 trainer=self._trainer, local_collectives=self._collectives_are_local)
 
     # ------------------------------------------------------------------------------ registry
     @classmethod
@@ -160,58 +164,46 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             strategy_registry.register(cls.strategy_name, cls,
                                        description="megatron-core GPT with in-memory layout switches (auto layout)")
 
-    # ------------------------------------------------- megatron's objects: megatron_side.py
+    # ----------------------------------------------------------- what runs now: the run's
     @property
     def layout(self) -> ParallelConfig:
         """The layout training runs at now."""
-        return self.megatron_side.layout
-
-    @property
-    def _layout(self) -> ParallelConfig | None:
-        """``layout``, or ``None`` before ``setup_environment`` (``callbacks/progress.py`` reads it)."""
-        return self.megatron_side.layout_or_none
+        return self.run.layout
 
     @property
     def recipe(self) -> MegatronRecipe:
         """The model's recipe ``build_model`` was given."""
-        return self.megatron_side.recipe
+        return self.run.recipe
 
     @property
-    def _recipe(self) -> MegatronRecipe | None:
-        """``recipe``, or ``None`` before ``configure_model`` gave one (``strategy/elastic.py`` reads it)."""
-        return self.megatron_side.recipe_or_none
-
-    @property
-    def switcher(self) -> LayoutSwitcher:
+    def switcher(self) -> "LayoutSwitcher":
         """What every switch of this run shares (made in ``setup_environment``)."""
-        return self.megatron_side.switcher
+        return self.run.switcher
 
     @property
     def optimizer_settings(self) -> "AdamSettings | OptimizerConfig":
-        """The optimizer settings ``configure_optimizers`` gave (megatron's ``OptimizerConfig``, or
-        the GPT preset's ``AdamSettings``)."""
-        return self.megatron_side.optimizer_settings
+        """The optimizer settings ``configure_optimizers`` gave."""
+        return self.run.optimizer_settings
 
     @property
     def model_shard(self) -> torch.nn.Module:
         """This rank's megatron model shard (built in ``configure_model``)."""
-        return self.megatron_side.model_shard
+        return self.run.model_shard
 
     @property
     def megatron(self) -> "MegatronState":
         """The current layout's megatron state (groups, model, DDP, optimizer)."""
-        return self.megatron_side.state
+        return self.run.state
 
     @property
     def megatron_or_none(self) -> "MegatronState | None":
         """``megatron``, or ``None`` before ``setup`` built it (a ``validate`` run builds none)."""
-        return self.megatron_side.state_or_none
+        return self.run.state_or_none
 
     @property
     def groups(self) -> "ProcessGroupCollection":
-        """Megatron's groups of the current layout: the megatron state's, or before ``setup`` built
-        it, those ``setup_environment`` made for the model shard."""
-        return self.megatron_side.groups
+        """Megatron's groups of the current layout."""
+        return self.run.groups
 
     @property
     def optimizer_handle(self) -> DynaTrainOptimizer:
@@ -219,11 +211,6 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         handle = self.optimizers[0] if self.optimizers else None
         assert isinstance(handle, DynaTrainOptimizer), "setup_optimizers makes it"
         return handle
-
-    def _install(self, state: "MegatronState") -> None:
-        """Make ``state`` the one training runs on (setup, every switch and world change):
-        ``MegatronSide.install``."""
-        self.megatron_side.install(state)
 
     @property
     def elastic(self) -> "ElasticDriver | None":
@@ -233,7 +220,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     @property
     def switch_history(self) -> list[ReconfigReport]:
         """Every switch that ran (no-ops excluded), in order; the same on every rank."""
-        return self.switch_control.history
+        return self.switch_requests.history
 
     @property
     @override
@@ -242,37 +229,69 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         coord = self.layout.dense_coord(self.global_rank)
         return {"num_replicas": self.layout.dp * self.layout.cp, "rank": coord.dp * self.layout.cp + coord.cp}
 
+    def _point_lightning_at(self, state: "MegatronState") -> None:
+        """The run installed ``state`` (set-up, every switch, world change, recovery): the module's
+        ``model`` and Lightning's optimizer handle follow it."""
+        module = self.lightning_module
+        if module is not None and getattr(module, "model", None) is not state.model:
+            module.model = state.model
+        self.optimizer_handle.rebind(state)
+
+    def _joining(self) -> bool:
+        return self._elastic is not None and self._elastic.joining
+
     # ---------------------------------------------------------------------- life cycle hooks
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()  # then megatron-core may be imported (init_groups)
-        from lightning_dynatrain.callbacks.node_change import node_change_of
-
-        node_change = node_change_of(self._trainer())
+        super().setup_environment()  # then megatron-core may be imported (TrainingRun.start)
+        trainer = self._trainer()
+        callback = next((c for c in (trainer.callbacks if trainer is not None else []) if isinstance(c, ElasticCallback)),
+                        None)
         joined_at = None
-        if node_change is not None:  # elastic: the job's store makes the worlds (strategy/elastic.py)
+        if callback is not None:  # elastic: the job's store makes the worlds (elastic/driver/)
             reset_seed()
-            self._elastic = node_change.make_driver(self)
-            joined_at = self._elastic.enter(self.cluster_environment)
+            front = LightningFront(self)
+            self._elastic = callback.make_driver(self.run, front)
+            joined_at = self._elastic.enter(front.launch())
             self._owns_process_group = True  # its worlds are this process's to destroy
         else:
             self._setup_distributed()
-        self.megatron_side.start(joined_at or self._requested_layout)
+        topology = self.run.start(joined_at or self.settings.layout, world_size=self.world_size,
+                                  node_rank=self.cluster_environment.node_rank())
+        if self._elastic is not None and self._elastic.fills_model_later:
+            self.switcher.world_watch()  # the next world's switch watch, where the others made theirs ahead
+        rank_zero_info(f"[dynatrain] layout {self.layout} on {self.world_size} processes "
+                       f"({self.process_group_backend}, {self.cluster_environment.__class__.__name__}), {topology}")
 
     def build_model(self, recipe: MegatronRecipe) -> torch.nn.Module:
         """Build this rank's shard of ``recipe``'s model at the current layout; call from ``configure_model``.
-        Raises: ``MegatronSide.build_model`` (the layout does not fit the model or the batch sizes, or
-        the model is not what its description says)."""
-        return self.megatron_side.build_model(recipe)
+
+        A ``ModelProvider``'s description is read here (on every rank alike), and the module built
+        is checked against it on every rank.
+
+        Raises:
+            LayoutError / BatchSizeError: the layout does not fit the model or the batch sizes.
+            ModelSpecError: the model has a parameter no sharded description covers, or state outside
+                its parameters, or shards that no layout rule explains (the message names them).
+        """
+        recipe = replace(recipe, params_dtype=resolve_params_dtype(recipe.params_dtype, self.precision_plugin))
+        elastic = self._elastic
+        return self.run.build_model(recipe, rank=self.global_rank, device=self.root_device,
+                                    agree=not self._collectives_are_local(),
+                                    unfilled=elastic is not None and elastic.fills_model_later)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.megatron_side.check_model_built()
+        if self.run.model_shard_or_none is None:
+            raise TypeError(
+                "DynaTrainStrategy needs the megatron model built through the strategy. HINT: in "
+                "LightningModule.configure_model() do `self.model = self.trainer.strategy.build_model(recipe)` "
+                "(GPTLightningModule does)")
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-        self.checkpointing.start_from_megatron(trainer)
+        self.checkpointing.start_from_megatron(trainer, self.init_from_megatron)
         self.setup_precision_plugin()
 
     @override
@@ -280,7 +299,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         """Build megatron DDP + optimizer for the current layout from ``configure_optimizers()``: a
         ``DynaTrainOptimizer`` (in any of Lightning's forms, with learning-rate schedulers), megatron's
         ``OptimizerConfig`` (constant rate) or ``AdamSettings`` (the GPT preset's, which sets each
-        step's rate itself)."""
+        step's rate itself). A process joining an elastic run receives the state, and the trainer's,
+        from the old members instead."""
         from megatron.core.optimizer import OptimizerConfig
 
         assert self.lightning_module is not None
@@ -288,36 +308,39 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         if not isinstance(given, (AdamSettings, OptimizerConfig)):
             super().setup_optimizers(trainer)  # Lightning's own parsing: optimizers and scheduler configs
         handle, schedulers = handle_for(given, self.optimizers, self.lr_scheduler_configs)
-        self.megatron_side.take_optimizer_settings(given, handle)
         self.optimizers, self.lr_scheduler_configs = [handle], list(schedulers)
-        self.megatron_side.build_optimizer(trainer)
+        self.run.set_optimizer(given if isinstance(given, AdamSettings) else handle.config)
+        if self._joining():  # the state comes from the old members
+            self._elastic.join_state()
+        else:
+            self.run.install(self.run.build_state())
 
-    # ------------------------------------------------------- switching: switch_control.py
+    # ------------------------------------------------------------- switching: switch_requests.py
     def check_layout(self, target: str | ParallelConfig) -> ParallelConfig:
         """Parse and check ``target`` against the world, the model, the batch and the optimizer; the
-        layout or a typed error (``MegatronSide.check_layout``)."""
-        return self.megatron_side.check_layout(target)
+        layout or a typed error (``TrainingRun.check``)."""
+        return self.run.check(target)
 
     def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport | None:
         """Switch training to layout ``target`` at the optimizer-step boundary: the switch's report, or
         ``None`` when asked during a training step (it runs as the step returns). Collective: every
-        rank, at the same step, with the same target. Returns and raises: ``SwitchControl.reconfigure``."""
-        return self.switch_control.reconfigure(target)
+        rank, at the same step, with the same target. Returns and raises: ``SwitchRequests.reconfigure``."""
+        return self.switch_requests.reconfigure(target)
 
     def prepare_reconfigure(self, target: str | ParallelConfig) -> bool:
         """Build the switch to ``target`` ahead, in the background, while training steps on; whether a
         build started. Collective: every rank, between the same two steps. Returns and raises:
-        ``SwitchControl.prepare_reconfigure``."""
-        return self.switch_control.prepare_reconfigure(target)
+        ``SwitchRequests.prepare_reconfigure``."""
+        return self.switch_requests.prepare_reconfigure(target)
 
     @property
     def pending_layout(self) -> ParallelConfig | None:
         """A switch requested during the running step, not yet done."""
-        return self.switch_control.pending
+        return self.switch_requests.pending
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.switch_control.run_step(partial(super().training_step, *args, **kwargs))
+        return self.switch_requests.run_step(partial(super().training_step, *args, **kwargs))
 
     # ------------------------------------------------------------------ steps: stepping.py
     def train_step(self, batch: Mapping[str, torch.Tensor], *, lr: float | None = None,
@@ -333,12 +356,12 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """The global mean loss of the global ``batch``, forward only, at the current layout (call
         from ``validation_step``); the same float on every rank, whatever the pipeline stage."""
-        return self.stepping.eval_step(batch)
+        return self.run.eval_step(batch)
 
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per optimizer step at the current layout: global // (dp * micro)."""
-        return self.stepping.num_microbatches
+        return self.run.num_microbatches
 
     @override
     def reduce(self, tensor: torch.Tensor | Any, group: Any | None = None,
@@ -350,7 +373,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     def _collectives_are_local(self) -> bool:
         return self._elastic is not None and self._elastic.local_collectives
 
-    # ---------------------------------------------------------- checkpoints: checkpointing.py
+    # ---------------------------------------------------------- checkpoints: checkpoint_hooks.py
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Empty: the weights are saved under their logical keys with the rest of the state (``save_checkpoint``)."""
@@ -368,24 +391,25 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
                         storage_options: Any | None = None) -> None:
-        self.checkpointing.save(checkpoint, filepath, storage_options)
+        self.checkpointing.save(checkpoint, filepath, storage_options, rank=self.global_rank,
+                                world_size=self.world_size)
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
-        self.checkpointing.remove(filepath)
+        self.checkpointing.remove(filepath, is_global_zero=self.is_global_zero)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        return self.checkpointing.read(checkpoint_path, weights_only)
+        return self.checkpointing.read(checkpoint_path, weights_only, rank=self.global_rank, world_size=self.world_size)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self.checkpointing.load_params(checkpoint):  # a per-rank checkpoint: Lightning's own way
+        if not self.checkpointing.load_params(checkpoint, rank=self.global_rank):  # a per-rank one: Lightning's way
             super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self.checkpointing.load_optimizer(checkpoint):
+        if not self.checkpointing.load_optimizer(checkpoint, rank=self.global_rank):
             super().load_optimizer_state_dict(checkpoint)
 
     # ---------------------------------------------------------------------- life cycle, end
@@ -403,16 +427,16 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     def teardown(self) -> None:
         if dist.is_available() and dist.is_initialized():
             self.checkpointing.close()  # a background save completes before its groups go
-        self.megatron_side.close()
-        self.switch_control.close()
+        self.run.close()
+        self.switch_requests.close()
         if self._elastic is not None:
             self._elastic.close()
         self._teardown_process_group()
         super().teardown()
 
     def __repr__(self) -> str:
-        layout = self._layout or self._requested_layout
-        return f"DynaTrainStrategy(layout={str(layout)!r}, staging_budget={self.staging_budget})"
+        layout = self.run.layout_or_none or self.settings.layout
+        return f"DynaTrainStrategy(layout={str(layout)!r}, staging_budget={self.settings.staging_budget})"
 
 
 __all__ = ["DynaTrainStrategy"]

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import OptimizerConfig
 
     from lightning_dynatrain.megatron.state import MegatronState
-    from lightning_dynatrain.strategy.config import AdamSettings
+    from lightning_dynatrain.runtime.recipe import AdamSettings
 
 
 class DynaTrainOptimizer(torch.optim.Optimizer):
@@ -50,7 +50,7 @@ class DynaTrainOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, config: "OptimizerConfig | AdamSettings") -> None:  # no super().__init__: megatron owns the params
-        from lightning_dynatrain.strategy.config import optimizer_config
+        from lightning_dynatrain.runtime.recipe import optimizer_config
 
         self.config = optimizer_config(config)
         self.defaults: dict[str, Any] = {}
@@ -105,12 +105,12 @@ class DynaTrainOptimizer(torch.optim.Optimizer):
         pass
 
     def state_dict(self) -> dict[str, Any]:
-        from lightning_dynatrain.strategy.megatron_step import optimizer_state_dict
+        from lightning_dynatrain.runtime.steps import optimizer_state_dict
 
         return optimizer_state_dict(self.megatron_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from lightning_dynatrain.strategy.megatron_step import load_optimizer_state_dict
+        from lightning_dynatrain.runtime.steps import load_optimizer_state_dict
 
         load_optimizer_state_dict(self.megatron_state, state_dict)
 
@@ -130,7 +130,7 @@ def handle_for(given: Any, optimizers: list, schedulers: list) -> tuple[DynaTrai
     """
     from megatron.core.optimizer import OptimizerConfig
 
-    from lightning_dynatrain.strategy.config import AdamSettings
+    from lightning_dynatrain.runtime.recipe import AdamSettings
 
     if isinstance(given, (AdamSettings, OptimizerConfig)):
         return DynaTrainOptimizer(given), []

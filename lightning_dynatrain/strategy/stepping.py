@@ -1,9 +1,9 @@
-"""``Stepping``: ``DynaTrainStrategy``'s training-step entry points and the reduce of what they log.
+"""``Stepping``: ``DynaTrainStrategy``'s training-step entry point and the reduce of what it logs.
 
-``DynaTrainStrategy`` owns one and hands it ``train_step`` and ``eval_step`` (called from a
-LightningModule's ``training_step`` / ``validation_step``), ``num_microbatches`` and Lightning's
-``reduce`` (over the current layout's data-parallel group). When a switch requested during a step
-runs: ``strategy/switch_control.py``; the step itself is ``megatron_step``'s.
+``DynaTrainStrategy`` owns one and hands it ``train_step`` (called from a LightningModule's
+``training_step``) and Lightning's ``reduce`` (over the current layout's data-parallel group). When
+a switch requested during a step runs: ``switch_requests.py``; the step itself is the run's
+(``TrainingRun.train_step``).
 
 The dataloader serves the same GLOBAL batch on every rank (``GlobalBatchSampler``); each step
 slices this rank's data-parallel share, so a switch needs no dataloader rebuild, and the loss it
@@ -20,26 +20,36 @@ import torch
 from lightning.fabric.utilities.types import ReduceOp
 
 from lightning_dynatrain.compat.lightning_internals import step_start_collectives, sync_ddp_if_available
+from lightning_dynatrain.elastic.driver.recovery import FailedAt
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
-    from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
+    from lightning_dynatrain.elastic.driver.driver import ElasticDriver
+    from lightning_dynatrain.runtime.training_run import TrainingRun
+    from lightning_dynatrain.strategy.optimizer_handle import DynaTrainOptimizer
 
 
 class Stepping:
-    """The training-step entry points of ``DynaTrainStrategy`` (see the module docstring).
+    """The training-step entry point of ``DynaTrainStrategy`` (see the module docstring).
 
     Args:
-        strategy: the strategy it steps for; read: ``megatron`` (``megatron_or_none`` where a
-            ``validate`` run has none), ``model_shard``, ``groups``, ``recipe``, ``layout``,
-            ``optimizer_handle``, ``elastic`` and the trainer of its ``lightning_module``.
+        run: the run that steps.
+        handle: Lightning's optimizer handle (its schedule group holds the step's rate).
+        elastic: the run's elastic driver, or ``None``: a member lost in a step is recovered from.
+        trainer: the running trainer (the strategy's ``_trainer``).
         local_collectives: whether the collectives Lightning asks for are local no-ops now (the
             strategy's ``_collectives_are_local``).
     """
 
-    def __init__(self, strategy: "DynaTrainStrategy", *, local_collectives: Callable[[], bool]) -> None:
-        self._strategy = strategy
+    def __init__(self, run: "TrainingRun", *, handle: "Callable[[], DynaTrainOptimizer]",
+                 elastic: "Callable[[], ElasticDriver | None]", trainer: "Callable[[], pl.Trainer | None]",
+                 local_collectives: Callable[[], bool]) -> None:
+        self._run = run
+        self._handle = handle
+        self._elastic = elastic
+        self._trainer = trainer
         self._local_collectives = local_collectives
 
     def train_step(self, optimizer: "LightningOptimizer", batch: Mapping[str, torch.Tensor], *,
@@ -47,61 +57,40 @@ class Stepping:
         """One optimizer step over the global ``batch``, through Lightning's ``optimizer`` (so that
         Lightning counts it); the global mean loss. ``lr`` / ``weight_decay``: this step's values;
         ``None``: what the optimizer's schedule group holds."""
-        scheduled_lr, scheduled_wd = self._strategy.optimizer_handle.scheduled
+        scheduled_lr, scheduled_wd = self._handle().scheduled
         closure = partial(self.optimizer_step, batch, lr=scheduled_lr if lr is None else lr,
                           weight_decay=scheduled_wd if weight_decay is None else weight_decay)
         return optimizer.step(closure=closure)
 
     def optimizer_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float) -> float:
         """The megatron step; under ``OnNodeChange``, a member lost in it is recovered from here
-        (``strategy/recovery.py``) and the step runs again at the survivors' layout on the same
-        global batch, or counts as done where its result survived."""
-        from lightning_dynatrain.strategy.megatron_step import train_step
-
-        strategy = self._strategy
-        elastic, trainer = strategy.elastic, strategy.lightning_module.trainer
-        if elastic is not None and elastic.snapshots is not None:  # what a recovery from a snapshot runs again
+        (the one guard, ``recover_or_raise``) and the step runs again at the survivors' layout on the
+        same global batch, or counts as done where its result survived."""
+        elastic, trainer = self._elastic(), self._trainer()
+        if elastic is None:
+            return self._run.train_step(batch, lr=lr, weight_decay=weight_decay)
+        assert trainer is not None
+        if elastic.snapshots is not None:  # what a recovery from a snapshot runs again
             elastic.snapshots.record(trainer.global_step + 1, batch, lr=lr, weight_decay=weight_decay)
         while True:
-            progress = elastic.progress(trainer.global_step + 1) if elastic is not None else None
+            progress = elastic.progress(trainer.global_step + 1)
             try:
-                loss = train_step(strategy.megatron, batch, strategy.recipe, lr=lr, weight_decay=weight_decay,
-                                  progress=progress)
-                if elastic is not None:
-                    elastic.last_loss = (progress.step, loss)
+                loss = self._run.train_step(batch, lr=lr, weight_decay=weight_decay, progress=progress)
+                elastic.last_loss = (progress.step, loss)
                 return loss
             except Exception as err:
-                if elastic is None or not elastic.recovers(err):
-                    raise
-                outcome = elastic.recover(trainer, error=err, progress=progress)
+                outcome = elastic.recover_or_raise(err, FailedAt(progress=progress))
+            assert outcome is not None
             if not outcome.redo:
                 return outcome.loss
             step_start_collectives(trainer)  # as the survivors that step through the loop
-
-    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
-        """The global mean loss of the global ``batch``, forward only, at the current layout; the
-        same float on every rank, whatever the pipeline stage."""
-        from lightning_dynatrain.strategy.megatron_step import eval_step
-
-        strategy = self._strategy
-        state = strategy.megatron_or_none
-        if state is not None:
-            return eval_step(state.ddp, state.groups, state.layout, batch, strategy.recipe)
-        return eval_step(strategy.model_shard, strategy.groups, strategy.layout, batch, strategy.recipe)
-
-    @property
-    def num_microbatches(self) -> int:
-        """Micro-batches per optimizer step at the current layout: global // (dp * micro)."""
-        from lightning_dynatrain.strategy.megatron_step import microbatches
-
-        return microbatches(self._strategy.recipe, self._strategy.layout)
 
     def reduce(self, tensor: torch.Tensor | Any, group: Any | None = None,
                reduce_op: ReduceOp | str | None = "mean") -> torch.Tensor | Any:
         """Reduce over the current layout's data-parallel group (``group=None``), or over ``group``."""
         if not isinstance(tensor, torch.Tensor) or self._local_collectives():
             return tensor
-        state = self._strategy.megatron_or_none
+        state = self._run.state_or_none
         if group is None and state is not None:
             group = state.groups.dp_cp
         return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

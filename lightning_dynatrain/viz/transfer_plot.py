@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_dynatrain.engine.staging import format_bytes
+from lightning_dynatrain.transition.staging import format_bytes
 from lightning_dynatrain.viz.figure import new_figure
 from lightning_dynatrain.viz.transfer_matrix import TransferMatrix
 

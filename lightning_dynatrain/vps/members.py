@@ -10,7 +10,7 @@ A process that died holds nothing any more: its source rank has no process (``No
 planner sources every box from a surviving holder, or says which boxes went with it
 (``StateLostError``). The switch then runs on the survivors' group. With ``holes`` the boxes only
 the dead held are zero-filled instead, for the caller to write from an in-memory snapshot
-(``strategy/snapshot_recovery.py``).
+(``elastic/driver/snapshots.py``).
 
 Example (rank 1 of four leaves)::
 

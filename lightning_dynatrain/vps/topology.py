@@ -2,7 +2,7 @@
 
 A job's ranks need not fill nodes evenly (SLURM's ``--ntasks-per-node`` can give ``2(x3),1``), and
 ranks that join later land wherever the scheduler puts them, so a ``Topology`` is a node id per
-rank, gathered from the ranks themselves (``strategy.topology.gather_topology``), not a ranks-per-node
+rank, gathered from the ranks themselves (``runtime.world_topology.gather_topology``), not a ranks-per-node
 constant. ``Topology.uniform`` is the even layout dry runs assume.
 
 Example::

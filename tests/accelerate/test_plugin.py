@@ -10,9 +10,9 @@ import pytest
 from lightning_dynatrain.accelerate import AccelerateConfigError, AcceleratorSetupError, DynaTrainPlugin
 from lightning_dynatrain.accelerate.environment import check_accelerator
 from lightning_dynatrain.callbacks.scheduled import ScheduleError
-from lightning_dynatrain.engine.errors import StagingBudgetError
+from lightning_dynatrain.transition.errors import StagingBudgetError
 from lightning_dynatrain.megatron.gpt import GPTShape
-from lightning_dynatrain.strategy.validation import BatchSizeError, WorldSizeError
+from lightning_dynatrain.runtime.layout_checks import BatchSizeError, WorldSizeError
 from lightning_dynatrain.vps.errors import DynaTrainError, LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from tests.errors import refused

@@ -16,9 +16,9 @@ import math
 import pytest
 import torch
 
-from lightning_dynatrain.engine.fingerprint import hash_box
+from lightning_dynatrain.transition.fingerprint import hash_box
 from benchmarks.baselines.pair import METHODS, megatron_skip_reason
-from lightning_dynatrain.engine.pieces import layout_pieces
+from lightning_dynatrain.transition.pieces import layout_pieces
 from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
 from lightning_dynatrain.vps.layout import ParallelConfig
 

@@ -1,6 +1,6 @@
 """The 2-process job behind tests/checkpoint: real DCP files, real gloo, synthetic state (no megatron).
 
-Every local tensor holds the bits of its global logical index (``tests/engine/state.py``), so a
+Every local tensor holds the bits of its global logical index (``tests/transition/state.py``), so a
 state loaded at another layout is checked element by element against the state that layout would
 hold. The job runs, in the same two processes:
 
@@ -42,7 +42,7 @@ def _reshard(rank: int, tmp: Path) -> dict:
     from lightning_dynatrain.checkpoint import CheckpointWriter, load_logical, logical_state_dict
     from lightning_dynatrain.vps.layout import ParallelConfig
     from lightning_dynatrain.vps.spec import Precision
-    from tests.engine.state import compare, local_state, padded_empty
+    from tests.transition.state import compare, local_state, padded_empty
 
     writer = CheckpointWriter()
     done = []
@@ -84,7 +84,7 @@ def _async(rank: int, tmp: Path) -> dict:
     from lightning_dynatrain.checkpoint import load_logical, logical_state_dict
     from lightning_dynatrain.vps.layout import ParallelConfig
     from lightning_dynatrain.vps.spec import Precision
-    from tests.engine.state import compare, local_state
+    from tests.transition.state import compare, local_state
 
     spec, layout, fp32 = logical_spec(SHAPE), ParallelConfig.parse("dp1-tp2-pp1"), Precision.FP32
     gate = threading.Event()
@@ -122,7 +122,7 @@ def _overwrite(rank: int, tmp: Path) -> dict:
     from lightning_dynatrain.checkpoint import CheckpointWriter, load_logical, logical_state_dict
     from lightning_dynatrain.vps.layout import ParallelConfig
     from lightning_dynatrain.vps.spec import Precision
-    from tests.engine.state import compare, local_state
+    from tests.transition.state import compare, local_state
 
     spec, layout = logical_spec(SHAPE), ParallelConfig.parse("dp2-tp1-pp1-zero1")
     writer, path, target = CheckpointWriter(), tmp / "over" / "last.ckpt", tmp / "over" / "step=1.ckpt"

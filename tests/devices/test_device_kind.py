@@ -20,10 +20,10 @@ from lightning_dynatrain.devices.host import HostKind
 from lightning_dynatrain.devices.host.carve_buffers import CarveBuffers
 from lightning_dynatrain.devices.host.megatron_patches import cuda_is_used
 from lightning_dynatrain.devices.host.page_moves import can_move_pages
-from lightning_dynatrain.devices.host.recycling import RecyclingMemory
+from lightning_dynatrain.devices.host.recycling_memory import RecyclingMemory
 from lightning_dynatrain.devices.snapshot_copy import PlainHostCopier
-from lightning_dynatrain.memory import KeepOldMemory, PlainMemory
-from lightning_dynatrain.memory.old_storage import OldStorage, ReturnToOS
+from lightning_dynatrain.devices.memory_policy import KeepOldMemory, PlainMemory
+from lightning_dynatrain.devices.old_storage import OldStorage, ReturnToOS
 
 
 class _Marker(TorchFunctionMode):
@@ -86,7 +86,7 @@ def test_each_kind_names_its_pool():
 def test_the_accelerators_megatron_context_runs_megatron_as_it_is_under_the_given_mode():
     from megatron.core.transformer import torch_norm
 
-    from lightning_dynatrain.megatron.norm_patch import _wrapped_torch_norm_new
+    from lightning_dynatrain.devices.norm_patch import _wrapped_torch_norm_new
 
     inner = _Marker()
     with device_kind("cuda").megatron_context(inner=inner):
@@ -122,7 +122,7 @@ def test_the_accelerator_path_never_imports_the_host_package():
 import sys
 import torch
 import lightning_dynatrain.megatron.ahead, lightning_dynatrain.megatron.hot_switch
-import lightning_dynatrain.megatron.memory_check, lightning_dynatrain.engine.walker
+import lightning_dynatrain.megatron.memory_check, lightning_dynatrain.transition.walker
 import lightning_dynatrain.megatron.snapshot
 from lightning_dynatrain.devices import device_kind
 kind = device_kind(torch.device("cuda"))

@@ -10,7 +10,7 @@ import torch
 from lightning_dynatrain.devices.host.carve_buffers import CarveBuffers
 from lightning_dynatrain.devices.host.page_moves import MIN_PIECE, can_move_pages, untouched_runs
 from lightning_dynatrain.devices.host.recycler import ALIGNMENT, StorageRecycler, release_pages, release_tail
-from lightning_dynatrain.memory.old_storage import state_group
+from lightning_dynatrain.devices.old_storage import state_group
 from lightning_dynatrain.vps.spec import StateKind
 
 MiB = 2**20

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dynatrain.elastic.policy import (
+from lightning_dynatrain.elastic.driver.layout_policy import (
     StepModel,
     candidate_layouts,
     choose_layout,
@@ -14,7 +14,7 @@ from lightning_dynatrain.elastic.policy import (
     rank_state_bytes,
 )
 from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
-from lightning_dynatrain.strategy.validation import BatchSizeError
+from lightning_dynatrain.runtime.layout_checks import BatchSizeError
 from lightning_dynatrain.vps.dryrun import LinkModel
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -92,10 +92,10 @@ def test_an_elastic_fit_refuses_lightnings_own_launcher_with_more_than_one_proce
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
-    from lightning_dynatrain.strategy.elastic import ElasticDriver, LauncherError
+    from lightning_dynatrain.strategy.elastic_front import LauncherError, LightningFront
 
     env = LightningEnvironment()
     env.set_world_size(2)
-    driver = ElasticDriver(DynaTrainStrategy("dp2"), policy="auto")
+    strategy = DynaTrainStrategy("dp2", cluster_environment=env)
     with pytest.raises(LauncherError, match="launch with torchrun or srun"):
-        driver.enter(env)
+        LightningFront(strategy).launch()

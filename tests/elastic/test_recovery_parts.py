@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_dynatrain import OnNodeChange
-from lightning_dynatrain.strategy.step_log import StepLog
+from lightning_dynatrain.elastic.driver.step_log import StepLog
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10"])

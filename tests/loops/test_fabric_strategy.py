@@ -1,4 +1,4 @@
-"""``DynaTrainFabricStrategy`` and ``FabricHost`` without processes: settings, precision, refusals."""
+"""``DynaTrainFabricStrategy`` and ``FabricLibrary`` without processes: settings, precision, refusals."""
 
 from __future__ import annotations
 
@@ -7,27 +7,28 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import Precision
 
-from lightning_dynatrain.accelerate import DynaTrainPlugin
+from lightning_dynatrain.fabric import DynaTrainEngine as FabricEngine
 from lightning_dynatrain.fabric import DynaTrainFabricStrategy, FabricSetupError
-from lightning_dynatrain.fabric.host import FabricHost
-from lightning_dynatrain.loop.engine import LoopSetupError, _plugin_of
-from lightning_dynatrain.loop.host import as_host
+from lightning_dynatrain.fabric.library import FabricLibrary
+from lightning_dynatrain.loop.engine import LoopSetupError, _settings_of
+from lightning_dynatrain.loop.library import as_library
+from lightning_dynatrain.runtime.settings import DynaTrainSettings
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 
-def test_settings_are_parsed_into_the_strategys_plugin() -> None:
+def test_settings_are_parsed_into_the_strategys_settings() -> None:
     strategy = DynaTrainFabricStrategy(layout="dp2-tp2-pp1", schedule="3:dp4", staging_budget="64MiB")
-    assert strategy.plugin == DynaTrainPlugin(layout="dp2-tp2-pp1", schedule={3: "dp4"}, staging_budget=64 << 20)
-    assert strategy.plugin.schedule == ((3, ParallelConfig(dp=4)),)
-    assert repr(strategy).startswith("DynaTrainFabricStrategy(DynaTrainPlugin(dp2-tp2-pp1, 3:dp4-tp1-pp1")
-    plugin = DynaTrainPlugin(layout="dp4")
-    assert DynaTrainFabricStrategy(plugin).plugin is plugin
+    assert strategy.settings == DynaTrainSettings(layout="dp2-tp2-pp1", schedule={3: "dp4"}, staging_budget=64 << 20)
+    assert strategy.settings.schedule == ((3, ParallelConfig(dp=4)),)
+    assert repr(strategy).startswith("DynaTrainFabricStrategy(DynaTrainSettings(dp2-tp2-pp1, 3:dp4-tp1-pp1")
+    settings = DynaTrainSettings(layout="dp4")
+    assert DynaTrainFabricStrategy(settings).settings is settings
 
 
-def test_a_plugin_and_settings_together_or_a_bad_setting_are_refused() -> None:
-    with pytest.raises(FabricSetupError, match=r"got a plugin and settings \['layout'\]"):
-        DynaTrainFabricStrategy(DynaTrainPlugin(), layout="dp2")
+def test_settings_and_values_together_or_a_bad_setting_are_refused() -> None:
+    with pytest.raises(FabricSetupError, match=r"got settings and the values \['layout'\]"):
+        DynaTrainFabricStrategy(DynaTrainSettings(), layout="dp2")
     with pytest.raises(LayoutError):
         DynaTrainFabricStrategy(layout="dp2-tq2")
 
@@ -54,36 +55,38 @@ def test_the_strategy_wraps_nothing_and_adds_no_distributed_sampler() -> None:
         strategy.setup_module(torch.nn.Linear(2, 2))
 
 
-def test_the_host_needs_the_strategy_and_a_launched_fabric() -> None:
+def test_the_library_needs_the_strategy_and_a_launched_fabric() -> None:
     with pytest.raises(FabricSetupError, match="Fabric runs DDPStrategy.*HINT: build Fabric\\(strategy=DynaTrain"):
-        FabricHost(Fabric(accelerator="cpu", devices=1, strategy="ddp"))
+        FabricLibrary(Fabric(accelerator="cpu", devices=1, strategy="ddp"))
     with pytest.raises(FabricSetupError, match="has not been launched.*HINT: call fabric.launch\\(\\)"):
-        as_host(Fabric(accelerator="cpu", devices=1, strategy=DynaTrainFabricStrategy()))
-    with pytest.raises(TypeError, match="needs an Accelerator, a Fabric or a LoopHost, not object"):
-        as_host(object())
+        FabricEngine(Fabric(accelerator="cpu", devices=1, strategy=DynaTrainFabricStrategy()), recipe=None,
+                     adam=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="needs a LoopLibrary, not object.*HINT: build the engine with "
+                                        "lightning_dynatrain.accelerate.DynaTrainEngine"):
+        as_library(object())
 
 
-class _HostWithSettings:
+class _LibraryWithSettings:
     name = "Fabric"
 
-    def __init__(self, plugin: DynaTrainPlugin | None) -> None:
-        self.plugin = plugin
+    def __init__(self, settings: DynaTrainSettings | None) -> None:
+        self.settings = settings
 
 
-def test_the_engines_settings_come_from_the_host_or_the_argument_never_two_different_ones() -> None:
-    held, given = DynaTrainPlugin(layout="dp2"), DynaTrainPlugin(layout="dp4")
-    assert _plugin_of(_HostWithSettings(held), None) is held
-    assert _plugin_of(_HostWithSettings(held), DynaTrainPlugin(layout="dp2")) is held
-    assert _plugin_of(_HostWithSettings(None), given) is given
-    assert _plugin_of(_HostWithSettings(None), None) == DynaTrainPlugin()
+def test_the_engines_settings_come_from_the_library_or_the_argument_never_two_different_ones() -> None:
+    held, given = DynaTrainSettings(layout="dp2"), DynaTrainSettings(layout="dp4")
+    assert _settings_of(_LibraryWithSettings(held), None) is held
+    assert _settings_of(_LibraryWithSettings(held), DynaTrainSettings(layout="dp2")) is held
+    assert _settings_of(_LibraryWithSettings(None), given) is given
+    assert _settings_of(_LibraryWithSettings(None), None) == DynaTrainSettings()
     with pytest.raises(LoopSetupError, match="HINT: pass the layout, schedule and budgets to the Fabric strategy only"):
-        _plugin_of(_HostWithSettings(held), given)
+        _settings_of(_LibraryWithSettings(held), given)
 
 
 def test_the_engine_takes_the_optimizers_settings_once() -> None:
     """``optimizer=`` (megatron's OptimizerConfig or AdamSettings) or ``adam=``: refused before anything is set up."""
     from lightning_dynatrain.loop import DynaTrainEngine
-    from lightning_dynatrain.strategy import AdamSettings
+    from lightning_dynatrain.runtime.recipe import AdamSettings
 
     with pytest.raises(LoopSetupError, match="neither optimizer= nor adam= was given"):
         DynaTrainEngine(object(), recipe=None)  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lightning_dynatrain.loop.checkpoint import CheckpointError, agreed_kind, agreed_meta
-from lightning_dynatrain.strategy.validation import WorldSizeError
+from lightning_dynatrain.runtime.layout_checks import WorldSizeError
 from tests.errors import refused
 
 

@@ -1,4 +1,4 @@
-"""The loop engine under a plain ``LoopHost`` (the default process group made by the test's
+"""The loop engine under a plain ``LoopLibrary`` (the default process group made by the test's
 launcher, no loop library), two gloo processes, one job:
 
 - a per-rank checkpoint folder of an earlier version (every rank's model and optimizer shard, and
@@ -26,10 +26,10 @@ from tests.dist import run_distributed
 pytestmark = pytest.mark.slow
 
 
-class PlainHost:
-    """A ``LoopHost`` over a default process group someone else made: CPU, fp32, prints on rank 0."""
+class PlainLibrary:
+    """A ``LoopLibrary`` over a default process group someone else made: CPU, fp32, prints on rank 0."""
 
-    name, plugin, device, params_dtype = "plain torch.distributed", None, torch.device("cpu"), torch.float32
+    name, settings, device, params_dtype = "plain torch.distributed", None, torch.device("cpu"), torch.float32
 
     def print(self, text: str) -> None:
         if dist.get_rank() == 0:
@@ -38,10 +38,8 @@ class PlainHost:
     def describe(self) -> str:
         return dist.get_backend()
 
-    def cluster_environment(self):
-        from lightning.fabric.plugins.environments import LightningEnvironment
-
-        return LightningEnvironment()
+    def node_rank(self) -> int:
+        return 0
 
     def attach(self, engine) -> list:
         return []
@@ -52,12 +50,12 @@ def _own_model_engine(layout: str, *, verify: bool):
 
     from lightning_dynatrain.accelerate import DynaTrainPlugin
     from lightning_dynatrain.loop import DynaTrainEngine
-    from lightning_dynatrain.strategy import MegatronRecipe
+    from lightning_dynatrain.runtime.recipe import MegatronRecipe
     from tests.strategy.own_models import GLOBAL_BATCH, MICRO_BATCH, split_mlp_gpt
 
     recipe = MegatronRecipe(model=split_mlp_gpt(), seed=11, global_batch_size=GLOBAL_BATCH,
                             micro_batch_size=MICRO_BATCH)
-    return DynaTrainEngine(PlainHost(), DynaTrainPlugin(layout=layout, schedule_ahead=False, verify=verify),
+    return DynaTrainEngine(PlainLibrary(), DynaTrainPlugin(layout=layout, schedule_ahead=False, verify=verify),
                            recipe=recipe, optimizer=OptimizerConfig(optimizer="sgd", lr=0.05, sgd_momentum=0.9,
                                                                     weight_decay=0.01))
 
@@ -85,12 +83,13 @@ def _engine(layout: str):
     from lightning_dynatrain.data import VOCAB_SIZE
     from lightning_dynatrain.loop import DynaTrainEngine
     from lightning_dynatrain.megatron.gpt import GPTShape
-    from lightning_dynatrain.strategy import AdamSettings, MegatronRecipe, vocab_divisor_for
+    from lightning_dynatrain.runtime.layout_checks import vocab_divisor_for
+    from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe
 
     shape = GPTShape(hidden=32, layers=2, heads=4, ffn_hidden=64, vocab_size=VOCAB_SIZE, seq_length=16,
                      make_vocab_size_divisible_by=vocab_divisor_for(VOCAB_SIZE, [1, 2]))
     recipe = MegatronRecipe(model=shape, seed=7, global_batch_size=4, micro_batch_size=1)
-    return DynaTrainEngine(PlainHost(), DynaTrainPlugin(layout=layout, schedule_ahead=False), recipe=recipe,
+    return DynaTrainEngine(PlainLibrary(), DynaTrainPlugin(layout=layout, schedule_ahead=False), recipe=recipe,
                            adam=AdamSettings(lr=1e-3))
 
 
@@ -105,8 +104,8 @@ def _job(rank: int, world: int, folder: str) -> dict:
 def _per_rank(rank: int, world: int, folder: str) -> dict:
     from lightning_dynatrain.data import StdlibBytes
     from lightning_dynatrain.loop.checkpoint import SHARDS, load_engine_state
-    from lightning_dynatrain.strategy.checkpoint import save_rank_checkpoint
-    from lightning_dynatrain.strategy.megatron_step import optimizer_state_dict
+    from lightning_dynatrain.checkpoint.training_checkpoint import save_rank_checkpoint
+    from lightning_dynatrain.runtime.steps import optimizer_state_dict
 
     first = _engine("dp1-tp2-pp1")
     batches = iter(first.dataloader(StdlibBytes(16, max_bytes=20_000), seed=3))

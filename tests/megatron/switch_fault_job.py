@@ -40,9 +40,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
 
-    from lightning_dynatrain.engine.deadline import SwitchDeadline
-    from lightning_dynatrain.engine.errors import SwitchFailedError, was_refused
-    from lightning_dynatrain.engine.watch import FaultInjection, SwitchWatch
+    from lightning_dynatrain.transition.deadline import SwitchDeadline
+    from lightning_dynatrain.transition.errors import SwitchFailedError, was_refused
+    from lightning_dynatrain.transition.watch import FaultInjection, SwitchWatch
     from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer

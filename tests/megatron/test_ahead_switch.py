@@ -42,7 +42,7 @@ def _ahead_chain(rank: int, world_size: int, shape_kwargs: dict, params_dtype: s
     from lightning_dynatrain.megatron.train_step import run_train_step
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
     from lightning_dynatrain.megatron.state import MegatronState
-    from lightning_dynatrain.strategy.megatron_step import set_lr_and_wd
+    from lightning_dynatrain.runtime.steps import set_lr_and_wd
 
     shape = GPTShape(**shape_kwargs)
     spec = logical_spec(shape)

@@ -64,7 +64,7 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
     from lightning_dynatrain.megatron.train_step import run_train_step
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
-    from lightning_dynatrain.strategy.megatron_step import set_lr_and_wd
+    from lightning_dynatrain.runtime.steps import set_lr_and_wd
 
     shape = GPTShape(**shape_kwargs)
     spec = logical_spec(shape)
@@ -94,7 +94,7 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     out = {"losses": train(state, 2), "switches": []}
     # a switch refused before anything moves (budget below a row, on every rank) leaves the state
     # whole: gradient buffers and megatron's groups come back, and training goes on (losses below)
-    from lightning_dynatrain.engine.errors import StagingBudgetError
+    from lightning_dynatrain.transition.errors import StagingBudgetError
     try:
         hot_switch(state, ParallelConfig.parse(refused_target), setup(8))
     except StagingBudgetError as err:

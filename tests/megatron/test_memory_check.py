@@ -16,8 +16,8 @@ from lightning_dynatrain.megatron.memory_check import (
     refusal,
     switch_need_bytes,
 )
-from lightning_dynatrain.engine.compiler import switch_program
-from lightning_dynatrain.engine.store import RegionIndex, local_numel
+from lightning_dynatrain.transition.compiler import switch_program
+from lightning_dynatrain.transition.local_state import RegionIndex, local_numel
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.planner import union_world

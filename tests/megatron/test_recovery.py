@@ -50,7 +50,7 @@ def _member(name: str, address: str, rank: int, source: str) -> dict:
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.megatron.train_step import run_train_step
-    from lightning_dynatrain.strategy.megatron_step import set_lr_and_wd
+    from lightning_dynatrain.runtime.steps import set_lr_and_wd
     from lightning_dynatrain.vps.errors import StateLostError
     from lightning_dynatrain.vps.members import Members
     from tests.megatron.test_hot_switch import _snapshot

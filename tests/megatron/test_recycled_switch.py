@@ -1,4 +1,4 @@
-"""Hot switches that write new state into old storages (``engine.recycling``), on a GPT large enough for
+"""Hot switches that write new state into old storages (``devices.host.recycling_memory``), on a GPT large enough for
 its tensors to be recycled (4 gloo processes). Through dp2-tp2 -> dp4 -> dp2-tp2 -> dp1-tp2-pp2 -> dp2-tp2 ->
 dp2-tp2-zero1 -> dp2-tp2 the logical state stays bit-identical; a switch builds the new DDP buffers in the old
 gradient buffers' memory where they fit, the zero1 param buffer too (and a switch refused after
@@ -26,7 +26,7 @@ INTO_ZERO1 = 4  # the switch that builds a zero1 param buffer
 def _walk(rank: int, world_size: int) -> dict:
     import torch
 
-    from lightning_dynatrain.engine.fingerprint import logical_fingerprint
+    from lightning_dynatrain.transition.fingerprint import logical_fingerprint
     from lightning_dynatrain.megatron.gpt import build_gpt_model
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
     from lightning_dynatrain.megatron.state import MegatronState
@@ -60,7 +60,7 @@ def _walk(rank: int, world_size: int) -> dict:
            "collections": [], "gc_enabled_after": []}
     # refused at the engine's preflight, after the new DDP buffers were carved from the old gradient
     # buffers: the old gradients come back and training goes on (the checks below still hold)
-    from lightning_dynatrain.engine.errors import StagingBudgetError
+    from lightning_dynatrain.transition.errors import StagingBudgetError
     try:
         hot_switch(state, ParallelConfig.parse(CHAIN[1]),
                    SwitchSetup(model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=8, check_memory=False),
@@ -111,7 +111,7 @@ def _into_zero1_and_back(rank: int, world_size: int) -> dict:
     """dp2 -> dp2-zero1 -> dp2 from a trained state: fingerprints, bytes copied (by pages), round trip."""
     import torch
 
-    from lightning_dynatrain.engine.fingerprint import logical_fingerprint
+    from lightning_dynatrain.transition.fingerprint import logical_fingerprint
     from lightning_dynatrain.megatron.gpt import build_gpt_model
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
     from lightning_dynatrain.megatron.state import MegatronState
@@ -163,8 +163,8 @@ def _kept_in_place_bytes(src: str, dst: str, rank: int, *, slices: bool = True, 
     """What the plan lets a rank keep in place: whole local tensors at an unchanged local layout,
     and (``slices``) those retained as one contiguous run of an old tensor; ``moments_only``: of the
     Adam moments alone (a zero1 model's params live in megatron's flat buffer: never rebound)."""
-    from lightning_dynatrain.engine.adoption import adoptable_keys, slice_keys
-    from lightning_dynatrain.engine.store import RegionIndex, local_numel
+    from lightning_dynatrain.transition.adoption import adoptable_keys, slice_keys
+    from lightning_dynatrain.transition.local_state import RegionIndex, local_numel
     from lightning_dynatrain.vps.mapping import rank_regions
     from lightning_dynatrain.vps.planner import plan_rank
     from lightning_dynatrain.vps.spec import Precision, StateKind

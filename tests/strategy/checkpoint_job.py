@@ -150,7 +150,7 @@ def _plain_megatron_load(path: Path, layout: str) -> dict:
     from benchmarks.baselines import megatron_ckpt
     from benchmarks.baselines.state import BenchSetup, build_empty_state
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy
-    from lightning_dynatrain.strategy.megatron_step import train_step
+    from lightning_dynatrain.runtime.steps import train_step
     from lightning_dynatrain.vps.layout import ParallelConfig
 
     module, data = _module(max_steps=TOTAL), _data()

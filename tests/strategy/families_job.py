@@ -88,7 +88,7 @@ def _callbacks(schedule: dict) -> tuple[list, dict]:
     from lightning.pytorch.callbacks import Callback
 
     from lightning_dynatrain.callbacks import ScheduledReconfig
-    from lightning_dynatrain.strategy.megatron_step import local_share
+    from lightning_dynatrain.runtime.steps import local_share
 
     record: dict = {"before": {}, "after": {}, "seen": []}
 

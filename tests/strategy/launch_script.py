@@ -6,7 +6,7 @@ switch. Each rank writes ``OUT/rank{global_rank}.json`` with what Lightning and 
 (environment class, ranks, layout, data-parallel share, intra-op threads, losses, switches).
 
 The script leaves torch's thread count alone: whatever the launcher set, the strategy must fit it
-to the cores (``strategy/threads.py``), and the tests check that it did.
+to the cores (``runtime/threads.py``), and the tests check that it did.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
     module.on_train_start = probe  # read while the process group is up
     trainer.fit(module, datamodule=data)
     seen.update(losses=[loss for _, loss in module.losses], global_step=trainer.global_step,
-                final_layout=str(trainer.strategy._layout),
+                final_layout=str(trainer.strategy.run.layout_or_none),
                 switches=[(r.step, r.src, r.dst) for r in trainer.strategy.switch_history],
                 dist_after=torch.distributed.is_initialized(), pid=os.getpid(), argv=sys.argv,
                 slurm_procid=os.environ.get("SLURM_PROCID"))

@@ -34,7 +34,7 @@ def main() -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_dynatrain.callbacks import ScheduledReconfig
-    from lightning_dynatrain.engine.errors import SwitchFailedError
+    from lightning_dynatrain.transition.errors import SwitchFailedError
     from lightning_dynatrain.strategy import DynaTrainStrategy
     from tiny_fit import tiny_module_and_data
 

@@ -3,7 +3,7 @@
 
 Each run is real: separate OS processes, a gloo group, megatron on CPU, a Lightning ``Trainer``. They
 must agree on the losses (same seed, same global batches), and whatever thread count the launcher
-left, no node may run more intra-op threads than it has cores (``strategy/threads.py``).
+left, no node may run more intra-op threads than it has cores (``runtime/threads.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dynatrain.strategy.threads import available_cores
+from lightning_dynatrain.runtime.threads import available_cores
 from tests.dist import fabric_executable, free_port
 
 SCRIPT = Path(__file__).with_name("launch_script.py")

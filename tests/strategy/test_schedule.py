@@ -83,7 +83,7 @@ def test_batch_rule_and_vocabulary_padding_warning() -> None:
 
 def test_state_dict_round_trip() -> None:
     cb = ScheduledReconfig("10:dp2-tp2,20:dp4")
-    cb.done = {10}
+    cb.driver.done = {10}
     other = ScheduledReconfig("10:dp2-tp2,20:dp4")
     other.load_state_dict(cb.state_dict())
     assert other.done == {10} and cb.state_key == other.state_key != ScheduledReconfig("10:dp4").state_key

@@ -1,4 +1,4 @@
-"""The intra-op thread rule (``strategy/threads.py``) without processes: when it lowers, what it says, and
+"""The intra-op thread rule (``runtime/threads.py``) without processes: when it lowers, what it says, and
 what counts as the user's explicit choice."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from lightning_dynatrain.strategy.threads import ENV, ThreadCountError, decide_threads, fit_intra_op_threads
+from lightning_dynatrain.runtime.threads import ENV, ThreadCountError, decide_threads, fit_intra_op_threads
 
 
 def test_fabric_run_on_two_cores_is_lowered_to_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,7 +50,7 @@ def test_fit_applies_the_decision_and_is_silent_the_second_time(monkeypatch: pyt
     before = torch.get_num_threads()
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "64")
-    monkeypatch.setattr("lightning_dynatrain.strategy.threads.available_cores", lambda: 2)
+    monkeypatch.setattr("lightning_dynatrain.runtime.threads.available_cores", lambda: 2)
     try:
         torch.set_num_threads(2)
         first = fit_intra_op_threads(local_processes=4)

@@ -92,7 +92,7 @@ def test_the_reports_node_split_is_the_plans(runs):
 def test_new_replicas_are_fed_by_broadcast_where_the_measured_links_say_it_pays(runs):
     """The decision is the measured cost model's (the same costs on every rank); here, on loopback,
     one broadcast of a ~5 MB shard to three replicas beats three sends of it."""
-    from lightning_dynatrain.engine.collectives import plan_broadcasts
+    from lightning_dynatrain.transition.collectives import plan_broadcasts
     from lightning_dynatrain.megatron.gpt import GPTShape, logical_spec
     from lightning_dynatrain.vps.layout import ParallelConfig
     from lightning_dynatrain.vps.planner import plan_all

@@ -10,19 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_dynatrain.engine.report import PrimitiveStats, SwitchReport
-from lightning_dynatrain.engine.errors import StagingBudgetError
-from lightning_dynatrain.strategy import (
-    BatchSizeError,
-    DynaTrainStrategy,
-    ReconfigReport,
-    WorldSizeError,
-    num_microbatches,
-    validate_target,
-    vocab_divisor_for,
-    warmup_cosine_lr,
-)
-from lightning_dynatrain.strategy.report import log_switch
+from lightning_dynatrain.transition.report import PrimitiveStats, SwitchReport
+from lightning_dynatrain.transition.errors import StagingBudgetError
+from lightning_dynatrain.strategy import DynaTrainStrategy, warmup_cosine_lr
+from lightning_dynatrain.runtime.layout_checks import BatchSizeError, WorldSizeError, num_microbatches, validate_target, vocab_divisor_for
+from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
+from lightning_dynatrain.strategy.switch_requests import log_switch
 from lightning_dynatrain.vps.errors import LayoutError
 
 
@@ -52,8 +45,8 @@ def test_construction_checks_layout_and_budget() -> None:
         DynaTrainStrategy("dp2", staging_budget="lots")
     with pytest.raises(StagingBudgetError):
         DynaTrainStrategy("dp2", switch_memory_limit="lots")
-    assert DynaTrainStrategy("dp2", switch_memory_limit="4GiB").switch_memory_limit == 4 * 2**30
-    assert DynaTrainStrategy("dp2").switch_memory_limit is None
+    assert DynaTrainStrategy("dp2", switch_memory_limit="4GiB").settings.switch_memory_limit == 4 * 2**30
+    assert DynaTrainStrategy("dp2").settings.switch_memory_limit is None
     assert repr(DynaTrainStrategy()) == "DynaTrainStrategy(layout='auto', staging_budget=268435456)"
 
 
@@ -105,7 +98,7 @@ def _engine_report() -> SwitchReport:
 
 def test_a_rank_result_becomes_the_jobs_report_and_logs_its_figures(capsys) -> None:
     from lightning_dynatrain.megatron.hot_switch import HotSwitchResult
-    from lightning_dynatrain.memory import MemoryFigures
+    from lightning_dynatrain.devices.memory_policy import MemoryFigures
 
     result = HotSwitchResult(state=None, report=_engine_report(), seconds=0.25, memory=MemoryFigures(),
                              phases={"plan": 0.002, "groups": 0.01, "model": 0.02, "ddp_optimizer": 0.02,
@@ -134,8 +127,8 @@ def test_a_rank_result_becomes_the_jobs_report_and_logs_its_figures(capsys) -> N
 
 def test_a_switch_built_ahead_reports_its_build_and_the_steps_beside_it(capsys) -> None:
     from lightning_dynatrain.megatron.hot_switch import HotSwitchResult
-    from lightning_dynatrain.memory import MemoryFigures
-    from lightning_dynatrain.strategy.step_clock import OverlapClock
+    from lightning_dynatrain.devices.memory_policy import MemoryFigures
+    from lightning_dynatrain.runtime.step_clock import OverlapClock
 
     clock = OverlapClock(steady_window=3)
     for seconds in (1.0, 1.0, 2.0, 1.0):  # the window keeps the last 3 steady steps: median 1.0

@@ -39,7 +39,7 @@ def _job(rank: int, world_size: int) -> list[dict]:
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.megatron.state_bridge import megatron_store
-    from lightning_dynatrain.strategy.switching import SwitchVerificationError, fingerprint, verify_unchanged
+    from lightning_dynatrain.runtime.switcher import SwitchVerificationError, fingerprint, verify_unchanged
     from lightning_dynatrain.vps.layout import ParallelConfig
 
     shape = GPTShape(**SHAPE)

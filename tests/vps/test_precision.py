@@ -30,7 +30,7 @@ def test_a_tensor_kept_in_fp32_keeps_its_optimizers_state() -> None:
 def test_zero1_takes_adam_only() -> None:
     from megatron.core.optimizer import OptimizerConfig
 
-    from lightning_dynatrain.strategy.validation import validate_optimizer
+    from lightning_dynatrain.runtime.layout_checks import validate_optimizer
     from lightning_dynatrain.vps.errors import LayoutError
     from lightning_dynatrain.vps.layout import ParallelConfig
 

@@ -31,9 +31,9 @@ from lightning_dynatrain.devices.host.megatron_patches import megatron_on_cpu
 from lightning_dynatrain.devices.host.meminfo import host_available_bytes
 from lightning_dynatrain.devices.host.page_moves import can_move_pages, discard_pages
 from lightning_dynatrain.devices.host.recycler import StorageRecycler
-from lightning_dynatrain.devices.host.recycling import RecyclingMemory
+from lightning_dynatrain.devices.host.recycling_memory import RecyclingMemory
 from lightning_dynatrain.devices.snapshot_copy import PlainHostCopier
-from lightning_dynatrain.memory.policy import KeepOldMemory, PlainMemory
+from lightning_dynatrain.devices.memory_policy import KeepOldMemory, PlainMemory
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dynatrain.devices.host.page_moves import can_move_pages, populate_pages, untouched_runs
 from lightning_dynatrain.devices.host.recycler import StorageRecycler
-from lightning_dynatrain.memory.old_storage import BUFFER_GROUP
+from lightning_dynatrain.devices.old_storage import BUFFER_GROUP
 
 
 class CarveBuffers(TorchFunctionMode):

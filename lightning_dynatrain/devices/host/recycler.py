@@ -60,8 +60,8 @@ from lightning_dynatrain.devices.host.page_moves import (
     untouched_runs,
     within,
 )
-from lightning_dynatrain.engine.program import StoreKey
-from lightning_dynatrain.memory.old_storage import free_storage
+from lightning_dynatrain.transition.program import StoreKey
+from lightning_dynatrain.devices.old_storage import free_storage
 
 MiB = 2**20
 #: the group of memory only ``fill`` takes (by its pages), never carved: the tail of an old gradient
@@ -183,7 +183,7 @@ class StorageRecycler:
 
     def give_range(self, storage: torch.UntypedStorage, start: int, end: int, group: str) -> int:
         """Take over bytes ``[start, end)`` of a storage the new state keeps other tensors in (the
-        parts of an old tensor around a slice kept in place, ``engine.adoption.slice_keys``). What is
+        parts of an old tensor around a slice kept in place, ``transition.adoption.slice_keys``). What is
         not carved from it goes back to the OS by its pages (``release_pages``), never by freeing
         the storage. Returns the bytes given back at once: all of them below ``min_bytes`` (or off
         the CPU), else 0."""

@@ -23,7 +23,7 @@ Example::
         model = GPTModel(...)          # model building calls Tensor.cuda() on the tied embedding
 
 One module per patched subsystem: ``memory_buffer`` (A), ``rng`` (B), ``cuda_mode`` (C), ``moe``
-(E, F). Patch D (``megatron/norm_patch.py``) is not a CUDA assumption but megatron's Apex-free norm
+(E, F). Patch D (``devices/norm_patch.py``) is not a CUDA assumption but megatron's Apex-free norm
 refusing sequence parallelism: every device kind applies it.
 """
 
@@ -40,7 +40,7 @@ from lightning_dynatrain.devices.host.megatron_patches.cuda_mode import CudaAsCp
 from lightning_dynatrain.devices.host.megatron_patches.memory_buffer import patch_global_memory_buffer
 from lightning_dynatrain.devices.host.megatron_patches.moe import patch_moe, patch_uneven_all_gather
 from lightning_dynatrain.devices.host.megatron_patches.rng import patch_rng_tracker
-from lightning_dynatrain.megatron.norm_patch import patch_torch_norm
+from lightning_dynatrain.devices.norm_patch import patch_torch_norm
 
 _PATCH_LOCK = threading.Lock()
 _PATCHED = False
