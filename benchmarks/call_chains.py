@@ -26,9 +26,21 @@ TORCH_DISTRIBUTED = "torch/distributed/"
 #: where each version of the package hands a member's death to the recovery: (file, function)
 GUARDS = (("lightning_dynatrain/elastic/driver/recovery.py", "recover_or_raise"),
           ("lightning_dynatrain/strategy/elastic.py", "recover"))
+#: the ``torch.distributed`` calls that talk to other processes or make their groups
+COMMUNICATION = frozenset({
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "broadcast_object_list",
+    "barrier", "monitored_barrier", "new_group", "new_subgroups", "init_process_group", "destroy_process_group",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list"})
 #: the store's calls (``torch.distributed.Store`` methods, C functions)
 STORE_CALLS = frozenset({"get", "set", "wait", "check", "add", "compare_set", "multi_get", "multi_set",
                          "delete_key", "num_keys", "append"})
+
+
+def _callee(frame: FrameType) -> str:
+    """The name of the function ``frame`` runs, seen through c10d's decorators (their ``wrapper``)."""
+    func = frame.f_locals.get("func") if frame.f_code.co_name == "wrapper" else None
+    return getattr(func, "__name__", frame.f_code.co_name)
 
 
 def package_file(frame: FrameType) -> str | None:
@@ -95,9 +107,11 @@ class DeathTrace:
             if event == "call" and (package_file(frame), frame.f_code.co_name) in GUARDS:
                 self._enter_guard(frame)
             return
-        if event == "call" and frame.f_code.co_filename.replace("\\", "/").find(TORCH_DISTRIBUTED) >= 0 \
-                and frame.f_back is not None and "torch/distributed/" not in frame.f_back.f_code.co_filename:
-            self._event(frame.f_code.co_name, frame)
+        if event == "call" and TORCH_DISTRIBUTED in frame.f_code.co_filename.replace("\\", "/") \
+                and frame.f_back is not None and TORCH_DISTRIBUTED not in frame.f_back.f_code.co_filename:
+            name = _callee(frame)
+            if name in COMMUNICATION:
+                self._event(name, frame)
         elif event == "c_call" and getattr(arg, "__name__", None) in STORE_CALLS \
                 and type(getattr(arg, "__self__", None)).__name__.endswith("Store"):
             self._event(f"store.{arg.__name__}", frame)
@@ -124,7 +138,11 @@ class DeathTrace:
         resumed = [chain for name, chain in self.events if chain and chain[-1].endswith("megatron/train_step.py")]
         stack = union([self.failed, self.guard, self.first_transfer or [], *resumed])
         every = union([self.failed, self.guard, *(chain for _, chain in self.events)])
+        chains: dict[tuple[str, ...], str] = {}
+        for name, chain in self.events:
+            chains.setdefault(tuple(chain), name)
         return {"stack": stack, "collective": every, "events": len(self.events),
+                "chains": [[name, list(chain)] for chain, name in chains.items()],
                 "stack_folder_changes": folder_changes(stack), "collective_folder_changes": folder_changes(every),
                 "reached_guard": self.catch is not None}
 

@@ -25,7 +25,9 @@ built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; `
 ``ScheduledReconfig`` of that one switch; ``--zero1`` shards the optimizer's state
 (ZeRO-1) at every layout of the policy with data parallelism; ``--start LAYOUT`` starts the first
 world at ``LAYOUT``; ``--snapshot-every N`` keeps in-memory snapshots (``OnNodeChange(snapshot_every=N)``),
-``--snapshot-buffers 2`` in two buffers.
+``--snapshot-buffers 2`` in two buffers; ``--trace-death STEP`` records, on a survivor, the call chains
+of step ``STEP`` (the one ``DYNATRAIN_STEP_FAULT`` kills a member in), from its failed collective to
+the step done (``call_chains.DeathTrace``; the result's ``death_path``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def main() -> None:
     parser.add_argument("--snapshot-buffers", type=int, default=1, help="OnNodeChange(snapshot_buffers=1|2)")
     parser.add_argument("--schedule", default=None, help="STEP:LAYOUT: one scheduled layout switch")
     parser.add_argument("--leave", default=None, help="RANK:STEP: that rank asks to leave after that step")
+    parser.add_argument("--trace-death", type=int, default=None, metavar="STEP",
+                        help="trace the recovery in step STEP (the one DYNATRAIN_STEP_FAULT kills a member in)")
     parser.add_argument("--switch-while-building", action="store_true",
                         help="ask for a layout switch at the first boundary where a world change is built ahead")
     args = parser.parse_args()
@@ -192,8 +196,29 @@ def main() -> None:
     # this launch's processes: torchrun's variables, else srun's (one node), else one process
     world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)
+    class TraceDeath(Callback):
+        """The call chains of the step a member is killed in (``DYNATRAIN_STEP_FAULT``'s), on a survivor."""
+
+        result: dict | None = None
+
+        def __init__(self, step: int) -> None:
+            from call_chains import DeathTrace
+
+            self.trace, self.step = DeathTrace(), step
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step + 1 == self.step:
+                self.trace.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == self.step and self.result is None:
+                self.trace.stop()
+                self.result = self.trace.result()
+
     record = Record()
     callbacks: list = [record]
+    if args.trace_death is not None:
+        callbacks.insert(0, TraceDeath(args.trace_death))
     if args.step_seconds:
         callbacks.append(Pace())
     if args.stop_in_store:
@@ -227,7 +252,8 @@ def main() -> None:
               "rolled_back": node_change.rolled_back if node_change else [],
               "recoveries": node_change.recoveries if node_change else [], "started_at": STARTED_AT,
               "ready_at": record.ready_at,
-              "switch_while_building": next((c.answer for c in callbacks if isinstance(c, SwitchWhileBuilding)), None)}
+              "switch_while_building": next((c.answer for c in callbacks if isinstance(c, SwitchWhileBuilding)), None),
+              "death_path": next((c.result for c in callbacks if isinstance(c, TraceDeath)), None)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{os.getpid()}.json").write_text(json.dumps(result))
 

@@ -17,14 +17,23 @@ import torch.distributed as dist
 from lightning_dynatrain.vps.topology import Topology
 
 
+def this_node(node_rank: int) -> tuple[str, int]:
+    """This process's node: its host name and ``node_rank``, as its launcher numbers nodes
+    (Lightning's ``cluster_environment.node_rank()``)."""
+    return socket.gethostname(), node_rank
+
+
+def topology_of(nodes: list[tuple[str, int]]) -> Topology:
+    """The topology of a world whose rank ``r`` runs on ``nodes[r]`` (``this_node`` of each rank)."""
+    ids: dict[tuple[str, int], int] = {}
+    return Topology(tuple(ids.setdefault(tuple(node), len(ids)) for node in nodes))
+
+
 def gather_topology(node_rank: int, group: dist.ProcessGroup | None = None) -> Topology:
-    """Every rank's node (collective over ``group``: one small all-gather); ``node_rank``: this
-    process's, as its launcher numbers nodes (Lightning's ``cluster_environment.node_rank()``)."""
-    mine = (socket.gethostname(), node_rank)
+    """Every rank's node (collective over ``group``: one small all-gather of ``this_node``)."""
     everyone: list[tuple[str, int] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    ids: dict[tuple[str, int] | None, int] = {}
-    return Topology(tuple(ids.setdefault(node, len(ids)) for node in everyone))
+    dist.all_gather_object(everyone, this_node(node_rank), group=group)
+    return topology_of(everyone)
 
 
-__all__ = ["gather_topology"]
+__all__ = ["gather_topology", "this_node", "topology_of"]

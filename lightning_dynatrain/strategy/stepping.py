@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.types import ReduceOp
 
 from lightning_dynatrain.compat.lightning_internals import step_start_collectives, sync_ddp_if_available
-from lightning_dynatrain.elastic.driver.recovery import FailedAt
+from lightning_dynatrain.elastic.driver.recovery import FailedAt, recover_or_raise
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -64,7 +64,7 @@ class Stepping:
 
     def optimizer_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float) -> float:
         """The megatron step; under ``OnNodeChange``, a member lost in it is recovered from here
-        (the one guard, ``recover_or_raise``) and the step runs again at the survivors' layout on the
+        (the one guard, ``elastic.driver.recovery.recover_or_raise``) and the step runs again at the survivors' layout on the
         same global batch, or counts as done where its result survived."""
         elastic, trainer = self._elastic(), self._trainer()
         if elastic is None:
@@ -79,7 +79,7 @@ class Stepping:
                 elastic.last_loss = (progress.step, loss)
                 return loss
             except Exception as err:
-                outcome = elastic.recover_or_raise(err, FailedAt(progress=progress))
+                outcome = recover_or_raise(elastic, err, FailedAt(progress=progress))
             assert outcome is not None
             if not outcome.redo:
                 return outcome.loss

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_dynatrain.elastic.driver.recovery import recover_or_raise
 from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
 from lightning_dynatrain.transition.errors import mark_refused
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -148,7 +149,7 @@ class SwitchRequests:
         except Exception as err:  # a member died in the switch with the old state whole: survivors go on
             if elastic is None:
                 raise
-            elastic.recover_or_raise(err)
+            recover_or_raise(elastic, err)
             return ReconfigReport(step=step, src=str(src), dst=str(run.layout), deferred=deferred)
         if not report.noop:
             if snapshots is not None:

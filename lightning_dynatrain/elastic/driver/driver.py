@@ -35,7 +35,7 @@ from lightning_dynatrain.elastic.driver.ahead_change import AheadChange
 from lightning_dynatrain.elastic.driver.change_report import ChangeReport
 from lightning_dynatrain.elastic.driver.joining import broadcast_object, join_header, receive_state, receive_trainer_state
 from lightning_dynatrain.elastic.driver.layout_policy import LayoutChoice, StepModel, choose_layout, parse_policy
-from lightning_dynatrain.elastic.driver.recovery import FailedAt, recover_or_raise, recovers
+from lightning_dynatrain.elastic.driver.recovery import recover_or_raise
 from lightning_dynatrain.elastic.driver.snapshots import SnapshotKeeper
 from lightning_dynatrain.elastic.driver.world_change import change_world
 from lightning_dynatrain.elastic.failure_watch import MemberLostError
@@ -47,7 +47,7 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
     from lightning_dynatrain.elastic.driver.front import Launch, TrainingFront
-    from lightning_dynatrain.elastic.driver.rebuild import Recovered, RecoveryReport
+    from lightning_dynatrain.elastic.driver.rebuild import RecoveryReport
     from lightning_dynatrain.runtime.training_run import TrainingRun
     from lightning_dynatrain.vps.members import Members
 
@@ -185,7 +185,7 @@ class ElasticDriver:
         try:
             change = self.session.poll(step)
         except Exception as err:  # the store's record came first (MemberLostError), or the vote's all-reduce
-            self.recover_or_raise(err)
+            recover_or_raise(self, err)
             return None
         pending = self.session.pending
         if self._ahead is not None and (pending is None or pending.generation != self._ahead.generation):
@@ -218,7 +218,7 @@ class ElasticDriver:
                 try:
                     broadcast_object(asdict(report) if self.session.rank == 0 else None)
                 except Exception as err:  # a member died after the grow: recovered from in its world
-                    self.recover_or_raise(err)
+                    recover_or_raise(self, err)
             self.history.append(report)
             self.front.info(str(report))
         return report
@@ -256,16 +256,6 @@ class ElasticDriver:
         """A record of the step that ends at global step ``step`` as it goes (read by a recovery)."""
         return StepProgress(step=step, rank=dist.get_rank(), fault=self.step_fault,
                             before_update=self.snapshots.before_update if self.snapshots is not None else None)
-
-    def recovers(self, err: BaseException) -> bool:
-        """Whether the survivors go on after ``err`` (``recovery.recovers``)."""
-        return recovers(self, err)
-
-    def recover_or_raise(self, err: BaseException, at: FailedAt = FailedAt()) -> "Recovered | None":
-        """The one recovery guard (``recovery.recover_or_raise``): every place that caught a failed
-        collective hands it here, with where it failed (``at``); the survivors go on, or ``err`` is
-        raised again."""
-        return recover_or_raise(self, err, at)
 
     def drop_ahead(self) -> None:
         """Forget a world change built ahead (its world will not come)."""

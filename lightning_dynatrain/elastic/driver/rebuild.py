@@ -11,7 +11,7 @@ switch, or at a step boundary), or at a boundary where the store's record came f
    ``suspect_after`` of the first report; ``elastic/server.py``);
 3. **world**: every survivor builds and installs that world, with fresh group caches;
 4. **gather** what each survivor holds: the step its state is the result of (``StepProgress``: did
-   megatron's optimizer step return?) and where its Lightning loop is;
+   megatron's optimizer step return?), where its loop is, and its node (the new world's topology);
 5. **source**: the newest step whose holders among the survivors hold every box
    (``vps.recovery_source``); survivors at another step receive like every destination. When no
    step is whole (a ZeRO-1 shard, a tp/pp shard at dp1 went with the dead), the state goes back to
@@ -76,7 +76,7 @@ class RecoveryReport:
     agree_seconds: float
     """From the failure noticed here to the store's record of the survivors."""
     world_seconds: float
-    """Building and installing the survivors' world and its topology."""
+    """Building and installing the survivors' world (its topology comes with the gather)."""
     transfer_seconds: float
     rebuild_seconds: float
     pause_seconds: float
@@ -117,8 +117,6 @@ def recover(driver: "ElasticDriver", *, error: BaseException | None = None,
     process was rank 0 of that world (its loggers' files are then its own), ``noticed``: when the
     failure was first noticed here (``time.perf_counter()``; an attempt that lost another member
     came before this one), the start of the figures."""
-    from lightning_dynatrain.runtime.world_topology import gather_topology
-
     session, run = driver.session, driver.run
     assert session is not None and session.world is not None
     start = time.perf_counter() if noticed is None else noticed
@@ -141,10 +139,9 @@ def recover(driver: "ElasticDriver", *, error: BaseException | None = None,
     old_groups = session.recover_into(record)  # (3)
     driver.front.rank_changed()
     groups = run.switcher.new_world_groups()
-    run.switcher.new_world(gather_topology(driver.node_rank))
     retired = (old_caches.subgroups, old_caches.groups, old_groups.groups)  # abandoned: destroyed here (local)
     return _go_on(driver, error=error, progress=progress, state_world=state_world, groups=groups,
-                  retired=retired, was_rank_zero=was_rank_zero,
+                  retired=retired, was_rank_zero=was_rank_zero, new_world=True,
                   times=(start, agreed, time.perf_counter()))
 
 
@@ -166,9 +163,12 @@ def recover_in_world(driver: "ElasticDriver", *, error: BaseException,
 
 def _go_on(driver: "ElasticDriver", *, error: BaseException | None,
            progress: "StepProgress | None", state_world: "Membership", groups, retired: tuple,
-           was_rank_zero: bool, times: tuple[float, float, float]) -> Recovered:
+           was_rank_zero: bool, times: tuple[float, float, float], new_world: bool = False) -> Recovered:
     """Steps 4-7 in the survivors' installed world (``groups``: its group cache), from the state the
-    ranks of ``state_world`` held; ``times``: when the failure was noticed, agreed on, the world built."""
+    ranks of ``state_world`` held; ``times``: when the failure was noticed, agreed on, the world built;
+    ``new_world``: the world is new, its topology comes with the gather (each survivor's node)."""
+    from lightning_dynatrain.runtime.world_topology import this_node, topology_of
+
     session = driver.session
     assert session is not None
     old_rank = state_world.rank_of(session.me)
@@ -180,10 +180,13 @@ def _go_on(driver: "ElasticDriver", *, error: BaseException | None,
     step = driver.front.global_step
     mine = {"old_rank": old_rank, "global_step": step, "in_step": in_step,
             "state": step + int(in_step and progress.stepped), "losses": losses,
-            "snapshot": driver.snapshots.holding() if driver.snapshots is not None else None}
+            "snapshot": driver.snapshots.holding() if driver.snapshots is not None else None,
+            "node": this_node(driver.node_rank)}
     everyone: list[dict] = [{}] * session.size
     try:
         dist.all_gather_object(everyone, mine)  # (4)
+        if new_world:
+            driver.run.switcher.new_world(topology_of([e["node"] for e in everyone]))
         return _switch_and_redo(driver, everyone, error=error, in_step=in_step, state_world=state_world,
                                 groups=groups, was_rank_zero=was_rank_zero, times=times)
     finally:  # the old world's groups (abandoned): destroyed here (local), also when this attempt fails

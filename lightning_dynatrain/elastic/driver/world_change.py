@@ -19,7 +19,13 @@ import torch.distributed as dist
 from lightning_dynatrain.elastic.driver.change_report import ChangeReport
 from lightning_dynatrain.elastic.driver.joining import broadcast_object, join_header
 from lightning_dynatrain.elastic.driver.layout_policy import moved_bytes
-from lightning_dynatrain.elastic.driver.recovery import FailedAt, GrowInFlight, RetainedWorld, ShrinkInFlight
+from lightning_dynatrain.elastic.driver.recovery import (
+    FailedAt,
+    GrowInFlight,
+    RetainedWorld,
+    ShrinkInFlight,
+    recover_or_raise,
+)
 from lightning_dynatrain.elastic.session import WorldChange
 
 if TYPE_CHECKING:
@@ -85,7 +91,7 @@ def change_world(driver: "ElasticDriver", change: WorldChange, *, ahead: "AheadC
             result = hot_switch(run.state, target, setup, groups=groups, members=change.members,
                                 prepared=prepared, watch=run.switcher.world_watch(), restore_source_groups=False)
         except Exception as err:  # back to the old world where its state is whole, else the error
-            driver.recover_or_raise(err, FailedAt(grow=GrowInFlight(
+            recover_or_raise(driver, err, FailedAt(grow=GrowInFlight(
                 change, step, RetainedWorld(left_world, old_caches, old_topology))))
             return None
         session.confirm(change)
@@ -94,7 +100,7 @@ def change_world(driver: "ElasticDriver", change: WorldChange, *, ahead: "AheadC
         try:
             broadcast_object(front.loop_state() if session.rank == 0 else None)  # (4)
         except Exception as err:  # a member died once the state had moved: recovered from in the new world
-            driver.recover_or_raise(err)
+            recover_or_raise(driver, err)
             return None
     else:  # the leavers send over the old world; the survivors build the target on the new one
         if ahead is None:
@@ -108,7 +114,7 @@ def change_world(driver: "ElasticDriver", change: WorldChange, *, ahead: "AheadC
                                 members=change.members, prepared=prepared, watch=old_watch,
                                 restore_source_groups=False)  # (the old layout's world is gone)
         except Exception as err:
-            driver.recover_or_raise(err, FailedAt(shrink=ShrinkInFlight(change, left_world, old_caches,
+            recover_or_raise(driver, err, FailedAt(shrink=ShrinkInFlight(change, left_world, old_caches,
                                                                         was_rank_zero=was_rank_zero)))
             return None
         finally:
