@@ -27,7 +27,12 @@ built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; `
 world at ``LAYOUT``; ``--snapshot-every N`` keeps in-memory snapshots (``OnNodeChange(snapshot_every=N)``),
 ``--snapshot-buffers 2`` in two buffers; ``--trace-death STEP`` records, on a survivor, the call chains
 of step ``STEP`` (the one ``DYNATRAIN_STEP_FAULT`` kills a member in), from its failed collective to
-the step done (``call_chains.DeathTrace``; the result's ``death_path``).
+the step done (``call_chains.DeathTrace``; the result's ``death_path``). For the tests' bit-for-bit
+checks, this rank's pieces of the whole training state as megatron-core describes them
+(``tests/megatron_description.py``): ``--describe-at STEP[,STEP...]`` after each such step
+(``OUT/<pid>.described.<STEP>.pkl``), ``--describe-recovered`` right after a recovery (or any state
+installed during training) made its state, before the next step is computed on it
+(``OUT/<pid>.recovered.pkl``).
 """
 
 from __future__ import annotations
@@ -79,6 +84,10 @@ def main() -> None:
     parser.add_argument("--snapshot-buffers", type=int, default=1, help="OnNodeChange(snapshot_buffers=1|2)")
     parser.add_argument("--schedule", default=None, help="STEP:LAYOUT: one scheduled layout switch")
     parser.add_argument("--leave", default=None, help="RANK:STEP: that rank asks to leave after that step")
+    parser.add_argument("--describe-at", default=None, metavar="STEP[,STEP...]",
+                        help="after these steps, write megatron's description of this rank's state (tests)")
+    parser.add_argument("--describe-recovered", action="store_true",
+                        help="write megatron's description of the state a recovery made, before it trains (tests)")
     parser.add_argument("--trace-death", type=int, default=None, metavar="STEP",
                         help="trace the recovery in step STEP (the one DYNATRAIN_STEP_FAULT kills a member in)")
     parser.add_argument("--switch-while-building", action="store_true",
@@ -215,10 +224,57 @@ def main() -> None:
                 self.trace.stop()
                 self.result = self.trace.result()
 
+    def write_description(state, name: str) -> None:
+        """Megatron's own description of this rank's state (collective: every rank of the world)."""
+        import pickle
+
+        from tests.megatron_description import describe
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{os.getpid()}.{name}.pkl").write_bytes(pickle.dumps(describe(state)))
+
+    class Describe(Callback):
+        """After each step of ``--describe-at``."""
+
+        steps = {int(s) for s in (args.describe_at or "").split(",") if s}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            elastic = trainer.strategy.elastic
+            if trainer.global_step in self.steps and not (elastic is not None and elastic.left):
+                write_description(trainer.strategy.megatron, f"described.{trainer.global_step}")
+
+    class DescribeRecovered(Callback):
+        """``--describe-recovered``: the first state installed during training (a recovery's, the only
+        one in the tests that ask) is described right before the run trains on it again (a step redone,
+        the steps since a snapshot computed again, or the next step): the state the recovery made."""
+
+        def setup(self, trainer, pl_module, stage):
+            run, self.training, self.armed = trainer.strategy.run, False, False
+            install, train_step = run.install, run.train_step
+
+            def installed(state):
+                install(state)
+                self.armed = self.armed or self.training
+
+            def stepped(batch, **kwargs):
+                if self.armed:
+                    self.armed = False
+                    write_description(run.state, "recovered")
+                return train_step(batch, **kwargs)
+
+            run.install, run.train_step = installed, stepped
+
+        def on_train_start(self, trainer, pl_module):
+            self.training = True
+
     record = Record()
     callbacks: list = [record]
     if args.trace_death is not None:
         callbacks.insert(0, TraceDeath(args.trace_death))
+    if args.describe_at is not None:
+        callbacks.append(Describe())
+    if args.describe_recovered:
+        callbacks.append(DescribeRecovered())
     if args.step_seconds:
         callbacks.append(Pace())
     if args.stop_in_store:

@@ -144,6 +144,14 @@ class ElasticJob:
     def results(self) -> dict[int, dict]:
         return {int(p.stem): json.loads(p.read_text()) for p in self.out.glob("*.json")}
 
+    def described(self, name: str) -> list[dict]:
+        """What ``elastic_fit.py --describe-at`` (``name`` ``"described.<step>"``) or
+        ``--describe-recovered`` (``"recovered"``) wrote: each process's pieces of the state, as
+        megatron describes them (``tests/megatron_description.py``), in no particular order."""
+        import pickle
+
+        return [pickle.loads(p.read_bytes()) for p in sorted(self.out.glob(f"*.{name}.pkl"))]
+
     def tail(self, lines: int = 80) -> str:
         """The log's last ``lines`` lines, without c10d's store-wait timeouts (a line per timed-out
         ``store.wait``: they would crowd out the processes' own messages)."""

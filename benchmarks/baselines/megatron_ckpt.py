@@ -14,20 +14,21 @@ does not fit in memory here for the 270M model at dp4.
 Loading a distributed optimizer without Apex or Transformer Engine needs patch G of
 ``MEGATRON_ON_CPU.md``: the optimizer must already hold Adam state (``build_empty_state`` does
 that), and ``_set_main_param_and_optimizer_states`` must skip the ``step`` key that the checkpoint
-does not carry (``_skip_step_on_load`` below, applied only around the load).
+does not carry (``compat.megatron_internals.optimizer_states_loaded_without_step``, applied only
+around the load).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from lightning_dynatrain.compat.megatron_internals import (checkpoint_write_results_queue,
+                                                         optimizer_states_loaded_without_step)
 from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.state import MegatronState
 
@@ -71,34 +72,6 @@ def _sharded_state_dict(state: MegatronState, *, is_loading: bool) -> dict:
     return {"model": model, "optimizer": optimizer}
 
 
-@contextmanager
-def _skip_step_on_load() -> Iterator[None]:
-    """Patch G: without Apex/TE the live Adam state has a ``step`` the checkpoint does not carry.
-
-    Answers ``distrib_optimizer.py::_set_main_param_and_optimizer_states`` (``dst_tensors[key]
-    .copy_(tensors[key])`` over every live key, ``KeyError: 'step'``); the step itself comes back
-    through the param groups in ``load_state_dict``.
-    """
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def patched(self, model_param, tensors):
-        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            live = {"param": main_param, **self.optimizer.state[main_param]}
-            for key, tensor in live.items():
-                if key != "step":
-                    tensor.copy_(tensors[key])
-            return
-        original(self, model_param, tensors)
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = patched
-    try:
-        yield
-    finally:
-        DistributedOptimizer._set_main_param_and_optimizer_states = original
-
-
 def warm_up() -> None:
     """Start the helper process megatron's checkpoint writer keeps for a whole job.
 
@@ -106,8 +79,6 @@ def warm_up() -> None:
     interpreter, about 10 s here) at a process's first save and reuses it afterwards. A training job
     that switches has checkpointed before, so the benchmark pays it outside the timed save.
     """
-    from lightning_dynatrain.compat.megatron_internals import checkpoint_write_results_queue
-
     checkpoint_write_results_queue()
 
 
@@ -142,7 +113,7 @@ def load(state: MegatronState, path: str) -> MegatronCkptTimes:
     """Fill ``state`` (built empty at the new layout, Adam state materialised) from ``path``."""
     dist.barrier()
     t0 = time.perf_counter()
-    with _megatron_context(state), _skip_step_on_load():
+    with _megatron_context(state), optimizer_states_loaded_without_step():
         sharded = _sharded_state_dict(state, is_loading=True)
         t1 = time.perf_counter()
         loaded = dist_checkpointing.load(sharded, path)

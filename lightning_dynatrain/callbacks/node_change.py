@@ -141,7 +141,7 @@ class OnNodeChange(Callback, ElasticCallback):
         self._snapshot_logged: int | None = None
         self._driver: ElasticDriver | None = None
         self._previous_handlers: dict[int, Any] = {}
-        self._signal_connector: Any = None  # Lightning's, while its handler registration is wrapped
+        self._wrapped_connector: Any = None  # Lightning's signal connector, while its handler registration is wrapped
         self._leave_noticed = False
 
     def make_driver(self, run: "TrainingRun", front: "TrainingFront") -> "ElasticDriver":
@@ -175,7 +175,7 @@ class OnNodeChange(Callback, ElasticCallback):
             self._listen_for_leave()
 
         connector.register_signal_handlers = register_then_listen
-        self._signal_connector = connector
+        self._wrapped_connector = connector
 
     def _listen_for_leave(self) -> None:
         """A leave signal only marks this process (it leaves at the next change boundary). Lightning's
@@ -259,9 +259,9 @@ class OnNodeChange(Callback, ElasticCallback):
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers.clear()
-        if self._signal_connector is not None:  # Lightning's own method again
-            self._signal_connector.__dict__.pop("register_signal_handlers", None)
-            self._signal_connector = None
+        if self._wrapped_connector is not None:  # Lightning's own method again
+            self._wrapped_connector.__dict__.pop("register_signal_handlers", None)
+            self._wrapped_connector = None
 
     @override
     def state_dict(self) -> dict[str, Any]:

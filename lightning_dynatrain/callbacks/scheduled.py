@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_dynatrain.compat.lightning_internals import log_this_step
+from lightning_dynatrain.compat.lightning_internals import callback_state_key, log_this_step
 from lightning_dynatrain.runtime.switch_schedule import ScheduleError, ScheduleLike, SwitchSchedule
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -88,7 +88,7 @@ class ScheduledReconfig(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(schedule=tuple((s, str(l)) for s, l in self.schedule.items()))
+        return callback_state_key(self, schedule=tuple((s, str(l)) for s, l in self.schedule.items()))
 
     @staticmethod
     def _strategy(trainer: "pl.Trainer") -> "DynaTrainStrategy":

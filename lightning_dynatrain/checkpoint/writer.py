@@ -32,16 +32,8 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import AsyncStager
 
-
-class _AlreadyStaged(AsyncStager):
-    """DCP's stager for a state dict that is already a private CPU copy (no second copy)."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict) -> dict:  # type: ignore[override]
-        return state_dict
+from lightning_dynatrain.compat.torch_internals import already_staged_stager
 
 
 def staging_dir(path: str | Path) -> Path:
@@ -134,7 +126,7 @@ class CheckpointWriter:
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         future = dcp.async_save(state, storage_writer=writer, process_group=self._group,
-                                async_stager=_AlreadyStaged())
+                                async_stager=already_staged_stager())
         self._pending = _Pending(future, staging, path, commits=rank == 0)
 
     def wait(self) -> None:

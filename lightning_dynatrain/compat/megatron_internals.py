@@ -5,7 +5,10 @@ megatron-core 0.16.1.
 the adapter destroys them and keeps cached ones, ``megatron/parallel_state_adapter.py``), and the
 globals that hold each group and its rank and size (``groups_as_globals``: a module built to read
 its description sees the probe's groups, ``megatron/probe.py``); the distributed optimizer's map
-from a parameter to the range of it this rank's shard holds (``_get_model_param_range_map``).
+from a parameter to the range of it this rank's shard holds (``_get_model_param_range_map``), and
+its loading of one parameter's optimizer states from a checkpoint
+(``_set_main_param_and_optimizer_states``: ``optimizer_states_loaded_without_step`` patches it
+around a load of megatron's own ``dist_checkpointing``, ``benchmarks/baselines/megatron_ckpt.py``).
 The CPU adapter (``devices/host/megatron_patches/``) patches private functions of megatron by design, each
 patch naming the line it answers. ``tests/test_private_names.py`` fails on a private name used
 elsewhere.
@@ -15,10 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 
 def megatron_groups() -> list[Any]:
@@ -43,9 +49,15 @@ _GROUP_GLOBALS = {
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "intra_expt_dp", "_EMBEDDING_GROUP": "embd",
     "_POSITION_EMBEDDING_GROUP": "pos_embd",
 }
-#: megatron's rank and size overrides (its ``set_*_rank`` / ``set_*_world_size``), and the field each mirrors
-_RANK_GLOBALS = {"TENSOR_MODEL_PARALLEL": "tp", "PIPELINE_MODEL_PARALLEL": "pp", "DATA_PARALLEL": "dp",
-                 "EXPERT_MODEL_PARALLEL": "ep", "EXPERT_TENSOR_PARALLEL": "expt_tp"}
+#: megatron's rank and size overrides (its ``set_*_rank`` / ``set_*_world_size``), and the field whose
+#: group's rank and size each holds
+_RANK_GLOBALS = {
+    "tp": ("_MPU_TENSOR_MODEL_PARALLEL_RANK", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE"),
+    "pp": ("_MPU_PIPELINE_MODEL_PARALLEL_RANK", "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"),
+    "dp": ("_MPU_DATA_PARALLEL_RANK", "_MPU_DATA_PARALLEL_WORLD_SIZE"),
+    "ep": ("_MPU_EXPERT_MODEL_PARALLEL_RANK", "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE"),
+    "expt_tp": ("_MPU_EXPERT_TENSOR_PARALLEL_RANK", "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE"),
+}
 
 
 @contextmanager
@@ -56,26 +68,59 @@ def groups_as_globals(groups: ProcessGroupCollection) -> Iterator[None]:
     they are given, but a few still read the globals (0.16's ``BertModel`` builds its encoder
     without them), and a user's module may. Not for a module that trains: the globals are the
     current layout's again after it."""
-    names = list(_GROUP_GLOBALS) + [f"_MPU_{k}_{what}" for k in _RANK_GLOBALS for what in ("RANK", "WORLD_SIZE")]
+    names = list(_GROUP_GLOBALS) + [name for pair in _RANK_GLOBALS.values() for name in pair]
     saved = {name: getattr(parallel_state, name) for name in names}
     try:
         for name, field in _GROUP_GLOBALS.items():
             setattr(parallel_state, name, getattr(groups, field, None))
-        for key, field in _RANK_GLOBALS.items():
+        for field, (rank, size) in _RANK_GLOBALS.items():
             group = getattr(groups, field)
-            setattr(parallel_state, f"_MPU_{key}_RANK", group.rank())
-            setattr(parallel_state, f"_MPU_{key}_WORLD_SIZE", group.size())
+            setattr(parallel_state, rank, group.rank())
+            setattr(parallel_state, size, group.size())
         yield
     finally:
         for name, value in saved.items():
             setattr(parallel_state, name, value)
 
 
-def shard_range(optimizer: Any, param: Any) -> tuple[int, int]:
+def shard_range(optimizer: DistributedOptimizer, param: Any) -> tuple[int, int]:
     """``[start, end)`` of ``param`` (flattened) that this rank's shard of megatron's
     ``DistributedOptimizer`` holds."""
     found = optimizer._get_model_param_range_map(param)["param"]
     return found.start, found.end
+
+
+@contextmanager
+def optimizer_states_loaded_without_step() -> Iterator[None]:
+    """Inside: megatron's ``DistributedOptimizer`` loads a parameter's optimizer states from a
+    checkpoint that carries no ``step`` (patch G of ``MEGATRON_ON_CPU.md``; the step comes back
+    through the param groups in ``load_state_dict``).
+
+    Without Apex or Transformer Engine the live Adam state has a ``step`` the checkpoint does not
+    carry, and ``distrib_optimizer.py::_set_main_param_and_optimizer_states`` copies every live key
+    (``dst_tensors[key].copy_(tensors[key])``: ``KeyError: 'step'``). The patch copies the others;
+    megatron's own method runs for a checkpoint with a ``step`` and for the precision-aware optimizer.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def patched(self: DistributedOptimizer, model_param: Any, tensors: dict[str, Any]) -> None:
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            live = {"param": main_param, **self.optimizer.state[main_param]}
+            for key, tensor in live.items():
+                if key != "step":
+                    tensor.copy_(tensors[key])
+            return
+        original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = patched
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original
 
 
 def checkpoint_write_results_queue() -> Any:
@@ -88,4 +133,5 @@ def checkpoint_write_results_queue() -> Any:
     return public() if public is not None else filesystem_async._get_write_results_queue()
 
 
-__all__ = ["checkpoint_write_results_queue", "forget_megatron_groups", "groups_as_globals", "megatron_groups", "shard_range"]
+__all__ = ["checkpoint_write_results_queue", "forget_megatron_groups", "groups_as_globals", "megatron_groups",
+           "optimizer_states_loaded_without_step", "shard_range"]

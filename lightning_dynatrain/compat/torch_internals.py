@@ -6,14 +6,18 @@ construction of a default group built outside ``init_process_group`` (``elastic/
 with a life cycle); a group's own timeout (``_set_pg_timeout``); torch's ``FakeProcessGroup``
 (``megatron/probe.py``); ``Tensor._base``; the autograd engine entry megatron's own
 ``custom_backward`` calls (``devices/host/megatron_patches/cuda_mode.py``); and the ``ShardedTensor`` of
-``torch.distributed._shard`` that DCP saves with global offsets (``checkpoint/logical.py``).
+``torch.distributed._shard`` that DCP saves with global offsets (``checkpoint/logical.py``); and a
+DCP stager for a state dict that is already a private copy (``AsyncStager._synchronize_after_execute``,
+``checkpoint/writer.py``).
 ``tests/test_private_names.py`` fails when a private name of torch, megatron-core or Lightning is
 used outside ``lightning_dynatrain/compat/``.
 """
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -146,7 +150,28 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor._base
 
 
+def already_staged_stager() -> Any:
+    """A stager for ``dcp.async_save(..., async_stager=...)`` of a state dict that is already this
+    rank's private CPU copy: ``stage`` hands it over as it is (no second copy), and DCP does not wait
+    on a staging to finish once it writes (``AsyncStager._synchronize_after_execute``)."""
+    return _already_staged()()
+
+
+@functools.cache
+def _already_staged() -> type:
+    from torch.distributed.checkpoint.staging import AsyncStager  # not at import: DCP takes seconds to import
+
+    class AlreadyStaged(AsyncStager):
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict: dict) -> dict:  # type: ignore[override]
+            return state_dict
+
+    return AlreadyStaged
+
+
 __all__ = ["Shard", "ShardMetadata", "ShardedTensor", "ShardedTensorMetadata", "TensorProperties",
+           "already_staged_stager",
            "backend_name", "build_default_group", "default_group", "default_store", "fake_process_group",
            "group_count", "is_registered", "named_group_count", "register_default_group", "registered_groups",
            "run_backward",

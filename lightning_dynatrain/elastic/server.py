@@ -36,6 +36,15 @@ or, where the state the dead held is gone, stop. When no member survives, the jo
 request after that is refused (also when the members stopped because their fit ended). A joiner
 that stops before its generation is installed only cancels that change (a generation with the
 running world's members, ``dropped``): training goes on.
+
+Time comes from two clocks, both arguments of ``StoreServer`` so that a test can move time by hand
+and run the decision itself (``step``: one pass) instead of sleeping and hoping the loop has run:
+``clock`` (default ``time.monotonic``) measures what the store times on its own (``gather``,
+``launch_wait``: how long a request has waited since it was popped); ``wall_clock`` (default
+``time.time``) is the time base the members stamp their heartbeats with (``alive/{member}``,
+``JobStore.start_alive``), so a member's silence is ``wall_clock()`` minus its last stamp (the hosts'
+clocks are assumed to agree, as NTP keeps them). A test gives both the same hand-moved clock and
+writes the stamps on it.
 """
 
 from __future__ import annotations
@@ -70,8 +79,12 @@ class StoreServer:
 
     def __init__(self, store: dist.Store, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
                  launch_wait: float = 60.0, gather: float = 1.0, together: float | None = None,
-                 suspect_after: float | None = None, log: Callable[[str], None] = print) -> None:
+                 suspect_after: float | None = None, log: Callable[[str], None] = print,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+        """``clock``, ``wall_clock``: where ``now`` comes from (seconds; see the module docstring): the
+        real clocks, except in tests, which move time by hand and call ``step`` themselves."""
         self.store = dist.PrefixStore(PREFIX, store)
+        self.clock, self.wall_clock = clock, wall_clock
         self.signer = Signer(token)
         self.margin, self.dead_after, self.launch_wait, self.log = margin, dead_after, launch_wait, log
         self.together = min(2.0, dead_after / 2) if together is None else together
@@ -86,7 +99,12 @@ class StoreServer:
         self.world = _World()
 
     def step(self) -> None:
-        """Handle every request queued, then changes that can take effect, then liveness (one pass)."""
+        """Handle every request queued, then changes that can take effect, then liveness (one pass).
+
+        Every decision the store makes is made here, at ``clock()``/``wall_clock()`` now: ``serve``
+        calls it in a loop; a test calls it after moving its clock, and when it returns, every request
+        queued before the call has been handled (answered, or waiting on a rule of the module docstring).
+        """
         seen = self._current_step()  # before the queue: every request sent before the job got here is popped
         while self.store.queue_len("requests"):
             blob = self.store.queue_pop("requests", block=False)
@@ -95,7 +113,7 @@ class StoreServer:
                 self._answer(_unsigned(blob), False, "it is not signed with the job's token")
                 continue
             asked = int(request.get("step", -1))
-            self.world.waiting.append({**request, "received": time.monotonic(), "asked_step": asked if asked >= 0 else seen})
+            self.world.waiting.append({**request, "received": self.clock(), "asked_step": asked if asked >= 0 else seen})
         if self.world.failed:  # the job is over (a member stopped without leaving, or the fit ended)
             for request in self.world.waiting:
                 self._answer(request, False, "the job's members stopped (failed, or their fit ended): there is no "
@@ -109,6 +127,7 @@ class StoreServer:
             self._check_alive()
 
     def serve(self, *, poll: float = 0.02, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Run ``step`` every ``poll`` seconds (real time) until ``should_stop()``."""
         while not should_stop():
             self.step()
             time.sleep(poll)
@@ -164,7 +183,7 @@ class StoreServer:
         launches: dict[str, list[dict]] = {}
         for request in joins:
             launches.setdefault(str(request.get("launch_id")), []).append(request)
-        now, ready = time.monotonic(), []
+        now, ready = self.clock(), []
         for group in launches.values():
             whole = len(group) >= int(group[0].get("launch_size", 1))
             if whole or now - min(r["received"] for r in group) > self.launch_wait:
@@ -185,7 +204,7 @@ class StoreServer:
             return  # one change at a time: the last one is not installed yet
         kind = self.world.waiting[0].get("kind")
         batch = [r for r in self.world.waiting if r.get("kind") == kind]
-        if time.monotonic() - min(r["received"] for r in batch) < self.gather:
+        if self.clock() - min(r["received"] for r in batch) < self.gather:
             return  # others of the same kind may be on their way
         if kind == "leave" and seen < min(r["asked_step"] for r in batch) + 2:
             return  # the others of the same notice: see the module docstring
@@ -220,7 +239,7 @@ class StoreServer:
             self._answer(request, True, generation=world.generation)
 
     def _check_alive(self) -> None:
-        now = time.time()
+        now = self.wall_clock()  # the members' heartbeat stamps are on this clock
 
         def silent(member: str) -> float:
             key = f"alive/{member}"

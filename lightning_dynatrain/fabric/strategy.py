@@ -47,6 +47,7 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 
+from lightning_dynatrain.compat.lightning_internals import requested_precision, set_requested_precision
 from lightning_dynatrain.runtime.settings import DynaTrainSettings
 from lightning_dynatrain.vps.errors import DynaTrainError
 
@@ -105,7 +106,7 @@ class DynaTrainFabricStrategy(DDPStrategy):
 
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
-        self._precision = precision
+        set_requested_precision(self, precision)
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -114,7 +115,8 @@ class DynaTrainFabricStrategy(DDPStrategy):
         Raises:
             FabricSetupError: a precision megatron's step does not take here (fp16, fp64, fp8, ...).
         """
-        name = "32-true" if self._precision is None else str(self._precision.precision)
+        requested = requested_precision(self)
+        name = "32-true" if requested is None else str(requested.precision)
         if name not in PARAMS_DTYPES:
             raise FabricSetupError(
                 f"Fabric(precision={name!r}) is not supported by the megatron step",

@@ -36,6 +36,7 @@ from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+from lightning_dynatrain.compat.lightning_internals import cli_config_value, cli_parser
 from lightning_dynatrain.warning_filters import QuietWarning
 
 DEMO_DEFAULTS: dict[str, Any] = {
@@ -107,7 +108,7 @@ class DynaTrainCLI(LightningCLI):
         try:
             check_config(cfg)
         except ConfigError as err:
-            self._parser(self.subcommand).error(str(err))  # usage, the message, exit status 2
+            cli_parser(self, self.subcommand).error(str(err))  # usage, the message, exit status 2
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -120,7 +121,7 @@ class DynaTrainCLI(LightningCLI):
         callbacks = [self.recorder, ScheduledReconfig(cfg.schedule or None, ahead=cfg.get("schedule_ahead", True))]
         if cfg.get("elastic"):
             callbacks.append(OnNodeChange(cfg.elastic))
-        trainer_callbacks = self._get(self.config_init, "trainer").get("callbacks") or []
+        trainer_callbacks = cli_config_value(self, self.config_init, "trainer").get("callbacks") or []
         if not isinstance(trainer_callbacks, list):
             trainer_callbacks = [trainer_callbacks]
         own_bar = any(isinstance(c, ProgressBar) for c in trainer_callbacks)  # the config names its own

@@ -5,9 +5,9 @@ layout: every rank reads the same GLOBAL batch of step ``k`` (``GlobalBatchSampl
 ``[k*G, (k+1)*G)``) and the engine cuts the current layout's data-parallel share. Accelerate's
 ``prepare`` would shard a ``DataLoader`` by world size (every ``num_processes``-th batch per rank,
 or a slice of each): wrong under tensor and pipeline parallelism, where the ranks of one replica
-need the same rows. The loader made here carries ``_is_accelerate_prepared``, the mark Accelerate's
-``prepare_data_loader`` reads to return a loader unchanged, so it can go through ``prepare`` with
-the rest of the loop's objects. Under Fabric, ``DynaTrainFabricStrategy`` has no
+need the same rows. The loader made here carries the mark Accelerate's ``prepare_data_loader`` reads
+to return a loader unchanged (``compat.accelerate_internals.mark_prepared``), so it can go through
+``prepare`` with the rest of the loop's objects. Under Fabric, ``DynaTrainFabricStrategy`` has no
 ``distributed_sampler_kwargs``, so ``fabric.setup_dataloaders`` adds no sampler either.
 
 Example::
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from torch.utils.data import Dataset
 
+from lightning_dynatrain.compat.accelerate_internals import mark_prepared
 from lightning_dynatrain.data.datamodule import GlobalBatchDataLoader
 from lightning_dynatrain.data.sampler import EvalBatchSampler, GlobalBatchSampler
 
@@ -37,7 +38,7 @@ def global_batch_loader(dataset: Dataset, *, global_batch_size: int, shuffle: bo
     sampler = (EvalBatchSampler(dataset, global_batch_size=global_batch_size) if for_eval else
                GlobalBatchSampler(dataset, global_batch_size=global_batch_size, shuffle=shuffle, seed=seed))
     loader = GlobalBatchDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
-    loader._is_accelerate_prepared = True
+    mark_prepared(loader)
     return loader
 
 

@@ -8,8 +8,8 @@ first gives every rank a replica's gradient all-reduce over ranks that hold diff
 the last hands the ranks of one tensor-parallel group different rows. What ``prepare`` does
 instead, object by object (Accelerate 1.15):
 
-- ``DynaTrainModel`` and ``LoopOptimizer`` carry ``_is_accelerate_prepared = True``, the mark
-  ``prepare_model``/``prepare_optimizer`` read to avoid wrapping twice: they are recorded
+- ``DynaTrainModel`` and ``LoopOptimizer`` carry the mark ``prepare_model``/``prepare_optimizer``
+  read to avoid wrapping twice (``compat.accelerate_internals.mark_prepared``): they are recorded
   (``accelerator._models``/``_optimizers``, so ``save_state``/``load_state`` see them) and returned
   as they are -- no DDP, no device move, no autocast;
 - ``DynaTrainScheduler`` is not a torch ``LRScheduler``: ``prepare`` returns it untouched;
@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_dynatrain.compat.accelerate_internals import mark_prepared
+
 if TYPE_CHECKING:
     from lightning_dynatrain.loop.engine import DynaTrainEngine
     from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
@@ -53,7 +55,7 @@ class DynaTrainModel(torch.nn.Module):
     def __init__(self, engine: "DynaTrainEngine") -> None:
         super().__init__()
         self._engine = engine  # not a Module: not registered as a child
-        self._is_accelerate_prepared = True
+        mark_prepared(self)
 
     @property
     def engine(self) -> "DynaTrainEngine":
@@ -98,7 +100,7 @@ class LoopOptimizer(torch.optim.Optimizer):
         self.defaults: dict[str, Any] = {}
         self.state: dict = {}
         self._engine = engine
-        self._is_accelerate_prepared = True
+        mark_prepared(self)
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]

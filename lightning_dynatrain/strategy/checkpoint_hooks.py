@@ -34,7 +34,7 @@ class Checkpointing:
     Args:
         run: the run whose state it saves and restores (its recipe, layout, model shard and state).
         writer: writes the checkpoint directories (in the background with ``async_save``).
-        trainer: the running trainer, ``None`` outside a fit (the strategy's ``_trainer``).
+        trainer: the running trainer, ``None`` outside a fit (the strategy's ``_running_trainer``).
         handle: Lightning's optimizer handle (its schedule group is saved and restored).
         joining: whether this process joins an elastic fit (its optimizer state comes from the
             members, not from Lightning).

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dynatrain.checkpoint.writer import CheckpointWriter
+from lightning_dynatrain.compat.lightning_internals import lightning_optimizers
 from lightning_dynatrain.data.sampler import global_batch_samplers
 from lightning_dynatrain.elastic.driver.front import ElasticCallback
 from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe
@@ -151,11 +152,12 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         self._elastic: ElasticDriver | None = None  # with an OnNodeChange callback
         self.run = TrainingRun(self.settings, training_timeout=timeout, resume_from=lambda: self.checkpointing.latest_path(),
                                warn=rank_zero_warn, on_install=self._point_lightning_at)
-        self.checkpointing = Checkpointing(self.run, writer=CheckpointWriter(async_save=async_save), trainer=self._trainer,
-                                           handle=lambda: self.optimizer_handle, joining=self._joining)
-        self.switch_requests = SwitchRequests(self.run, elastic=lambda: self._elastic, trainer=self._trainer)
+        self.checkpointing = Checkpointing(self.run, writer=CheckpointWriter(async_save=async_save),
+                                           trainer=self._running_trainer, handle=lambda: self.optimizer_handle,
+                                           joining=self._joining)
+        self.switch_requests = SwitchRequests(self.run, elastic=lambda: self._elastic, trainer=self._running_trainer)
         self.stepping = Stepping(self.run, handle=lambda: self.optimizer_handle, elastic=lambda: self._elastic,
-                                 trainer=self._trainer, local_collectives=self._collectives_are_local)
+                                 trainer=self._running_trainer, local_collectives=self._collectives_are_local)
 
     # ------------------------------------------------------------------------------ registry
     @classmethod
@@ -244,7 +246,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # then megatron-core may be imported (TrainingRun.start)
-        trainer = self._trainer()
+        trainer = self._running_trainer()
         callback = next((c for c in (trainer.callbacks if trainer is not None else []) if isinstance(c, ElasticCallback)),
                         None)
         joined_at = None
@@ -351,7 +353,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         ``None``: what the optimizer's schedule group holds (``DynaTrainOptimizer``: the config's, or
         what a scheduler set). Lightning counts it as an optimizer step (``trainer.global_step`` advances).
         """
-        return self.stepping.train_step(self._lightning_optimizers[0], batch, lr=lr, weight_decay=weight_decay)
+        return self.stepping.train_step(lightning_optimizers(self)[0], batch, lr=lr, weight_decay=weight_decay)
 
     def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """The global mean loss of the global ``batch``, forward only, at the current layout (call
@@ -418,7 +420,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         if self._elastic is not None:
             self._elastic.end_catching_up()
         # The data position is global_step * G: align every global-batch sampler (matters on resume).
-        trainer = self._trainer()
+        trainer = self._running_trainer()
         if trainer is not None:
             for sampler in global_batch_samplers(trainer.train_dataloader):
                 sampler.set_step(trainer.global_step)

@@ -103,7 +103,7 @@ class LightningFront:
 
     @property
     def _trainer(self) -> "pl.Trainer":
-        trainer = self._strategy._trainer()
+        trainer = self._strategy._running_trainer()
         assert trainer is not None, "an elastic run is a trainer.fit"
         return trainer
 
@@ -125,7 +125,7 @@ class LightningFront:
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
         return Launch(rank=launcher.global_rank(), size=launcher.world_size(), launch_id=launch_id(launcher),
                       node_rank=launcher.node_rank(), backend=strategy.process_group_backend, device=device,
-                      timeout=strategy._timeout)
+                      timeout=strategy._collective_timeout)
 
     def joined(self, session: ElasticSession) -> None:
         self._strategy.cluster_environment = ElasticEnvironment(self._strategy.cluster_environment, session)
@@ -167,7 +167,7 @@ class LightningFront:
         continue_loggers(self._loggers())
 
     def _loggers(self) -> list:
-        trainer = self._strategy._trainer()
+        trainer = self._strategy._running_trainer()
         return list(trainer.loggers) if trainer is not None else []
 
     def latest_checkpoint(self) -> str | None:

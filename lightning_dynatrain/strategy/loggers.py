@@ -12,7 +12,8 @@ would also delete the ``metrics.csv`` it finds there when its writer is made. So
   (``continue_loggers``): its CSV writer starts from the file's columns and appends.
 
 TensorBoard's writer starts a new event file in the same directory by itself. Loggers without a
-version directory (``_version``; e.g. WandB's run ids) are left as they are.
+version directory (e.g. WandB's run ids) are left as they are. Lightning's private attributes read
+and set here are in ``compat.lightning_internals``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from typing import Any
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from lightning_dynatrain.compat.lightning_internals import (csv_writer, has_version_directory, pin_version,
+                                                            set_csv_writer)
+
 
 def logger_versions(loggers: Sequence[Any]) -> list[Any]:
     """Each logger's version as this process would write it (``None`` for a logger without one)."""
-    return [logger.version if hasattr(logger, "_version") else None for logger in loggers]
+    return [logger.version if has_version_directory(logger) else None for logger in loggers]
 
 
 def pin_logger_versions(loggers: Sequence[Any], versions: Sequence[Any]) -> None:
@@ -38,8 +42,8 @@ def pin_logger_versions(loggers: Sequence[Any], versions: Sequence[Any]) -> None
         raise ValueError(f"{len(versions)} logger versions for {len(loggers)} loggers: the processes of one job "
                          "must configure the same loggers")
     for logger, version in zip(loggers, versions):
-        if version is not None and hasattr(logger, "_version"):
-            logger._version = version  # what the constructor's `version=` sets
+        if version is not None and has_version_directory(logger):
+            pin_version(logger, version)
 
 
 def flush_loggers(loggers: Sequence[Any]) -> None:
@@ -51,8 +55,8 @@ def flush_loggers(loggers: Sequence[Any]) -> None:
 def continue_loggers(loggers: Sequence[Any]) -> None:
     """This process just became rank 0: take over each CSV metrics file as it stands."""
     for logger in loggers:
-        if isinstance(logger, CSVLogger) and logger._experiment is None:
-            logger._experiment = _adopt_csv(logger.log_dir)
+        if isinstance(logger, CSVLogger) and csv_writer(logger) is None:
+            set_csv_writer(logger, _adopt_csv(logger.log_dir))
 
 
 def _adopt_csv(log_dir: str) -> ExperimentWriter:

@@ -31,17 +31,19 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from lightning_dynatrain.compat.lightning_internals import (
-    SubprocessScriptLauncher,
+    ScriptLaunchedStrategy,
     accelerator_connector,
     default_backend_for_device,
     init_dist_connection,
+    module_trainer,
+    set_strategy_precision_plugin,
+    strategy_precision_plugin,
     sync_ddp_if_available,
 )
 from lightning_dynatrain.strategy.precision import MegatronPrecision, megatron_precision
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class MegatronProcessStrategy(ParallelStrategy):
+class MegatronProcessStrategy(ScriptLaunchedStrategy):
     """Processes, devices, precision and collectives for a megatron-core strategy (see the module docstring).
 
     Args:
@@ -71,7 +73,7 @@ class MegatronProcessStrategy(ParallelStrategy):
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.num_nodes = 1
         self._backend = backend
-        self._timeout = timeout
+        self._collective_timeout = timeout
         self._owns_process_group = False
 
     @property
@@ -84,14 +86,15 @@ class MegatronProcessStrategy(ParallelStrategy):
     @override
     def precision_plugin(self) -> MegatronPrecision:
         """Megatron's own mixed precision, as ``Trainer(precision=...)`` asked (``strategy.precision``)."""
-        return self._precision_plugin if self._precision_plugin is not None else MegatronPrecision()
+        plugin = strategy_precision_plugin(self)
+        return plugin if plugin is not None else MegatronPrecision()
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
         # None stays None until the Trainer sets its plugin: Lightning reads a strategy's own plugin
         # as the user's choice and would then ignore Trainer(precision=...)
-        self._precision_plugin = None if plugin is None else megatron_precision(plugin)
+        set_strategy_precision_plugin(self, None if plugin is None else megatron_precision(plugin))
 
     @property
     def num_processes(self) -> int:
@@ -109,7 +112,7 @@ class MegatronProcessStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        trainer = self._trainer()
+        trainer = self._running_trainer()
         if trainer is not None:  # before any dataloader is requested: global batches, no DistributedSampler
             accelerator_connector(trainer).use_distributed_sampler = False
         # before megatron-core is first imported: its import-time notices are named there
@@ -119,14 +122,6 @@ class MegatronProcessStrategy(ParallelStrategy):
         threads = fit_intra_op_threads(local_processes=max(1, self.num_processes))
         if threads.message:
             rank_zero_info(threads.message)
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = None
 
     def _setup_distributed(self) -> None:
         reset_seed()
@@ -141,7 +136,7 @@ class MegatronProcessStrategy(ParallelStrategy):
         # on an accelerator the default group is bound to this process's device at creation (NCCL
         # connects eagerly, and no collective has to guess the device), as Lightning's DDP does
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout,
+        init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._collective_timeout,
                               device_id=device_id)
         self._owns_process_group = True
 
@@ -164,12 +159,13 @@ class MegatronProcessStrategy(ParallelStrategy):
         with self.precision_plugin.tensor_init_context():
             yield
 
-    def _trainer(self) -> "pl.Trainer | None":
+    def _running_trainer(self) -> "pl.Trainer | None":
+        """The trainer the module is attached to (a fit, a validation), ``None`` outside one."""
         module = self.lightning_module
-        return getattr(module, "_trainer", None) if module is not None else None
+        return module_trainer(module) if module is not None else None
 
     def _global_step(self) -> int:
-        trainer = self._trainer()
+        trainer = self._running_trainer()
         return trainer.global_step if trainer is not None else 0
 
     def _collectives_are_local(self) -> bool:

@@ -38,7 +38,7 @@ class Stepping:
         run: the run that steps.
         handle: Lightning's optimizer handle (its schedule group holds the step's rate).
         elastic: the run's elastic driver, or ``None``: a member lost in a step is recovered from.
-        trainer: the running trainer (the strategy's ``_trainer``).
+        trainer: the running trainer (the strategy's ``_running_trainer``).
         local_collectives: whether the collectives Lightning asks for are local no-ops now (the
             strategy's ``_collectives_are_local``).
     """

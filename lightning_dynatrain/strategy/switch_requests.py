@@ -45,7 +45,7 @@ class SwitchRequests:
         run: the run whose layout it switches.
         elastic: the run's elastic driver, or ``None`` (the strategy's ``elastic``): a member lost in
             a switch is recovered from, and a switch waits for a world change built ahead.
-        trainer: the running trainer, ``None`` outside a fit (the strategy's ``_trainer``).
+        trainer: the running trainer, ``None`` outside a fit (the strategy's ``_running_trainer``).
     """
 
     def __init__(self, run: "TrainingRun", *, elastic: "Callable[[], ElasticDriver | None]",

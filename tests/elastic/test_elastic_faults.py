@@ -3,8 +3,9 @@
 One job, in order: a joiner without the job's token and a joiner of another model are refused with
 the reason and change nothing; a joiner that stops answering while the world that admits it is
 being built only cancels that change, and so does one that stops once its peers build the target's
-model ahead; a member that dies instead of leaving is named within seconds and the two others go on
-without it (``tests/elastic/test_recovery_fit.py`` checks a recovery's state and losses). In jobs of their own: a joiner killed as the transfer
+model ahead (a member that dies instead of leaving: ``tests/elastic/test_recovery_fit.py``, which
+checks a recovery's state against a static fit; the store naming it: ``tests/elastic/test_store.py``).
+In jobs of their own: a joiner killed as the transfer
 that fills it starts fails the change on every survivor with ``SwitchFailedError`` naming the rank
 and the phase (world changes run under the switch watch); a leaver killed before its hand-off moved
 anything leaves the others training on the replicas they hold (a leaver killed once state was freed,
@@ -30,8 +31,6 @@ pytestmark = pytest.mark.slow
 
 DEAD_AFTER = 4.0
 SWITCH_TIMEOUT = 10.0
-#: benchmarks/elastic_fit.py's OnNodeChange(exit_after=...): survivors stuck in a collective end after it
-EXIT_AFTER = 20.0
 
 
 def _latest(job: ElasticJob):
@@ -50,13 +49,9 @@ def _a_joiner_stops_and_only_its_change_is_cancelled(job: ElasticJob, fault: str
     stalled.kill()
 
 
-def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_of_leaving(tmp_path):
-    """... and the member that dies is named within seconds of its peers' collective failing
-    (``suspect_after``), not after the store's ``dead_after`` (which the stalled joiners take); the
-    two others recover into a world of their own and train on."""
-    dead_after, suspect_after = 12.0, 3.0
-    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=dead_after,
-                    suspect_after=suspect_after) as job:
+def test_refused_joiners_and_joiners_dying_in_the_build_only_cancel_their_change(tmp_path):
+    """(see the module docstring) The stalled joiners are named after the store's ``dead_after``."""
+    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=12.0, suspect_after=3.0) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         members = job.installed()
@@ -75,27 +70,7 @@ def test_refused_joiners_a_joiner_dying_in_the_build_and_a_member_dying_instead_
         # one stops later, once its peers build the next world's target ahead: that change is cancelled too
         _a_joiner_stops_and_only_its_change_is_cancelled(job, "STOP_IN_BUILD", members, first)
         assert "building dp3-tp1-pp1 ahead" in job.tail(400)
-
-        member = job.start_python()
-        job.wait_for(lambda: job.installed_size() == 3, what="a joiner (world 3)")
-        victim = job.installed()[2]
-        member.send_signal(signal.SIGTERM)  # asked to leave ...
-        member.kill()  # ... it dies instead
-        killed_at = time.monotonic()
-        job.wait_for(lambda: _latest(job).failed != (), what="the failure record", timeout=60)
-        recorded_after, record = time.monotonic() - killed_at, _latest(job)
-        job.wait_for(lambda: job.installed() == members, what="the survivors' world", timeout=60)
-        step = job.step()
-        job.wait_for(lambda: job.step() >= step + 5, what="the survivors to train on", timeout=60)
-        went_on_after = time.monotonic() - killed_at
-        log = job.tail(400)
-        assert first.poll() is None, log
-    assert re.search(rf"step \d+: member\(s\) {re.escape(victim)} lost; world 3 -> 2, dp3-tp1-pp1 -> dp2-tp1-pp1",
-                     log), log
-    print(f"the failure was recorded {recorded_after:.1f} s after the kill (dead_after {dead_after:.0f} s); the "
-          f"survivors trained 5 more steps {went_on_after:.1f} s after it")
-    assert recorded_after < suspect_after + 1.0 + 4.0, recorded_after  # + a heartbeat + slack on 2 busy cores
-    assert (record.failed, record.members) == ((victim,), members)
+        assert job.installed() == members and first.poll() is None
 
 
 def test_grows_that_fail_with_the_old_state_whole_go_back_to_the_old_world_and_training_goes_on(tmp_path):
@@ -177,7 +152,7 @@ def test_a_joiner_killed_in_the_transfer_that_fills_it_fails_the_grow_naming_its
         job.wait_for(lambda: len(_latest(job).members) == 3, what="the generation with the joiner")
         started = time.monotonic()
         code = job.wait(first, timeout=120)
-        stopped_after = time.monotonic() - started
+        print(f"the old members stopped {time.monotonic() - started:.0f} s after the joiner's generation")
         log = job.tail(400)
         assert job.wait(killed) == -signal.SIGKILL, log
     assert code != 0, log
@@ -186,7 +161,6 @@ def test_a_joiner_killed_in_the_transfer_that_fills_it_fails_the_grow_naming_its
     failures = re.findall(r"SwitchFailedError: layout switch dp2-tp1-pp1 -> dp3-tp1-pp1 failed: rank 2 stopped "
                           r"answering in phase 'transfer'", log.replace("^", ""))
     assert len(failures) >= 2, log  # on both survivors
-    assert stopped_after < DEAD_AFTER + EXIT_AFTER + 20, f"the job took {stopped_after:.0f} s to stop"
 
 
 def test_a_grow_that_freed_state_and_lost_its_joiner_goes_back_to_the_snapshot(tmp_path):
@@ -217,8 +191,10 @@ def test_a_grow_that_freed_state_and_lost_its_joiner_goes_back_to_the_snapshot(t
 def test_a_leaver_killed_before_its_hand_off_moved_anything_leaves_the_others_training(tmp_path):
     """Rank 2 of world 3 asks to leave (SIGTERM) and kills itself entering the preflight of the
     shrink it leaves by (its watch's switch 2), before anything moved: the two others, already in
-    their world of 2, rebuild the state from the data-parallel replicas they hold and train on."""
-    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
+    their world of 2, rebuild the state from the data-parallel replicas they hold (nothing redone)
+    and train on, to the end, at ``dp2-tp1-pp1``, identical replicas, one recovery naming it."""
+    with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.2, dead_after=DEAD_AFTER,
+                    fit_args=("--stop-in-store",)) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": "2:preflight:KILL:2"})
@@ -229,8 +205,18 @@ def test_a_leaver_killed_before_its_hand_off_moved_anything_leaves_the_others_tr
         assert job.wait(killed, timeout=60) == -signal.SIGKILL, job.tail(200)
         job.wait_for(lambda: "lost; world 3 -> 2, dp3-tp1-pp1 -> dp2-tp1-pp1" in job.tail(400),
                      what="the survivors' recovery", timeout=60)
-        step = job.step()
-        job.wait_for(lambda: job.step() >= step + 5, what="training to go on at world 2", timeout=60)
-        log = job.tail(400)
-        assert first.poll() is None, log
-    assert "0 step(s) redone" in log and "SwitchFailedError" not in log.split("lost; world 3 -> 2")[-1], log
+        stop = job.step() + 5
+        job.client.store.set(STOP_KEY, str(stop))
+        assert job.wait(first, timeout=120) == 0, job.tail(400)
+        results, log = job.results(), job.tail(400)
+    survivors = [r for r in results.values() if r["pid"] != killed.pid]
+    assert len(survivors) == 2, log
+    assert {(r["world"], r["layout"], r["global_step"]) for r in survivors} == {(2, "dp2-tp1-pp1", stop)}, log
+    assert len({r["shard"] for r in survivors}) == 1, log  # the replicas are identical
+    for r in survivors:
+        (recovery,) = r["recoveries"]
+        assert (recovery["src"], recovery["dst"], recovery["steps_redone"], recovery["snapshot_step"]) == \
+            ("dp3-tp1-pp1", "dp2-tp1-pp1", 0, None), recovery
+        assert len(recovery["failed"]) == 1 and f":{killed.pid}:" in recovery["failed"][0], recovery
+        assert [s for s, _ in r["losses"]] == list(range(1, stop + 1))  # each step once
+    assert "SwitchFailedError" not in log.split("lost; world 3 -> 2")[-1], log

@@ -24,16 +24,20 @@ def test_a_snapshot_buffer_count_other_than_one_or_two_is_refused_at_constructio
 
 
 def test_the_step_log_keeps_copies_of_the_steps_after_the_snapshot():
+    """The loader hands every step the same buffer, refilled in place: a log that kept a reference
+    would replay the last batch written (here step 5's, then +100) for every step."""
     log = StepLog()
-    tokens = torch.arange(8).view(2, 4)
+    base = torch.arange(8).view(2, 4)
+    tokens = torch.empty_like(base)  # the loader's one buffer
     for step in range(1, 6):
-        log.record(step, {"tokens": tokens + step}, lr=0.1 * step, weight_decay=0.01)
+        tokens.copy_(base + step)
+        log.record(step, {"tokens": tokens}, lr=0.1 * step, weight_decay=0.01)
     tokens += 100  # the loader reusing its buffer changes nothing kept
     log.drop_through(3)  # a snapshot of step 3
     assert log.steps() == (4, 5)
     replay = log.between(4, 5)
     assert [s.step for s in replay] == [4, 5] and [s.lr for s in replay] == pytest.approx([0.4, 0.5])
-    assert torch.equal(replay[0].batch["tokens"], torch.arange(8).view(2, 4) + 4)
+    assert torch.equal(replay[0].batch["tokens"], base + 4) and torch.equal(replay[1].batch["tokens"], base + 5)
     assert log.nbytes() == 2 * tokens.nbytes
     with pytest.raises(KeyError, match=r"steps \[3\] are not in this rank's step log"):
         log.between(3, 5)

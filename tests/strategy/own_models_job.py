@@ -3,8 +3,8 @@ trained by ``MegatronLightningModule`` under ``DynaTrainStrategy``, 4 CPU proces
 real gloo, real megatron, one job for all of them (``run_own_models4``).
 
 Per model: a fit with scheduled switches over dp/tp/pp (and ep for the MoE), ``verify=True``, every
-rank's local training state taken right before and right after each switch; then the same steps at
-the first layout without switches. The split-MLP GPT (bf16, megatron's ``OptimizerParamScheduler``)
+rank's training state described by megatron itself (``tests/megatron_description.py``) right before
+and right after each switch; then the same steps at the first layout without switches. The split-MLP GPT (bf16, megatron's ``OptimizerParamScheduler``)
 also saves a checkpoint after one switch, and a second fit resumes from it. The BERT runs a torch
 ``LambdaLR``, the MoE a constant rate. Every rank returns the spec the strategy read from its model.
 
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from tests.dist import run_distributed
-from tests.strategy.logical_state import local_state
+from tests.megatron_description import describe
 from tests.strategy.own_models import GLOBAL_BATCH, MICRO_BATCH, SEQ
 
 SEED, STEPS, EPS = 1234, 8, 1e-6
@@ -100,7 +100,7 @@ def _callbacks(schedule: dict, save: Path | None = None) -> tuple[list, dict]:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             step = trainer.global_step
             if step in schedule:
-                record[self.side][step] = local_state(trainer.strategy)
+                record[self.side][step] = describe(trainer.strategy.megatron)
             if self.side == "after":
                 record["lr"].append(tuple(trainer.strategy.optimizer_handle.scheduled))
                 if save is not None and step == RESUME_AT:

@@ -99,8 +99,9 @@ def test_fit_survivors_end_with_switch_failed(tmp_path: Path) -> None:
             assert r["resume_from"] in r["message"]
             assert not r["dist_after"], "Lightning's teardown destroys the process group"
             seconds.append(r["t_error"] - t_kill)
+        # (how long they took is a figure, printed: benchmarks/ measure it; the order is what a test asserts)
         print(f"seconds from the kill to each survivor's SwitchFailedError: {[round(s, 1) for s in seconds]}")
-        assert max(seconds) < SWITCH_TIMEOUT + 10, seconds
+        assert min(seconds) > 0, seconds  # each survivor failed after the kill, not before it
         # the step whose switch ended the fit is in the metrics too (logged before the error went up)
         with open(tmp_path / "logs" / "metrics" / "version_0" / "metrics.csv", newline="") as f:
             logged = [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]

@@ -3,12 +3,16 @@
 Every source element holds its global logical index (tensor offset + row-major index, shifted per
 state kind), so after running all plans each destination element must hold exactly its own index,
 written exactly once, and every send must be owned by its sender.
+
+A recovery from an in-memory snapshot is modelled too: each keeper holds only the copies the
+snapshot plan gave it (read from its senders' regions), and a fill piece is written from the copy
+kept by the keeper the piece names, so a piece naming the wrong keeper fails, naming it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -16,8 +20,8 @@ from lightning_dynatrain.vps.box import Box
 from lightning_dynatrain.vps.mapping import Region, rank_regions
 from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
-from lightning_dynatrain.vps.snapshot_plan import FillPiece
-from lightning_dynatrain.vps.spec import ModelSpec, Precision
+from lightning_dynatrain.vps.snapshot_plan import FillPiece, SnapshotPlan
+from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 
 def _offsets(spec: ModelSpec, precision: Precision) -> dict:
@@ -56,13 +60,60 @@ class SimulationResult:
         self.patched_elements = 0
 
 
+KeptCopies = dict[int, dict[tuple[str, StateKind, Box], np.ndarray]]
+
+
+def kept_copies(spec: ModelSpec, snapshot: SnapshotPlan, offsets: dict | None = None) -> KeptCopies:
+    """What each old rank keeps for others after a snapshot: by keeper, the copy of every box
+    ``snapshot.copies`` gives it, as its sender held it (the sender must hold the box)."""
+    offsets = offsets or _offsets(spec, snapshot.precision)
+    kept: KeptCopies = {}
+    for c in snapshot.copies:
+        regions = rank_regions(spec, snapshot.layout, c.sender, snapshot.precision).get((c.tensor, c.kind), [])
+        region = _find(regions, c.box)  # the sender copies out what it holds, nothing else
+        held = _expected(spec, offsets, c.tensor, c.kind, region.box)
+        copies = kept.setdefault(c.keeper, {})
+        assert (c.tensor, c.kind, c.box) not in copies, f"old rank {c.keeper} keeps {c.tensor} {c.box} twice"
+        copies[(c.tensor, c.kind, c.box)] = _view(held, region, c.box).copy()
+    return kept
+
+
+def _keeper_data(kept: KeptCopies, members: Members, piece: FillPiece,
+                 keepers: Mapping[tuple[str, StateKind, Box], int] | None) -> np.ndarray:
+    """``piece``'s data as its keeper sends it: a slice of the copy the named keeper holds of
+    ``piece.lost``; an ``AssertionError`` naming the piece, its keeper and the actual ones if the
+    keeper holds no such copy, or is not the one ``keepers`` (old ranks) names for the box."""
+    key = (piece.tensor, piece.kind, piece.lost)
+    old = members.src_rank(piece.keeper)  # fill pieces name processes; the snapshot plan old ranks
+    what = (f"fill piece {piece.tensor} {piece.kind.value} {piece.piece} of lost box {piece.lost} -> process "
+            f"{piece.dest}: its keeper, process {piece.keeper} (old rank {old})")
+    if old is None or key not in kept.get(old, {}):
+        actual = [f"old rank {r} ({'dead' if members.src[r] is None else f'process {members.src[r]}'})"
+                  for r in sorted(r for r, copies in kept.items() if key in copies)]
+        raise AssertionError(f"{what}, keeps no copy of that box; kept by {', '.join(actual) or 'no rank'}")
+    if keepers is not None:
+        assert keepers.get(key) == old, \
+            f"{what}, is not the box's keeper in the recovery source (old rank {keepers.get(key)})"
+    assert piece.lost.contains(piece.piece), f"{what}: the piece is not inside its lost box"
+    return kept[old][key][piece.piece.relative_to(piece.lost.lo)]
+
+
 def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP32,
-             members: Members | None = None, patch: Sequence[FillPiece] = ()) -> SimulationResult:
+             members: Members | None = None, patch: Sequence[FillPiece] = (), snapshot: SnapshotPlan | None = None,
+             keepers: Mapping[tuple[str, StateKind, Box], int] | None = None) -> SimulationResult:
     """Run ``plans`` (every process of the switch) and assert the destination state is exact.
     ``members``: which process holds each source and destination rank (default: the same);
-    ``patch``: with ``members.holes``, the pieces a snapshot's keepers write after the switch (their
-    copies are exact), which must fill every hole the plans left, once."""
+    ``patch``: with ``members.holes``, the pieces a snapshot's keepers write after the switch, which
+    must fill every hole the plans left, once. ``snapshot``: the plan the snapshot was taken with (at
+    ``src``; needed with a ``patch``): each keeper holds only the copies it gives it, and a piece is
+    written from the copy its named keeper (a process, see ``members``) holds, or fails naming it;
+    ``keepers``: the old rank keeping each lost box (``SnapshotSource.keepers``), which every
+    piece's keeper must be."""
     offsets = _offsets(spec, precision)
+    assert not patch or snapshot is not None, "a patch needs the snapshot plan: the keepers hold only its copies"
+    if snapshot is not None:
+        assert (snapshot.layout, snapshot.precision) == (src, precision), "the snapshot is not of the source state"
+    kept = kept_copies(spec, snapshot, offsets) if snapshot is not None else {}
     members = members or Members.same(src.world_size, dst.world_size)
     src_regions = {p: rank_regions(spec, src, r, precision) for r, p in enumerate(members.src) if p is not None}
     dst_regions = {members.dst[r]: rank_regions(spec, dst, r, precision) for r in range(dst.world_size)}
@@ -132,12 +183,12 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
             _view(writes[(r, key, d_i)], d_regs[d_i], t.box)[...] += 1
             result.filled_elements += t.box.numel
 
-    for piece in patch:
+    for piece in patch:  # the keepers' fill: from the copy the named keeper holds, nothing else
+        data = _keeper_data(kept, members, piece, keepers)
         key = (piece.tensor, piece.kind)
         d_regs = dst_regions[piece.dest][key]
         d_i = d_regs.index(_find(d_regs, piece.piece))
-        _view(dst_store[(piece.dest, key, d_i)], d_regs[d_i], piece.piece)[...] = _expected(
-            spec, offsets, piece.tensor, piece.kind, piece.piece)
+        _view(dst_store[(piece.dest, key, d_i)], d_regs[d_i], piece.piece)[...] = data
         _view(writes[(piece.dest, key, d_i)], d_regs[d_i], piece.piece)[...] += 1
         result.patched_elements += piece.piece.numel
 
@@ -176,3 +227,26 @@ def minimum_moved(spec, src, dst, precision=Precision.FP32, members: Members | N
                         need[inter.relative_to(reg.box.lo)] = False
                 total += int(need.sum())
     return total
+
+
+def held_elements(spec: ModelSpec, layout, precision=Precision.FP32) -> dict[tuple[str, StateKind], np.ndarray]:
+    """Brute force from each rank's regions: for every (tensor, kind), a boolean array shaped
+    ``(world_size, *tensor shape)`` saying which elements each rank holds."""
+    out: dict[tuple[str, StateKind], np.ndarray] = {}
+    for r in range(layout.world_size):
+        for key, regs in rank_regions(spec, layout, r, precision).items():
+            held = out.setdefault(key, np.zeros((layout.world_size, *spec.tensor(key[0]).shape), dtype=bool))
+            for reg in regs:
+                held[(r, *reg.box.relative_to((0,) * reg.box.ndim))] = True
+    return out
+
+
+def only_held_by(held: dict[tuple[str, StateKind], np.ndarray], ranks) -> dict[tuple[str, StateKind], np.ndarray]:
+    """Per (tensor, kind) of ``held`` (``held_elements``), the elements some of ``ranks`` hold and
+    no other rank does (what losing ``ranks`` loses)."""
+    ranks = sorted(ranks)
+    out = {}
+    for key, h in held.items():
+        others = np.delete(h, ranks, axis=0)
+        out[key] = h[ranks].any(axis=0) & ~others.any(axis=0)
+    return out

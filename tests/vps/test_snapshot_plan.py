@@ -5,6 +5,9 @@ from their keepers) rebuilds every element of any layout of the survivors exactl
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
@@ -17,7 +20,7 @@ from lightning_dynatrain.vps.recovery_source import SnapshotHolding, snapshot_so
 from lightning_dynatrain.vps.snapshot_plan import failure_domains, fill_plan, snapshot_plan
 from lightning_dynatrain.vps.spec import Precision
 from lightning_dynatrain.vps.topology import Topology
-from tests.vps.simulator import simulate
+from tests.vps.simulator import held_elements, only_held_by, simulate
 from tests.vps.strategies import layouts, small_specs
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -47,8 +50,16 @@ def test_losing_any_one_domain_loses_nothing_a_snapshot_does_not_hold(case):
                    for b in lost_state(spec, layout, dead, precision))
     for domain in range(len(plan.domains)):
         assert plan.uncovered(spec, domain) == ()
-    assert sum(plan.sent_bytes(r) for r in range(layout.world_size)) == \
-        sum(plan.held_bytes(r) for r in range(layout.world_size))
+    # the bytes, against a brute force over each rank's regions: a domain's ranks send exactly what
+    # only that domain holds (each element once, at its dtype's size), and the next domain of the
+    # ring keeps exactly that; on one domain nothing is copied
+    held = held_elements(spec, layout, precision)
+    for domain, ranks in enumerate(plan.domains):
+        only = only_held_by(held, ranks) if len(plan.domains) > 1 else {}
+        alone = sum(int(mask.sum()) * spec.itemsize(tensor, kind, precision) for (tensor, kind), mask in only.items())
+        event("copies" if alone else "no copies")
+        assert sum(plan.sent_bytes(r) for r in ranks) == alone, f"domain {ranks}"
+        assert sum(plan.held_bytes(r) for r in plan.domains[(domain + 1) % len(plan.domains)]) == alone
 
 
 def test_replicas_in_other_domains_need_no_snapshot_and_zero1_shards_do():
@@ -59,7 +70,17 @@ def test_replicas_in_other_domains_need_no_snapshot_and_zero1_shards_do():
     zero1 = snapshot_plan(SPEC, ParallelConfig.parse("dp2-tp2-zero1"), one_node, Precision.BF16)
     assert {c.kind.value for c in zero1.copies} == {"main_param", "exp_avg", "exp_avg_sq"}
     assert [(c.sender, c.keeper) for c in zero1.copies if c.sender == 1][0] == (1, 2)
-    assert all(zero1.held_bytes(r) > 0 for r in range(4))
+    # each rank sends what of its zero1 shard no other rank holds (not the layernorms' state, which its
+    # tp peer holds too), and its ring neighbour keeps it: of each of the 3 fp32 kinds, a quarter of
+    # every decoder matrix (128 + 384 + 256 + 128 elements over the 2 layers) and half the 256-row
+    # output layer (dp0) or embedding (dp1), whole in one dp shard: 1248 elements, 14976 bytes
+    held = held_elements(SPEC, zero1.layout, Precision.BF16)
+    for r in range(4):
+        alone = only_held_by(held, [r])
+        assert {k.value for (_, k), mask in alone.items() if mask.any()} == {"main_param", "exp_avg", "exp_avg_sq"}
+        shard = sum(int(mask.sum()) * 4 for mask in alone.values())
+        assert zero1.sent_bytes(r) == shard == 3 * 4 * ((128 + 384 + 256 + 128) // 4 + 2048 // 2) == 14976
+        assert zero1.held_bytes((r + 1) % 4) == shard
     # dp2 with both replicas of a shard on one node: the node's loss would take them, so they are copied
     same_node = snapshot_plan(SPEC, ParallelConfig.parse("dp2-tp2"), Topology((0, 1, 0, 1)), Precision.BF16)
     assert same_node.copies and {c.keeper for c in same_node.copies if c.sender in (0, 2)} <= {1, 3}
@@ -101,8 +122,84 @@ def test_going_back_to_a_snapshot_rebuilds_every_element_once_from_the_survivors
     pieces = fill_plan(spec, dst, plan.precision, source.lost, {k: process[v] for k, v in source.keepers.items()})
     plans = plan_all(spec, plan.layout, dst, members=source.members, precision=plan.precision,
                      topology=Topology.uniform(len(survivors), 2))
-    result = simulate(spec, plan.layout, dst, plans, plan.precision, members=source.members, patch=pieces)
+    result = simulate(spec, plan.layout, dst, plans, plan.precision, members=source.members, patch=pieces,
+                      snapshot=plan, keepers=source.keepers)
     assert result.patched_elements == sum(p.piece.numel for p in pieces)
+
+
+def _recovery_of_rank_1():
+    """dp1-tp2-pp2 on one node (each process its own failure domain), rank 1 dead, the survivors
+    0, 2, 3 (processes 0, 1, 2) going back to the snapshot at dp3-zero1: rank 1's boxes are kept by
+    rank 2 (the next domain of the ring), rank 2's by rank 3, rank 0 keeps rank 3's."""
+    plan = snapshot_plan(SPEC, ParallelConfig.parse("dp1-tp2-pp2"), Topology.uniform(4, 4), Precision.FP32)
+    source = snapshot_source(SPEC, plan, old_size=4, survivors=[SnapshotHolding(r, (6,), (6,)) for r in (0, 2, 3)])
+    target = ParallelConfig.parse("dp3-zero1")
+    plans = plan_all(SPEC, plan.layout, target, members=source.members, precision=plan.precision,
+                     topology=Topology.uniform(3, 2))
+    return plan, source, target, plans
+
+
+def test_a_fill_piece_naming_a_survivor_that_keeps_no_copy_of_its_box_fails_the_simulation_naming_it():
+    """The simulator's keepers hold only the copies the snapshot plan gave them, and a fill piece is
+    written from its named keeper's copy: one lost box's keeper swapped (``dataclasses.replace`` of
+    the recovery source) for survivor 3, which keeps rank 2's boxes and not rank 1's, fails naming
+    the piece, the keeper the fill names and the one that keeps the box; so does a correct fill
+    checked against a recovery source naming another keeper."""
+    plan, source, dst, plans = _recovery_of_rank_1()
+    process = {0: 0, 2: 1, 3: 2}  # old rank -> process of the new world
+
+    def run(fill_keepers, keepers=None):
+        pieces = fill_plan(SPEC, dst, plan.precision, source.lost, {k: process[v] for k, v in fill_keepers.items()})
+        return simulate(SPEC, plan.layout, dst, plans, plan.precision, members=source.members, patch=pieces,
+                        snapshot=plan, keepers=keepers)
+
+    assert set(source.keepers.values()) == {2}
+    assert run(source.keepers, source.keepers).patched_elements > 0
+    # rank 1's (layer 0, tp1) half of linear_proj: its fill sends a piece to each of the 3 dp replicas
+    tensor, kind, box = key = next(k for k in source.keepers if k[0].endswith("linear_proj.weight"))
+    wrong = dataclasses.replace(source, keepers={**source.keepers, key: 3})
+    named = re.escape(f"fill piece {tensor} {kind.value} ") + r".* " + re.escape(f"of lost box {box} -> process ")
+    with pytest.raises(AssertionError, match=named + r"\d+: its keeper, process 2 \(old rank 3\), keeps no copy of "
+                       r"that box; kept by old rank 2 \(process 1\)$"):
+        run(wrong.keepers)
+    with pytest.raises(AssertionError, match=r"its keeper, process 1 \(old rank 2\), is not the box's keeper in the "
+                       r"recovery source \(old rank 3\)"):
+        run(source.keepers, wrong.keepers)
+    with pytest.raises(AssertionError, match=r"process 0 \(old rank 0\), keeps no copy of that box"):
+        run({**source.keepers, key: 0})  # rank 0 keeps rank 3's boxes, none of rank 1's
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(domain_losses(), st.data())
+def test_any_lost_box_filled_from_another_survivor_fails_the_simulation(case, data):
+    """Whatever the layouts and the domain lost: one lost box's keeper swapped for another survivor
+    (each box has one keeper, so that one keeps no copy of it) fails the simulation naming it."""
+    spec, plan, dead, survivors, dst = case
+    if not dead:
+        return
+    source = snapshot_source(spec, plan, old_size=plan.layout.world_size,
+                             survivors=[SnapshotHolding(r, (6,), (6,)) for r in survivors])
+    process = {r: p for p, r in enumerate(survivors)}
+    # a box with no piece to send (vocabulary padding rows ``dst`` does not have) reads no keeper
+    sent = {(b.tensor, b.kind, b.box) for b in source.lost
+            if fill_plan(spec, dst, plan.precision, [b], {(b.tensor, b.kind, b.box): 0})}
+    swappable = [key for key in source.keepers if key in sent] if len(survivors) > 1 else []
+    if not swappable:
+        event("no lost box to fill")
+        return
+    event("a keeper swapped")
+    key = data.draw(st.sampled_from(swappable))
+    other = data.draw(st.sampled_from([r for r in survivors if r != source.keepers[key]]))
+    assert not any((c.tensor, c.kind, c.box, c.keeper) == (*key, other) for c in plan.copies)
+    wrong = dataclasses.replace(source, keepers={**source.keepers, key: other})
+    patch = fill_plan(spec, dst, plan.precision, wrong.lost, {k: process[v] for k, v in wrong.keepers.items()})
+    plans = plan_all(spec, plan.layout, dst, members=source.members, precision=plan.precision,
+                     topology=Topology.uniform(len(survivors), 2))
+    keeper = source.keepers[key]
+    with pytest.raises(AssertionError, match=re.escape(f"of lost box {key[2]} -> process ") + rf"\d+: its keeper, "
+                       rf"process {process[other]} \(old rank {other}\), keeps no copy of that box; kept by old rank "
+                       rf"{keeper} \(process {process[keeper]}\)"):
+        simulate(spec, plan.layout, dst, plans, plan.precision, members=source.members, patch=patch, snapshot=plan)
 
 
 def test_a_snapshot_not_whole_on_the_survivors_is_refused_naming_why():
