@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,9 +59,17 @@ class ElasticJob:
              *(("--suspect-after", str(self.suspect_after)) if self.suspect_after is not None else ())],
             env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True)
         port = self.store_proc.stdout.readline().strip().rsplit(":", 1)[-1]
+        self._store_log = threading.Thread(target=self._copy_store_log, daemon=True)
+        self._store_log.start()
         self.env["DYNATRAIN_STORE"] = f"127.0.0.1:{port}"
         self.client = JobStore.connect(self.env["DYNATRAIN_STORE"], TOKEN)
         return self
+
+    def _copy_store_log(self) -> None:
+        """The store process's own lines (its decisions: ``[dynatrain store] ...``) into the job's log."""
+        for line in self.store_proc.stdout:
+            self.log.write(line)
+            self.log.flush()
 
     def __exit__(self, *exc: object) -> None:
         for p in self.procs:
@@ -69,6 +78,7 @@ class ElasticJob:
                 p.wait()
         self.store_proc.kill()
         self.store_proc.wait()
+        self._store_log.join(timeout=10)
         self.log.close()
 
     # ------------------------------------------------------------------------------ processes

@@ -13,6 +13,8 @@ Keys (all but the liveness stamps signed, ``records.py``):
 - ``step``: the last optimizer step the job finished (rank 0 publishes it); ``installed``: the
   last generation whose world runs (its rank 0 says so after the swap);
 - ``alive/{member}``: the time a member last said it is alive (a background thread, every second);
+- ``liveness``: the port of the store process's liveness listener, which each member also holds a
+  connection to, so that the store knows at once when its process ended (``liveness.py``);
 - ``suspect/{member}``, ``suspects``: a member's collective failed (the time and the cause; a count):
   the store process then names the silent in seconds (``server.py``).
 
@@ -30,10 +32,12 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_dynatrain.elastic.liveness import LIVENESS_KEY, LivenessLink, read_port
 from lightning_dynatrain.elastic.records import AdmissionError, JoinRequest, LeaveRequest, Membership, Signer
 
 PREFIX = "dynatrain/"
@@ -56,18 +60,29 @@ def parse_address(address: str) -> tuple[str, int]:
 class JobStore:
     """A client of the job's store (see the module docstring). One per process."""
 
-    def __init__(self, store: dist.Store, signer: Signer, member_id: str | None = None) -> None:
+    def __init__(self, store: dist.Store, signer: Signer, member_id: str | None = None,
+                 host: str | None = None) -> None:
         self.raw = store
         self.store = dist.PrefixStore(PREFIX, store)
         self.signer = signer
         self.member_id = member_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.host = host or str(getattr(store, "host", "127.0.0.1"))
+        """The store's host (its liveness listener is there too)."""
         self._alive: threading.Thread | None = None
+        self._link: LivenessLink | None = None
         self._stop = threading.Event()
 
     @property
     def port(self) -> int:
         """The store's port (its connections are not a world's: ``abandon.abandon_world`` keeps them)."""
         return int(getattr(self.raw, "port", 0))
+
+    @property
+    def liveness_port(self) -> int:
+        """The store's liveness listener's port while this member holds a connection to it (0: none);
+        like ``port``, ``abandon.abandon_world`` keeps it (a survivor's closed connection would say
+        it died)."""
+        return self._link.port if self._link is not None else 0
 
     @classmethod
     def connect(cls, address: str, token: bytes | str, *, timeout: float = 60.0) -> "JobStore":
@@ -77,7 +92,7 @@ class JobStore:
         except Exception as err:  # torch raises DistNetworkError, RuntimeError, TimeoutError here
             raise AdmissionError(f"no job store answers at {address}: {err}",
                                  hint="start it with `dynatrain store --port PORT` and pass its address") from err
-        return cls(store, Signer(token))
+        return cls(store, Signer(token), host=host)
 
     @classmethod
     def from_environment(cls) -> "JobStore":
@@ -162,11 +177,13 @@ class JobStore:
         it (gloo's rendezvous for the next world waits there for every member's address), a
         heartbeat or a watchdog on the same client would wait too, and a live member would look dead.
         """
-        return JobStore(self.raw.clone(), self.signer, self.member_id)
+        return JobStore(self.raw.clone(), self.signer, self.member_id, self.host)
 
-    def start_alive(self, interval: float = 1.0) -> None:
+    def start_alive(self, interval: float = 1.0, *, on_notice: Callable[[int], None] | None = None) -> None:
         """Say every ``interval`` seconds that this member is alive (a daemon thread, on a connection
-        of its own: ``for_thread``)."""
+        of its own: ``for_thread``), and hold a connection to the store process's liveness listener
+        where it has one (``liveness.py``): ``on_notice(generation)`` runs when the store records a
+        failure."""
         if self._alive is not None:
             return
         store = self.for_thread().store
@@ -181,9 +198,18 @@ class JobStore:
         store.set(f"alive/{self.member_id}", repr(time.time()))
         self._alive = threading.Thread(target=beat, name="dynatrain-alive", daemon=True)
         self._alive.start()
+        port = read_port(self.signer, self.store.get(LIVENESS_KEY)) if self.store.check([LIVENESS_KEY]) else None
+        if port is not None:
+            self._link = LivenessLink(self.host, port, self.signer, self.member_id, on_notice or (lambda _: None))
 
-    def stop_alive(self) -> None:
+    def stop_alive(self, *, finished: bool = True) -> None:
+        """Stop saying this member is alive. ``finished``: it ended on purpose (its fit ended, it
+        left): the store is told so over the liveness connection; otherwise the connection just
+        closes, and the store records this member as failed at once, as if its process had ended."""
         self._stop.set()
+        if self._link is not None:
+            self._link.close(bye=finished)
+            self._link = None
         if self._alive is not None:
             self._alive.join(timeout=5)
             self._alive = None

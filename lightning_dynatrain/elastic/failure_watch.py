@@ -4,13 +4,15 @@ The store process records a member that stopped without leaving in a generation 
 (``server.StoreServer``): its ``failed`` names the dead, its ``members`` the survivors
 (``Membership.survived``), or, when nobody survived, the old world (the job is over). This process
 reads such a record at a step boundary (``ElasticSession.poll``), after one of its collectives
-failed (``await_survivors``), or in the watchdog thread, every second:
+failed (``await_survivors``), or in the watchdog thread: at once when the store says it recorded a
+failure (``notice``, over this member's liveness connection: ``liveness.py``), else every second:
 
 - a survivors' world with this process in it and recovery on: ``lost`` holds it until the main
   thread ``take``s it (``elastic/driver/recovery.py`` rebuilds the state there). The main thread may be
-  waiting in a collective that will not end (with a member that hangs, or with a survivor that gave
-  up on the old world already): after ``grace`` seconds the watchdog abandons the old world
-  (``abandon.abandon_world``), which makes that wait fail at once, and the main thread recovers.
+  computing toward a collective with the dead, or waiting in one that will not end (with a member
+  that hangs, or with a survivor that gave up on the old world already): the watchdog abandons the
+  old world at once (``abandon.abandon_world``, as the recovery would first), so that the main
+  thread's next or current collective fails within milliseconds, and the main thread recovers.
   Not taken within ``exit_after`` seconds, the process ends (``EXIT_MEMBER_FAILED``);
 - otherwise (no survivors, recovery off, or this process itself was recorded as failed: it hung
   and came back too late) the job cannot go on here: ``failure`` holds the message, raised as
@@ -25,6 +27,7 @@ the recovery starts again into it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import threading
@@ -89,22 +92,26 @@ class FailureWatch:
         store: the job's store client (the watchdog uses a connection of its own).
         me: this process's member id.
         recover: survivors go on (``False``: any failure ends the job, as before recovery existed).
-        abandon: abandons the old world (called once per failure, before the main thread takes it).
+        abandon: abandons the old world (at once for each failure, and again at each pass until the
+            main thread takes it); the number of connections it shut.
         exit_after: seconds to wait for the main thread before ending the process.
-        grace: seconds the main thread has to notice a failure on its own before ``abandon``.
     """
 
-    def __init__(self, store: JobStore, *, me: str, recover: bool, abandon: Callable[[], None],
-                 exit_after: float, grace: float) -> None:
+    def __init__(self, store: JobStore, *, me: str, recover: bool, abandon: Callable[[], int],
+                 exit_after: float) -> None:
         self.store, self.me, self.recover = store, me, recover
-        self.abandon_world, self.exit_after, self.grace = abandon, exit_after, grace
+        self.abandon_world, self.exit_after = abandon, exit_after
         self.failure: str | None = None
         self.lost: Membership | None = None
+        self.known_at: dict[int, float] = {}
+        """Wall-clock time (``time.time()``) this process first read each failure record (the figures'
+        detection: from the death to a survivor knowing)."""
         self.world: Membership | None = None  # the world this process runs in (for the ranks in messages)
         self._taken = -1
         self._abandoned = -1
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------ reading
@@ -112,6 +119,7 @@ class FailureWatch:
         """Take note of ``record`` when it is a failure record this process has not recovered from."""
         if not record.failed or record.generation <= self._taken:
             return
+        self.known_at.setdefault(record.generation, time.time())
         if self.recover and record.survived and self.me in record.members:
             self.lost = record
             return
@@ -121,8 +129,9 @@ class FailureWatch:
     def describe(self, record: Membership) -> str:
         """What ``record`` means for this process, in words."""
         if self.me in record.failed:
-            return (f"this process ({self.me}) was recorded as failed (it stopped answering for too long) and is "
-                    "out of the job; the others went on without it")
+            return (f"this process ({self.me}) was recorded as failed (it stopped answering for too long, or a "
+                    "process of its launch ended: the store's log says which) and is out of the job; the others "
+                    "went on without it")
         world = self.world or record
         names = ", ".join(f"{m} (rank {world.rank_of(m)})" for m in record.failed)
         if record.survived:
@@ -187,13 +196,20 @@ class FailureWatch:
                 self.lost = None
             return True
 
-    def abandon(self, record: Membership) -> None:
-        """Abandon the old world once per failure (``record``'s), unless the main thread took it."""
+    def abandon(self, record: Membership, *, again: bool = False) -> None:
+        """Abandon the old world for ``record``'s failure, unless the main thread took it: once, or
+        ``again`` (each watchdog pass until the main thread takes it: a connection that was between
+        states the first time is shut then)."""
         with self._lock:
-            if record.generation <= max(self._taken, self._abandoned):
+            if record.generation <= self._taken or record.generation <= self._abandoned and not again:
                 return
+            first = record.generation > self._abandoned
             self._abandoned = record.generation
-            self.abandon_world()
+            shut = self.abandon_world()
+        if first or shut:
+            print(f"[dynatrain] member(s) {', '.join(record.failed)} failed (generation {record.generation}): "
+                  f"{'abandoned' if first else 'abandoning'} the old world ({shut} connection(s) shut)",
+                  file=sys.stderr, flush=True)
 
     # ----------------------------------------------------------------------------- watchdog
     def start(self) -> None:
@@ -201,9 +217,18 @@ class FailureWatch:
         self._thread = threading.Thread(target=self._watch, args=(store,), name="dynatrain-watchdog", daemon=True)
         self._thread.start()
 
+    def notice(self, generation: int) -> None:
+        """The store recorded a failure in generation ``generation`` (it said so over this member's
+        liveness connection): the watchdog reads the record now, not at its next poll."""
+        self._wake.set()
+
     def _watch(self, store: JobStore) -> None:
         noticed: dict[int, float] = {}
-        while not self._closed.wait(1.0):
+        while True:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
             if self.failure is None:  # (a step that failed may have learnt it first)
                 try:
                     self.read(store.membership(store.generation()))
@@ -212,8 +237,7 @@ class FailureWatch:
             lost = self.lost
             if lost is not None and self.failure is None:
                 waited = time.monotonic() - noticed.setdefault(lost.generation, time.monotonic())
-                if waited > self.grace:  # the main thread may wait in a collective that will not end
-                    self.abandon(lost)
+                self.abandon(lost, again=waited > 0)  # the main thread's collectives with the dead fail now
                 if waited > self.exit_after:
                     self._end(f"member(s) {', '.join(lost.failed)} failed and this process did not take up the "
                               f"recovery in {self.exit_after:.0f} s")
@@ -226,11 +250,14 @@ class FailureWatch:
                 return
 
     def _end(self, why: str) -> None:
-        print(f"[dynatrain] ending this process ({EXIT_MEMBER_FAILED}): {why}", file=sys.stderr, flush=True)
+        print(f"[dynatrain] ending this process ({EXIT_MEMBER_FAILED}): {why}; where its threads were:",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(EXIT_MEMBER_FAILED)
 
     def close(self) -> None:
         self._closed.set()
+        self._wake.set()
 
 
 __all__ = ["EXIT_MEMBER_FAILED", "FailureWatch", "MemberFailedError", "MemberLostError", "is_communication_failure"]

@@ -17,6 +17,14 @@ import os
 from pathlib import Path
 
 
+def ends_with_any_worker(environ: dict[str, str] | None = None) -> bool:
+    """This process's launcher ends every worker of its launch once one of them ended: torchrun's
+    agent does (it stops the worker group, then restarts it or fails the run), with more than one
+    worker."""
+    env = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in env and int(env.get("WORLD_SIZE", "1")) > 1
+
+
 def launch_torn_down(environ: dict[str, str] | None = None, proc: Path = Path("/proc")) -> bool:
     """This process is a torchrun worker and a worker of its launch has exited (see the module docstring)."""
     env = os.environ if environ is None else environ
@@ -45,4 +53,4 @@ def _live_children(parent: int, proc: Path) -> int:
     return alive
 
 
-__all__ = ["launch_torn_down"]
+__all__ = ["ends_with_any_worker", "launch_torn_down"]

@@ -74,6 +74,9 @@ class JoinRequest:
     launch_rank: int = 0
     launch_size: int = 1
     launch_id: str = ""
+    ends_with_launch: bool = False
+    """Its launcher ends every process of the launch once one ended (torchrun's agent): the store
+    records them failed together."""
     kind: str = "join"
 
     def to_dict(self) -> dict[str, Any]:

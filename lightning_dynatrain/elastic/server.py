@@ -29,10 +29,17 @@ members that died at the same instant said they were alive last up to a heartbea
 record must name them all). Once a member reported a collective that failed (``suspect/{member}``,
 a count in ``suspects``: gloo says at once when a peer's connection closed), the bound is
 ``suspect_after`` instead, a few heartbeats: the dead are named in seconds, not ``dead_after``
-(which stays for a member that hangs without anything failing). That generation is the survivors'
-world, effective at once: its members are the running world's without the failed ones (a change
-not yet installed is dropped with it), and the survivors recover into it (``elastic/driver/recovery.py``)
-or, where the state the dead held is gone, stop. When no member survives, the job is over and every
+(which stays for a member that hangs without anything failing). A member whose process ended is
+known at once, not after a silence: each member holds a connection to this process's liveness
+listener (``liveness.py``), which its kernel closes when it ends; the next pass records it failed
+(a pass every 20 ms), with every member of its launch when its launcher ends a launch with any of
+its processes (torchrun's agent does: ``JoinRequest.ends_with_launch``), and tells the survivors
+over their connections at once. A member that closed its connection with ``bye`` (its fit ended)
+is no death, silent or not. The heartbeat bounds stay for what closes nothing: a process that
+hangs, a host that vanishes. That generation is the survivors' world, effective at once: its
+members are the running world's without the failed ones (a change not yet installed is dropped
+with it), and the survivors recover into it (``elastic/driver/recovery.py``) or, where the state
+the dead held is gone, stop. When no member survives, the job is over and every
 request after that is refused (also when the members stopped because their fit ended). A joiner
 that stops before its generation is installed only cancels that change (a generation with the
 running world's members, ``dropped``): training goes on.
@@ -56,6 +63,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from lightning_dynatrain.elastic.client import PREFIX
+from lightning_dynatrain.elastic.liveness import LIVENESS_KEY, LivenessListener
 from lightning_dynatrain.elastic.records import Membership, Signer
 
 
@@ -72,6 +80,7 @@ class _World:
     first_launch: str | None = None
     effective_step: int = 0
     failed: bool = False
+    launch_of: dict[str, str] = field(default_factory=dict)  # member -> its launch, where it ends with its launch
 
 
 class StoreServer:
@@ -80,10 +89,16 @@ class StoreServer:
     def __init__(self, store: dist.Store, token: bytes | str, *, margin: int = 3, dead_after: float = 10.0,
                  launch_wait: float = 60.0, gather: float = 1.0, together: float | None = None,
                  suspect_after: float | None = None, log: Callable[[str], None] = print,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 liveness: LivenessListener | None = None) -> None:
         """``clock``, ``wall_clock``: where ``now`` comes from (seconds; see the module docstring): the
-        real clocks, except in tests, which move time by hand and call ``step`` themselves."""
+        real clocks, except in tests, which move time by hand and call ``step`` themselves.
+        ``liveness``: the listener members hold a connection to (``liveness.py``; ``serve_forever``
+        makes one); without it, heartbeats alone say who is alive."""
         self.store = dist.PrefixStore(PREFIX, store)
+        self.liveness = liveness
+        if liveness is not None:
+            self.store.set(LIVENESS_KEY, liveness.advertise())
         self.clock, self.wall_clock = clock, wall_clock
         self.signer = Signer(token)
         self.margin, self.dead_after, self.launch_wait, self.log = margin, dead_after, launch_wait, log
@@ -106,6 +121,8 @@ class StoreServer:
         queued before the call has been handled (answered, or waiting on a rule of the module docstring).
         """
         seen = self._current_step()  # before the queue: every request sent before the job got here is popped
+        if self.liveness is not None:
+            self.liveness.poll()
         while self.store.queue_len("requests"):
             blob = self.store.queue_pop("requests", block=False)
             request = self.signer.verify(blob)
@@ -113,6 +130,8 @@ class StoreServer:
                 self._answer(_unsigned(blob), False, "it is not signed with the job's token")
                 continue
             asked = int(request.get("step", -1))
+            if request.get("kind") == "join" and request.get("ends_with_launch"):
+                self.world.launch_of[str(request.get("member"))] = str(request.get("launch_id"))
             self.world.waiting.append({**request, "received": self.clock(), "asked_step": asked if asked >= 0 else seen})
         if self.world.failed:  # the job is over (a member stopped without leaving, or the fit ended)
             for request in self.world.waiting:
@@ -240,6 +259,8 @@ class StoreServer:
 
     def _check_alive(self) -> None:
         now = self.wall_clock()  # the members' heartbeat stamps are on this clock
+        closed = self._closed_members()
+        ended = self.liveness.ended if self.liveness is not None else set()  # (their fit ended: no heartbeats)
 
         def silent(member: str) -> float:
             key = f"alive/{member}"
@@ -248,25 +269,56 @@ class StoreServer:
         bound = self.suspect_after if int(self.store.add("suspects", 0)) else self.dead_after
 
         def dead(member: str) -> bool:
-            return silent(member) > bound
+            return member in closed or member not in ended and silent(member) > bound
 
         if any(dead(m) for m in self.world.running):  # and whoever died with it (see the module docstring)
             together = min(self.together, bound / 2)
-            failed = tuple(m for m in self.world.running if silent(m) > bound - together)
+            launches = {self.world.launch_of[m] for m in closed if m in self.world.launch_of}
+            failed = tuple(m for m in self.world.running if m in closed or self.world.launch_of.get(m) in launches
+                           or m not in ended and silent(m) > bound - together)
+            for member in failed:
+                how = _how_found(member, closed, launches, self.world, silent)
+                self.log(f"[dynatrain store] member {member} failed: {how}")
             survivors = tuple(m for m in self.world.running if m not in failed)
             if not survivors:  # nobody is left to go on
                 self.world.failed = True
-                self._publish(self.world.members, self.world.effective_step, failed=failed)
+                self._publish_failure(self.world.members, self.world.effective_step, failed=failed)
                 return
             # the survivors' world, from now (they are stuck or recovering, not stepping): a change
             # pending (joiners not yet installed) is dropped with it; its joiners ask again
-            self._publish(survivors, self._current_step(), failed=failed)
+            self._publish_failure(survivors, self._current_step(), failed=failed)
             self.world.running = survivors  # their liveness is what counts now
             self.store.set("suspects", "0")  # the next death waits for a new report (or dead_after)
             return
         dropped = tuple(m for m in self.world.members if m not in self.world.running and dead(m))
         if dropped:  # joiners gone before their world was installed: cancel the change
-            self._publish(self.world.running, self._current_step() + self.margin, dropped=dropped)
+            self._publish_failure(self.world.running, self._current_step() + self.margin, dropped=dropped)
+
+    def _closed_members(self) -> dict[str, float]:
+        """Members of the latest world whose liveness connection closed without ``bye`` (their
+        process ended); closes of processes that are no members any more (they left) are dropped."""
+        if self.liveness is None:
+            return {}
+        self.liveness.forget(tuple(m for m in (*self.liveness.closed, *self.liveness.ended)
+                                   if m not in self.world.members))
+        return dict(self.liveness.closed)
+
+    def _publish_failure(self, members: tuple[str, ...], effective_step: int, **change: tuple[str, ...]) -> None:
+        """Publish a generation that records failed or dropped members, and tell every member still
+        connected at once (``liveness.LivenessListener.notify``)."""
+        world = self._publish(members, effective_step, **change)
+        if self.liveness is not None:
+            self.liveness.forget(world.failed + world.dropped)
+            self.liveness.notify(world.generation)
+
+
+def _how_found(member: str, closed: dict[str, float], launches: set[str], world: _World,
+               silent: Callable[[str], float]) -> str:
+    if member in closed:
+        return "its process ended (its liveness connection closed)"
+    if world.launch_of.get(member) in launches:
+        return "a process of its launch ended, and its launcher stops the whole launch then"
+    return f"silent for {silent(member):.2f} s"
 
 
 def _unsigned(blob: bytes) -> dict:
@@ -286,9 +338,13 @@ def serve_forever(host: str, port: int, token: bytes | str, *, on_ready: Callabl
     are ``StoreServer``'s (``margin``, ``dead_after``, ``launch_wait``, ``gather``, ``together``,
     ``suspect_after``)."""
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    liveness = LivenessListener(host, Signer(token), clock=time.monotonic)
     if on_ready is not None:
         on_ready(store.port)
-    StoreServer(store, token, **options).serve()
+    try:
+        StoreServer(store, token, liveness=liveness, **options).serve()
+    finally:
+        liveness.close()
 
 
 __all__ = ["StoreServer", "serve_forever"]

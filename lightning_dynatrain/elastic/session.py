@@ -13,10 +13,13 @@ A joiner enters in ``enter``: its request admitted, it builds the world of its g
 background, polling the store meanwhile (a change cancelled because another joiner died makes it
 ask again), and installs it; the old members install theirs at the voted boundary.
 
-Liveness: a daemon thread says every ``heartbeat`` seconds that this member is alive; the store
-process records a member silent for ``dead_after`` seconds (``suspect_after`` once a collective
-failed) as failed, in a generation whose members are the survivors. A watchdog thread reads the
-generation every second (``failure_watch.FailureWatch``): a survivor recovers into that world
+Liveness: this member holds a connection to the store process (``liveness.py``), which its kernel
+closes the moment its process ends; the store then records it failed at once, in a generation
+whose members are the survivors, and tells them over theirs. A daemon thread also says every
+``heartbeat`` seconds that this member is alive, for what closes nothing: the store records a
+member silent for ``dead_after`` seconds (``suspect_after`` once a collective failed) as failed
+too. A watchdog thread reads the generation when the store tells it, and every second
+(``failure_watch.FailureWatch``): a survivor recovers into that world
 (``recover_into``, called by the strategy, ``elastic/driver/recovery.py``); when the job cannot go on the
 watchdog records ``failure`` (the callback raises ``MemberFailedError`` with it) and, when the main
 thread is stuck in a collective that will never complete, ends the process after ``exit_after``
@@ -117,7 +120,7 @@ class ElasticSession:
         self.world: Membership | None = None
         self.joined_change: WorldChange | None = None
         self.failures = FailureWatch(store, me=self.me, recover=recover, abandon=self.abandon_world,
-                                     exit_after=exit_after, grace=max(2.0, 2 * heartbeat))
+                                     exit_after=exit_after)
         self.leave_requested = False
         self._leave_nonce: str | None = None
         self._seen = -1
@@ -142,7 +145,8 @@ class ElasticSession:
         return len(self.world.members)
 
     # ------------------------------------------------------------------------------ entering
-    def enter(self, fingerprint: str, *, launch_rank: int, launch_size: int, launch_id: str) -> Membership:
+    def enter(self, fingerprint: str, *, launch_rank: int, launch_size: int, launch_id: str,
+              ends_with_launch: bool = False) -> Membership:
         """Become a member and install this process's first world; its membership.
 
         The processes the first launch started (one ``torchrun``, one ``srun`` step: ``launch_id``,
@@ -155,9 +159,9 @@ class ElasticSession:
         """
         while True:
             request = JoinRequest(member=self.me, fingerprint=fingerprint, launch_rank=launch_rank,
-                                  launch_size=launch_size, launch_id=launch_id)
+                                  launch_size=launch_size, launch_id=launch_id, ends_with_launch=ends_with_launch)
             verdict = self.store.ask(request, timeout=self.timeout.total_seconds())
-            self.store.start_alive(self.heartbeat)
+            self.store.start_alive(self.heartbeat, on_notice=self.failures.notice)
             world = self.store.membership(int(verdict["generation"]))
             if os.environ.get(JOIN_FAULT_ENV) == "STOP" and world.generation > 0:
                 os.kill(os.getpid(), signal.SIGSTOP)  # test hook: admitted, its world not yet built
@@ -367,10 +371,11 @@ class ElasticSession:
         record = self.failures.await_survivors(timeout, cause=cause)
         return self.failures.describe(record) if record is not None else self.failures.failure
 
-    def abandon_world(self) -> None:
+    def abandon_world(self) -> int:
         """Make every collective still waiting on this process's worlds fail at once, here and on
-        its peers (``abandon.abandon_world``; the job's stores stay connected)."""
-        abandon_world(registered_groups(), keep_ports=(self.store.port, launcher_store_port()))
+        its peers (``abandon.abandon_world``; the job's stores stay connected); the connections shut."""
+        stores = (self.store.port, self.store.liveness_port, launcher_store_port())
+        return abandon_world(registered_groups(), keep_ports=stores)
 
     def recover_into(self, record: Membership) -> WorldGroups:
         """Install the survivors' world ``record`` (a failure record this process is a member of),
@@ -394,10 +399,11 @@ class ElasticSession:
             self.store.mark_installed(record.generation)
         return old
 
-    def close(self) -> None:
-        """Stop the heartbeat and the watchdog (end of fit, or after leaving)."""
+    def close(self, *, finished: bool = True) -> None:
+        """Stop the heartbeat and the watchdog: at the end of the fit, after leaving (``finished``),
+        or on an error this process stops on (the store then records it failed at once)."""
         self.failures.close()
-        self.store.stop_alive()
+        self.store.stop_alive(finished=finished)
 
 
 __all__ = ["EXIT_MEMBER_FAILED", "ElasticSession", "MemberFailedError", "MemberLostError", "WorldChange"]

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ from lightning_dynatrain.megatron.model_source import ModelSource
 from lightning_dynatrain.megatron.memory_check import SwitchMemoryError, check_switch_memory, switch_need_bytes
 from lightning_dynatrain.megatron.optimizer import adam_config, build_ddp_and_optimizer, copy_group_settings
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
-from lightning_dynatrain.megatron.state import MegatronState
+from lightning_dynatrain.megatron.state import MegatronState, free_memory
 from lightning_dynatrain.megatron.state_bridge import (
     MegatronTarget,
     adam_step,
@@ -71,9 +71,11 @@ from lightning_dynatrain.devices.memory_policy import KeepOldMemory, MemoryFigur
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.members import Members
-
 from lightning_dynatrain.vps.spec import ModelSpec
 from lightning_dynatrain.vps.topology import Topology
+
+if TYPE_CHECKING:
+    from lightning_dynatrain.megatron.snapshot import HeldState
 
 T = TypeVar("T")
 
@@ -159,7 +161,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
                groups: ProcessGroupCache | None = None, subgroups: SubgroupCache | None = None,
                group: dist.ProcessGroup | None = None, members: Members | None = None,
                watch: SwitchWatch | None = None, prepared: PreparedSwitch | None = None,
-               restore_source_groups: bool = True) -> HotSwitchResult:
+               restore_source_groups: bool = True, held: HeldState | None = None) -> HotSwitchResult:
     """Move ``current`` (layout A) to ``target`` (layout B) on this rank; collective over ``group``
     (default the world). Python's automatic garbage collection is paused meanwhile.
 
@@ -177,6 +179,11 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     ``members``; the switch then only binds their memory (no plan, no build). Needs ``groups``, the
     cache the target's groups were made into.
 
+    ``held`` (``megatron.snapshot.HeldState``, a snapshot's own copy): the source instead of
+    ``current``, at its own layout (``members`` place its ranks), as a recovery that goes back to a
+    snapshot switches; ``current`` only lends its model's settings and its memory, freed first
+    (``state.free_memory``: nothing reads it again, and it is not rolled back to).
+
     A switch that fails with the old state whole (refused, or rolled back under ``keep_old``)
     makes megatron's groups of the source current again from ``groups``; with
     ``restore_source_groups=False`` the caller does (a world change's: they are the old world's).
@@ -189,23 +196,30 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
         SwitchFailedError: (with ``watch``) a rank went missing, or a wait ran past the deadline.
     """
     start, phase = time.perf_counter(), _Phases()
-    src, spec = current.layout, setup.spec
+    src, spec = (held or current).layout, setup.spec
     process, members = group_rank(group), members or Members.same(src.world_size, target.world_size)
+    precision = precision_of(current.model, current.optimizer)
     with phase("plan"):
         if prepared is not None:
             assert groups is not None, "a prepared switch runs on the groups its target's were made into"
-            prepared.check(src, target, precision_of(current.model, current.optimizer), members)
+            assert held is None, "a switch from a held state is built on demand"
+            prepared.check(src, target, precision, members)
             program = prepared.program
         else:
-            program = process_program(setup, src, target, process, precision_of(current.model, current.optimizer),
-                                      members)
-        step = adam_step(current.optimizer) or 0
-        if step == 0:
-            materialize_optimizer_state(current.optimizer, 0)
-        source = megatron_store(current.ddp, current.optimizer, spec, src, members.src_rank(process))
+            program = process_program(setup, src, target, process, precision, members)
+        if held is not None:
+            assert held.rank == members.src_rank(process), "the held state is another rank's"
+            step, source = held.adam_step or 0, held.store
+        else:
+            step = adam_step(current.optimizer) or 0
+            if step == 0:
+                materialize_optimizer_state(current.optimizer, 0)
+            source = megatron_store(current.ddp, current.optimizer, spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
     memory = device_kind(device).switch_memory(recycle=setup.recycle, idle_cap=setup.staging_budget,
-                                               keep_old=setup.keep_old)
+                                               keep_old=setup.keep_old and held is None)
+    if held is not None:
+        free_memory(current)
     old_grads = sum(t.nbytes for t in current.gradient_buffers())
     cached_groups = groups.keys() if groups is not None else frozenset()
     attempt = None
@@ -218,7 +232,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
             attempt.phase("memory_check")
         with phase("memory_check"):
             need = _check_memory(program, setup, device, f"{src} -> {target}", group, old_grads, memory.held_bytes,
-                                 keep_old=setup.keep_old)
+                                 keep_old=setup.keep_old and held is None)
         memory.take_old_buffers(current.gradient_buffers())  # the new buffers take their place (or memory)
         try:
             if attempt is not None:

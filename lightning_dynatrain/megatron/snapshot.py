@@ -23,8 +23,10 @@ whole while the next is taken (twice the host memory; a recovery in that window 
 ``N + 1`` steps).
 
 A recovery (``elastic/driver/snapshots.py``) reads a snapshot step ``S`` every survivor holds
-whole: each survivor's own state at ``S`` (``restore``, which also gives back the memory of the
-storages a failed switch freed) and the copies of the dead's boxes its keepers hold (``kept``).
+whole: each survivor's own state at ``S`` (``held``: a copy the recovery's switch moves to the new
+layout, the snapshot left whole for a recovery that loses another member and goes back to it again)
+and the copies of the dead's boxes its keepers hold (``kept``). A grow that failed goes back in
+place (``restore``, which also gives back the memory of the storages the failed switch freed).
 """
 
 from __future__ import annotations
@@ -69,6 +71,19 @@ class SnapshotFigures:
     sent_bytes: int
     copy_seconds: float
     exchange_seconds: float
+
+
+@dataclass(frozen=True, eq=False)
+class HeldState:
+    """A rank's state of one step at ``layout``, held apart from any model: a snapshot's own copy
+    (``Snapshots.held``), the source of a switch that goes back to it (``hot_switch(held=...)``)."""
+
+    layout: ParallelConfig
+    rank: int
+    """This rank's rank in ``layout`` (in the world the snapshot was taken in)."""
+    store: dict[StoreKey, torch.Tensor]
+    """Every local tensor the engine keys (``state_bridge.megatron_store``'s keys)."""
+    adam_step: int | None
 
 
 class SnapshotBuffer:
@@ -253,6 +268,15 @@ class Snapshots:
         if held.adam_step is not None:
             set_adam_step(state.optimizer, held.adam_step)
 
+    def held(self, step: int, device: torch.device) -> "HeldState":
+        """This rank's own copy of step ``step`` as a switch's source: a private copy on ``device``
+        (the switch may free or keep it as it moves it; the snapshot stays whole for a recovery
+        that has to go back to it again)."""
+        assert self.layout is not None
+        held = self._buffer(step, own=True)
+        store = {key: tensor.to(device, copy=True) for key, tensor in held.local.items()}
+        return HeldState(layout=self.layout, rank=self._rank, store=store, adam_step=held.adam_step)
+
     def restore_gradient_memory(self, state: MegatronState) -> None:
         """Give ``state``'s gradient buffers the memory a failed switch took (``take_old_buffers``),
         zeroed as at a step's start: the old model trains on (a grow that went back)."""
@@ -300,4 +324,4 @@ def _box_of(store: dict[StoreKey, torch.Tensor], regions: RegionIndex, copy: Sna
     return torch.cat([p.reshape(-1) for p in pieces]).view(copy.box.shape)
 
 
-__all__ = ["SNAPSHOT_FAULT_ENV", "KeptKey", "SnapshotBuffer", "SnapshotFigures", "Snapshots"]
+__all__ = ["HeldState", "SNAPSHOT_FAULT_ENV", "KeptKey", "SnapshotBuffer", "SnapshotFigures", "Snapshots"]

@@ -35,7 +35,8 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -100,12 +101,13 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         cluster_environment: Lightning's cluster environment; ``None`` lets the Trainer detect it.
         seed: seed of megatron's RNG trackers (model weights are seeded by the module's recipe).
 
-    The switch settings are parsed once into ``settings`` (``runtime.settings.DynaTrainSettings``, the
-    type every front end uses); the megatron side of the run is ``run`` (``runtime.training_run.TrainingRun``).
         parallel_devices: as for any Lightning ``ParallelStrategy``.
         checkpoint_io: unused: checkpoints are DCP directories the strategy writes itself.
         precision_plugin: leave it out and pass ``Trainer(precision="bf16-mixed" | "32-true")``: the
             strategy runs megatron's own mixed precision (``strategy.precision``), never autocast.
+
+    The switch settings are parsed once into ``settings`` (``runtime.settings.DynaTrainSettings``, the
+    type every front end uses); the megatron side of the run is ``run`` (``runtime.training_run.TrainingRun``).
 
     Raises:
         LayoutError: ``layout`` cannot be parsed (at construction) or does not fit the world or the
@@ -144,10 +146,10 @@ class DynaTrainStrategy(MegatronProcessStrategy):
     ) -> None:
         super().__init__(backend=backend, timeout=timeout, cluster_environment=cluster_environment,
                          parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.settings = DynaTrainSettings(layout=layout, staging_budget=staging_budget,
+        self.settings = DynaTrainSettings(layout=layout, staging_budget=staging_budget, seed=seed,
                                           switch_memory_limit=switch_memory_limit, verify=verify,
-                                          promote_broadcasts=promote_broadcasts, seed=seed,
-                                          switch_timeout=switch_timeout, switch_safety=switch_safety)
+                                          promote_broadcasts=promote_broadcasts, switch_timeout=switch_timeout,
+                                          switch_safety=switch_safety)
         self.init_from_megatron = None if init_from_megatron is None else Path(init_from_megatron)
         self._elastic: ElasticDriver | None = None  # with an OnNodeChange callback
         self.run = TrainingRun(self.settings, training_timeout=timeout, resume_from=lambda: self.checkpointing.latest_path(),
@@ -431,8 +433,9 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             self.checkpointing.close()  # a background save completes before its groups go
         self.run.close()
         self.switch_requests.close()
-        if self._elastic is not None:
-            self._elastic.close()
+        if self._elastic is not None:  # a fit an error interrupted: the store records this member failed at once
+            trainer = self._running_trainer()
+            self._elastic.close(finished=trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED)
         self._teardown_process_group()
         super().teardown()
 
@@ -443,11 +446,4 @@ class DynaTrainStrategy(MegatronProcessStrategy):
 
 __all__ = ["DynaTrainStrategy"]
 
-
-def _register() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    DynaTrainStrategy.register_strategies(StrategyRegistry)
-
-
-_register()  # Trainer(strategy="dynatrain"); see lightning_dynatrain/__init__.py for when this runs
+DynaTrainStrategy.register_strategies(StrategyRegistry)  # Trainer(strategy="dynatrain"): lightning_dynatrain/__init__.py

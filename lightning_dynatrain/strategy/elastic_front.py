@@ -23,6 +23,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from lightning_dynatrain.compat.lightning_internals import checkpoint_connector, restore_as_loaded
 from lightning_dynatrain.elastic.driver.front import Launch
+from lightning_dynatrain.elastic.launch_teardown import ends_with_any_worker
 from lightning_dynatrain.elastic.session import ElasticSession
 from lightning_dynatrain.strategy.loggers import continue_loggers, flush_loggers, logger_versions, pin_logger_versions
 from lightning_dynatrain.vps.errors import DynaTrainError
@@ -125,7 +126,8 @@ class LightningFront:
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
         return Launch(rank=launcher.global_rank(), size=launcher.world_size(), launch_id=launch_id(launcher),
                       node_rank=launcher.node_rank(), backend=strategy.process_group_backend, device=device,
-                      timeout=strategy._collective_timeout)
+                      timeout=strategy._collective_timeout,
+                      ends_together=launcher.creates_processes_externally and ends_with_any_worker())
 
     def joined(self, session: ElasticSession) -> None:
         self._strategy.cluster_environment = ElasticEnvironment(self._strategy.cluster_environment, session)

@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from lightning_dynatrain.compat.torch_internals import backend_name
 
-#: TCP state "established" in /proc/net/tcp
-_ESTABLISHED = "01"
+#: TCP states of a connection a peer may still wait on, in /proc/net/tcp: established, and close-wait
+#: (the peer shut its side: this side's pending waits may not have seen it yet)
+_OPEN = ("01", "08")
 
 
 def abandon_world(groups: Iterable[dist.ProcessGroup], *, keep_ports: Iterable[int]) -> int:
@@ -47,11 +48,11 @@ def abandon_world(groups: Iterable[dist.ProcessGroup], *, keep_ports: Iterable[i
 
 
 def connection_inodes(*, keep_ports: Iterable[int] = ()) -> frozenset[str]:
-    """This process's established TCP connections now but those to or from ``keep_ports`` (their
-    socket inodes; empty off Linux): taken before and after a gloo group is made, the difference is
-    that group's connections (with ``keep_ports`` the stores' ports: another thread may connect to a
-    store meanwhile)."""
-    return frozenset(_established_inodes({int(p) for p in keep_ports if p}))
+    """This process's open TCP connections (established or close-wait) now but those to or from
+    ``keep_ports`` (their socket inodes; empty off Linux): taken before and after a gloo group is
+    made, the difference is that group's connections (with ``keep_ports`` the stores' ports:
+    another thread may connect to a store meanwhile)."""
+    return frozenset(_open_inodes({int(p) for p in keep_ports if p}))
 
 
 def store_ports(store: dist.Store) -> tuple[int, ...]:
@@ -69,11 +70,11 @@ def launcher_store_port() -> int:
 
 
 def shut_connections(*, keep_ports: Iterable[int] = (), only: frozenset[str] | None = None) -> int:
-    """Shut down every established TCP connection of this process whose local or remote port is
+    """Shut down every open TCP connection of this process whose local or remote port is
     not in ``keep_ports`` (``only``: of these, from ``connection_inodes``); the number shut. Linux
     only (0 elsewhere: waits end at the timeout)."""
     keep = {int(p) for p in keep_ports if p}
-    inodes = _established_inodes(keep)
+    inodes = _open_inodes(keep)
     if only is not None:
         inodes &= only
     if not inodes:
@@ -104,8 +105,8 @@ def _fds() -> list[int]:
         return []
 
 
-def _established_inodes(keep: set[int]) -> set[str]:
-    """The socket inodes of this process's established TCP connections not to or from a port in ``keep``."""
+def _open_inodes(keep: set[int]) -> set[str]:
+    """The socket inodes of this process's open TCP connections not to or from a port in ``keep``."""
     inodes: set[str] = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
@@ -115,7 +116,7 @@ def _established_inodes(keep: set[int]) -> set[str]:
             continue
         for row in rows:
             fields = row.split()
-            if len(fields) < 10 or fields[3] != _ESTABLISHED:
+            if len(fields) < 10 or fields[3] not in _OPEN:
                 continue
             local, remote = int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)
             if local not in keep and remote not in keep:

@@ -19,15 +19,17 @@ dead's boxes. Every loss up to the failure is the static fit's bit for bit, ever
 At ``dp2-tp2-pp1-zero1`` the dead rank's optimizer shard had no other holder: every survivor ends
 with ``MemberFailedError`` naming what was lost and where to resume from, never a mix of steps;
 with in-memory snapshots (``OnNodeChange(snapshot_every=3)``) the survivors go back to the snapshot
-instead, at ``dp2-tp2-pp1-zero1`` and at ``dp1-tp2-pp2`` (no replicas at all), and compute the
-lost steps again.
+instead, at ``dp2-tp2-pp1-zero1`` and at ``dp4-tp1-pp1-zero1``, and compute the lost steps again,
+also when another member dies after the recovery moved the state (in the keepers' fill, in the
+steps computed again). A lost host (SIGSTOP) is named after ``dead_after``; a killed process at
+once, with its torchrun launch.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,12 @@ def static_run(tmp_path_factory) -> dict:
 def static_zero1(tmp_path_factory) -> dict:
     """The same at dp2-tp2-pp1-zero1 (described after the snapshots' steps: 3, 6, 9)."""
     return _static(tmp_path_factory.mktemp("static_zero1"), ("--zero1", "--start", "dp2-tp2-pp1-zero1"), (3, 6, 9))
+
+
+@pytest.fixture(scope="module")
+def static_dp4(tmp_path_factory) -> dict:
+    """The same at dp4-tp1-pp1-zero1 (described after step 6)."""
+    return _static(tmp_path_factory.mktemp("static_dp4"), ("--zero1", "--start", "dp4-tp1-pp1-zero1"), (6,))
 
 
 def _recovered_as_static(job: ElasticJob, static: dict, step: int) -> None:
@@ -115,6 +123,8 @@ def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_pa
           f"{recovery['agree_seconds']:.2f} s, world {recovery['world_seconds']:.2f} s, transfer "
           f"{recovery['transfer_seconds']:.3f} s)")
     assert "lost; world 4 -> 3, dp2-tp2-pp1 -> dp3-tp1-pp1" in log
+    # named as its liveness connection closed, not after a silence
+    assert "failed: its process ended (its liveness connection closed)" in log, log
     _same_samples(results, static_run)
     for r in results.values():
         steps = [step for step, _ in r["losses"]]
@@ -180,33 +190,37 @@ def test_a_zero1_shard_only_the_dead_held_ends_the_job_naming_what_was_lost(tmp_
     assert "restart the job from its last checkpoint (this fit wrote none" in log, log
 
 
-@pytest.mark.parametrize(("start", "fit_args", "victim", "phase", "end", "redone"), [
-    ("dp1-tp2-pp2", (), 0, "forward_backward", "dp3-tp1-pp1", 1)])
-def test_state_only_the_dead_held_comes_back_from_the_in_memory_snapshot(tmp_path, tmp_path_factory, static_run,
-                                                                          static_losses, start, fit_args, victim, phase,
-                                                                          end, redone):
-    """``OnNodeChange(snapshot_every=3)``: (dp1) the dead rank held the only copy of its tp/pp shard.
-    Killed in step ``SNAPSHOT_FAULT_STEP`` (8) before its optimizer step (the survivors' state is
-    step 7): every survivor goes back to the snapshot of step 6 (its own copy, the dead's boxes from
-    the rank that kept them), computes step 7 again at the new layout from its step log, and trains
-    to the end: each step counted once, the losses those of the static fit. The state it went back
-    to, refilled from the keepers, is a static fit's at ``start`` after step 6, bit for bit.
-    (ZeRO-1 shards with snapshots: the death while a snapshot is taken, and the deaths inside
-    switches, below; a death after the optimizer step: the replica cases above.)"""
-    static = _static(tmp_path_factory.mktemp("static_start"), ("--start", start, *fit_args), (6,))
-    fault = {victim: {"DYNATRAIN_STEP_FAULT": f"{victim}:{SNAPSHOT_FAULT_STEP}:{phase}"}}
+@pytest.mark.parametrize("where", ["KILL_IN_FILL", "KILL_IN_REPLAY"], ids=["fill", "replay"])
+def test_state_only_the_dead_held_comes_back_from_the_snapshot_also_when_another_dies_in_the_recovery(
+        tmp_path, static_run, static_losses, static_dp4, where):
+    """``OnNodeChange(snapshot_every=3)`` at ``dp4-tp1-pp1-zero1``: each rank holds the only copy of
+    its ZeRO-1 shard, and the snapshot keeps each rank's copy on the next one (0 -> 1 -> 2 -> 3 ->
+    0). Rank 3 is killed in step ``SNAPSHOT_FAULT_STEP`` (8) before its optimizer step (the
+    survivors' state is step 7): the three survivors go back to the snapshot of step 6 at the new
+    layout, and rank 1 dies as the keepers' fill starts (rank 3's shard from rank 0), or as step 7
+    runs again (the fill done): the state has moved to the new layout, the snapshot has not. Ranks
+    0 and 2 go back to the same snapshot again, without rank 1 too (its shard kept by rank 2): one
+    recovery naming both, the state it made (refilled from the keepers) the static fit's after step
+    6 bit for bit, step 7 computed again, each step counted once, the losses those of the static fit.
+    (Two deaths lose the state when both held a box nobody copied: at ``dp2-tp2`` a tp shard's two
+    replicas, at ``tp2-pp2`` the embedding tied over the first and last stage; the message names
+    it: ``test_a_zero1_shard_only_the_dead_held_ends_the_job_naming_what_was_lost``.)"""
+    start = "dp4-tp1-pp1-zero1"
+    fault = {3: {"DYNATRAIN_STEP_FAULT": f"3:{SNAPSHOT_FAULT_STEP}:forward_backward"},
+             1: {"DYNATRAIN_RECOVERY_FAULT": where}}
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
-                    fit_args=("--start", start, "--snapshot-every", "3", "--describe-recovered", *fit_args)) as job:
+                    fit_args=("--zero1", "--start", start, "--snapshot-every", "3", "--describe-recovered")) as job:
         procs = job.start_launch(4, rank_env=fault)
-        codes = [job.wait(p, timeout=180) for p in procs]
+        codes = [job.wait(p, timeout=240) for p in procs]
         results, log = job.results(), job.tail(400)
-        _recovered_as_static(job, static, 6)  # the snapshot of step 6, the dead's boxes from their keepers
-    assert codes == [-signal.SIGKILL if r == victim else 0 for r in range(4)], log
-    assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(3, end, MAX_STEPS)}, log
-    state_step = SNAPSHOT_FAULT_STEP - 1 + (phase == "optimizer")
-    assert {(x["step"], x["snapshot_step"], x["steps_redone"], x["src"], x["dst"])
-            for r in results.values() for x in r["recoveries"]} == {(state_step, 6, redone, start, end)}, log
-    assert f"{redone} step(s) redone from the in-memory snapshot of step 6" in log, log
+        _recovered_as_static(job, static_dp4, 6)  # the snapshot of step 6, the dead's boxes from their keepers
+    assert codes == [0, -signal.SIGKILL, 0, -signal.SIGKILL], log
+    assert "a member died during the recovery" in log, log
+    assert {(r["world"], r["global_step"]) for r in results.values()} == {(2, MAX_STEPS)}, log
+    recoveries = [(x["step"], x["snapshot_step"], x["steps_redone"], len(x["failed"]), x["src"], x["old_world"],
+                   x["new_world"]) for r in results.values() for x in r["recoveries"]]
+    assert set(recoveries) == {(SNAPSHOT_FAULT_STEP - 1, 6, 1, 2, start, 4, 2)} and len(recoveries) == 2, log
+    assert "1 step(s) redone from the in-memory snapshot of step 6" in log, log
     _same_samples(results, static_run)
     for r in results.values():
         assert [step for step, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))  # each step once
@@ -281,47 +295,58 @@ def test_a_member_lost_in_a_switch_that_freed_state_comes_back_from_the_snapshot
             assert loss == pytest.approx(static_losses[s], rel=1e-4), s
 
 
-def test_a_stopped_member_is_left_behind_and_a_spare_grows_the_world_back(tmp_path):
-    """SIGSTOP (hung, not dead: its connections stay open, nothing fails): the store names it after
-    ``dead_after``, the survivors' watchdogs abandon the collectives they wait in, and they go on at
-    world 3. Continued, the stopped process finds itself out of the job and ends with that message.
-    A spare started then joins as any joiner does, and the world is 4 again."""
+def test_a_lost_host_is_named_after_dead_after_and_a_spare_grows_the_world_back(tmp_path):
+    """Every process of the second launch (node 1) stopped at once (SIGSTOP: a host that vanished or
+    hangs; its connections stay open, nothing fails, no liveness connection closes): the store names
+    both, in one record, once they were silent ``dead_after`` (by its own count, within a pass or two
+    after it), the survivors' watchdogs abandon the collectives they wait in, and they go on at world
+    2. Continued, the stopped processes find themselves out of the job and end with that message. A
+    spare started then joins as any joiner does, and the world is 3."""
     from benchmarks.elastic_fit import STOP_KEY
 
     dead_after = 6.0
     with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.1, dead_after=dead_after,
                     fit_args=("--stop-in-store",)) as job:
-        procs = job.start_launch(4)
-        job.wait_for(lambda: job.step() >= 3, what="the first world to train")
-        procs[3].send_signal(signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        job.wait_for(lambda: job.installed_size() == 3, what="the survivors' world", timeout=90)
+        first = job.start_launch(2)
+        job.wait_for(lambda: job.step() >= 2, what="the first world to train")
+        host = job.start_launch(2, node_rank=1)
+        job.wait_for(lambda: job.installed_size() == 4, what="the grow to 4", timeout=120)
+        at = job.step()
+        job.wait_for(lambda: job.step() >= at + 3, what="world 4 to train")
+        for proc in host:
+            proc.send_signal(signal.SIGSTOP)
+        job.wait_for(lambda: job.installed_size() == 2, what="the survivors' world", timeout=90)
         step = job.step()
         job.wait_for(lambda: job.step() >= step + 5, what="the survivors to train on", timeout=60)
-        went_on_after = time.monotonic() - stopped_at
-        procs[3].send_signal(signal.SIGCONT)
-        stopped_code = job.wait(procs[3], timeout=60)
-        spare = job.start_python()  # a replacement joins as any joiner does: the policy grows the world back
-        job.wait_for(lambda: job.installed_size() == 4, what="the spare to join", timeout=120)
+        for proc in host:
+            proc.send_signal(signal.SIGCONT)
+        stopped_codes = [job.wait(proc, timeout=60) for proc in host]
+        spare = job.start_python()  # a replacement joins as any joiner does: the policy grows the world
+        job.wait_for(lambda: job.installed_size() == 3, what="the spare to join", timeout=120)
         job.client.store.set(STOP_KEY, str(job.step() + 3))
-        codes = [job.wait(p) for p in [*procs[:3], spare]]
-        results, log = job.results(), job.tail(400)
-    assert codes == [0, 0, 0, 0], log
-    assert stopped_code not in (0, -signal.SIGKILL), log
-    assert "was recorded as failed (it stopped answering for too long) and is out of the job" in log, log
-    assert {(r["world"], r["layout"]) for r in results.values()} == {(4, "dp2-tp2-pp1")}
-    assert len({(r["shard"], tuple(r["tp_pp"])) for r in results.values()}) == 2  # two identical replicas
+        codes = [job.wait(p) for p in [*first, spare]]
+        results, log = job.results(), job.tail(600)
+    assert codes == [0, 0, 0], log
+    assert all(code not in (0, -signal.SIGKILL) for code in stopped_codes), (stopped_codes, log)
+    out = set(re.findall(r"^\[dynatrain\] this process \((\S+)\) was recorded as failed", log, re.MULTILINE))
+    assert len(out) == 2, log  # each stopped process, continued, says it is out of the job
+    silences = [float(x) for x in re.findall(r"\[dynatrain store\] member \S+ failed: silent for ([0-9.]+) s", log)]
+    assert len(silences) == 2 and all(dead_after <= x <= dead_after + 2 for x in silences), (silences, log)
+    assert "its process ended" not in log, log
+    assert {r["world"] for r in results.values()} == {3}
     for r in results.values():  # every process holds the job's history: the recovery, then the grow
-        assert [(c["src"], c["dst"]) for c in r["changes"]][-1:] == [("dp3-tp1-pp1", "dp2-tp2-pp1")], r["changes"]
-        assert [(x["src"], x["dst"]) for x in r["recoveries"]] == [("dp2-tp2-pp1", "dp3-tp1-pp1")], r["recoveries"]
-    print(f"stopped member: the survivors trained on {went_on_after:.1f} s after the stop (dead_after {dead_after} s)")
+        assert [(x["src"], x["dst"], len(x["failed"])) for x in r["recoveries"]] == \
+            [("dp2-tp2-pp1", "dp2-tp1-pp1", 2)], r["recoveries"]
+        assert r["changes"][-1]["src"] == "dp2-tp1-pp1", r["changes"]
+    print(f"lost host: named after {silences} s of silence (dead_after {dead_after} s)")
 
 
 def test_a_torchrun_worker_killed_takes_its_launch_down_in_one_change(tmp_path):
-    """World 4 from two torchrun launches of two; one worker of the second is SIGKILLed. Its agent
-    then stops the launch (SIGTERM to the sibling): the sibling does not leave (a second change the
-    agent would cut short) but ends at once, and the first launch recovers from both, once, from
-    its replicas, and trains on at world 2."""
+    """World 4 from two torchrun launches of two; one worker of the second is SIGKILLed. The store
+    knows at once (its liveness connection closed) and records its sibling with it: torchrun's agent
+    stops the whole launch (SIGTERM to the sibling, which does not leave, a second change the agent
+    would cut short, but ends at once). The first launch recovers from both, once, from its
+    replicas, and trains on at world 2."""
     from benchmarks.elastic_fit import STOP_KEY
 
     with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.1, dead_after=10.0, suspect_after=2.0,
@@ -343,12 +368,16 @@ def test_a_torchrun_worker_killed_takes_its_launch_down_in_one_change(tmp_path):
         second_code = job.wait(second, timeout=60)
         results, log = job.results(), job.tail(400)
     assert second_code != 0, log
-    assert "ends with it (the others recover its state as the dead worker's)" in log, log
+    # the sibling learns it is out from the store's record, or torchrun's SIGTERM comes first
+    assert "was recorded as failed" in log or "ends with it (the others recover its state" in log, log
     assert "handed its state off" not in log, log  # no leave
     assert {(r["world"], r["layout"]) for r in results.values()} == {(2, "dp2-tp1-pp1")}, log
-    for r in results.values():  # the two workers of the second launch named, in one recovery or two
-        assert sum(len(x["failed"]) for x in r["recoveries"]) == 2 and r["changes"][-1]["dst"] == "dp2-tp2-pp1", r
-        assert [x["dst"] for x in r["recoveries"]][-1] == "dp2-tp1-pp1", r["recoveries"]
+    # the store knew the killed worker at once and named its sibling with it (torchrun ends the launch)
+    assert re.search(r"\[dynatrain store\] member \S+ failed: its process ended", log), log
+    assert re.search(r"\[dynatrain store\] member \S+ failed: a process of its launch ended", log), log
+    for r in results.values():  # the two workers of the second launch named in one recovery
+        assert [(len(x["failed"]), x["dst"]) for x in r["recoveries"]] == [(2, "dp2-tp1-pp1")], r["recoveries"]
+        assert r["changes"][-1]["dst"] == "dp2-tp2-pp1", r["changes"]
 
 
 def _children(pid: int) -> list[int]:

@@ -120,3 +120,4 @@ def test_a_wrong_derived_axis_passes_the_library_mapped_check_and_fails_megatron
     assert _old_check(runs) == []  # the mapping reads its own mistake back: nothing seems to change
     found = _new_check(runs)
     assert found and all(WRONG in line for line in found), found  # the weight and its Adam state, named
+    print("the library-mapped check: no difference; megatron's description:", found)

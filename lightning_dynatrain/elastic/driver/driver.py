@@ -123,7 +123,8 @@ class ElasticDriver:
                                       timeout=launch.timeout, heartbeat=self.heartbeat, exit_after=self.exit_after,
                                       keep_worlds=self.keep_worlds, recover=self.recover_from_loss)
         self.session.enter(self.fingerprint(), launch_rank=launch.rank, launch_size=launch.size,
-                           launch_id=launch.launch_id if launch.size > 1 else self.session.me)
+                           launch_id=launch.launch_id if launch.size > 1 else self.session.me,
+                           ends_with_launch=launch.ends_together and launch.size > 1)
         self.front.joined(self.session)
         change = self.session.joined_change
         if change is None:  # the first world: one version directory for whoever is rank 0 later
@@ -292,11 +293,13 @@ class ElasticDriver:
         assert self.session is not None
         self.session.request_leave(step)
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = True) -> None:
+        """The end of this process's part (``finished``: its fit ended or it left; otherwise it stops
+        on an error and the job's store records it failed at once)."""
         if self.snapshots is not None:
             self.snapshots.close()
         if self.session is not None:
-            self.session.close()
+            self.session.close(finished=finished)
 
 
 __all__ = ["ElasticDriver"]

@@ -45,6 +45,9 @@ class Launch:
     """The accelerator NCCL groups bind to, or ``None`` on the host."""
     timeout: timedelta
     """The process groups' timeout outside switches."""
+    ends_together: bool = False
+    """Its launcher ends every process of the launch once one of them ended (torchrun's agent): the
+    job's store then records them failed together (``launch_teardown.ends_with_any_worker``)."""
 
 
 class TrainingFront(Protocol):

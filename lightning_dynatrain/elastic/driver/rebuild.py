@@ -82,7 +82,11 @@ class RecoveryReport:
     pause_seconds: float
     """From the failure noticed here to the new layout's state installed (the redo not included)."""
     finished_at: float
-    """Wall-clock time (``time.time()``) the new layout's state was installed here."""
+    """Wall-clock time (``time.time()``) the new layout's state was installed here (the steps redone
+    computed)."""
+    noticed_at: float = float("nan")
+    """Wall-clock time the failure was first noticed here: the store's record read (by the watchdog,
+    when the store said it recorded one), or a collective that failed, whichever came first."""
 
     def __str__(self) -> str:
         return (f"[dynatrain] step {self.step}: member(s) {', '.join(self.failed)} lost; world {self.old_world} -> "
@@ -245,23 +249,20 @@ def _switch_and_redo(driver: "ElasticDriver", everyone: list[dict], *,
     choice = driver.choose_for(session.size, members=members)
     target = choice.layout
     initialize_for_layout(target, seed=run.seed, groups=groups)  # (6)
-    if snapshot is not None:
-        driver.snapshots.go_back(snapshot.step)
+    held = driver.snapshots.held(snapshot.step) if snapshot is not None else None
+    if held is not None:  # the state comes from the snapshot, at the layout it was taken at
+        src = held.layout
     result = hot_switch(run.state, target, setup, groups=groups, members=members,
-                        watch=run.switcher.world_watch(), restore_source_groups=False)
+                        watch=run.switcher.world_watch(), restore_source_groups=False, held=held)
+    del held  # (the switch freed what it moved)
     run.install(result.state)
     known = {s: loss for e in everyone for s, loss in e["losses"].items()}
     replay_seconds = 0.0
-    if snapshot is not None:  # (6b) the dead's boxes from the keepers, the lost steps again
-        try:
-            driver.snapshots.fill(snapshot, everyone, precision)
-            replay_start = time.perf_counter()
-            known.update(driver.snapshots.replay(snapshot.step + 1, step))
-            replay_seconds = time.perf_counter() - replay_start
-        except Exception as err:  # the state moved to the new layout already: no snapshot describes it now
-            raise MemberFailedError(f"the recovery lost another member while it filled the state from the snapshot "
-                                    f"or computed steps {snapshot.step + 1}..{step} again ({type(err).__name__}: "
-                                    f"{err})", hint=f"restart the job from {_resume_from(driver)}") from err
+    if snapshot is not None:  # (6b) the dead's boxes from the keepers, the lost steps again; a member that
+        driver.snapshots.fill(snapshot, everyone, precision)  # dies meanwhile: back to the snapshot (recovery.py)
+        replay_start = time.perf_counter()
+        known.update(driver.snapshots.replay(snapshot.step + 1, step))
+        replay_seconds = time.perf_counter() - replay_start
     if driver.snapshots is not None:
         driver.snapshots.after_state_change(step)
     if session.rank == 0 and not was_rank_zero:  # the old rank 0 died: its files are as it left them
@@ -274,7 +275,9 @@ def _switch_and_redo(driver: "ElasticDriver", everyone: list[dict], *,
         snapshot_step=snapshot.step if snapshot is not None else None, replay_seconds=replay_seconds,
         agree_seconds=agreed - start, world_seconds=world_built - agreed,
         transfer_seconds=result.phases.get("engine", 0.0), rebuild_seconds=result.rebuild_seconds,
-        pause_seconds=time.perf_counter() - start, finished_at=time.time())
+        pause_seconds=time.perf_counter() - start, finished_at=time.time(),
+        noticed_at=min(time.time() - (time.perf_counter() - start),
+                       session.failures.known_at.get(session.world.generation, float("inf"))))
     front.warn(str(report))
     return Recovered(redo=redo, loss=known.get(global_step + 1, float("nan")), report=report)
 

@@ -27,7 +27,9 @@ stays                                           the survivors               stat
 Anything else (``recover=False``, a process that left, an error that is no member's death, state
 no survivor and no snapshot holds) is raised, as ``MemberFailedError`` where a recovery found the job
 cannot go on. A member dying during a recovery is recovered from again, without it too (at most
-``MAX_RECOVERY_ATTEMPTS`` in a row). Each recovery's figures are a ``rebuild.RecoveryReport``.
+``MAX_RECOVERY_ATTEMPTS`` in a row): before the state moved, from what the survivors hold; after it
+moved to the new layout from a snapshot (in the keepers' fill, or as the lost steps run again), from
+the same snapshot again (``SnapshotKeeper.restored``). Each recovery's figures are a ``rebuild.RecoveryReport``.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def _recover(driver: "ElasticDriver", *, error: BaseException | None = None, rec
                 outcome = recover(driver, error=error, record=record, progress=progress, state_world=state_world,
                                   was_rank_zero=was_rank_zero, noticed=noticed)
             break
-        except Exception as err:  # another member died before the state moved: again, without it too
+        except Exception as err:  # another member died during the recovery: again, without it too
             lost = isinstance(err, MemberLostError)  # (the store recorded it while the world was built)
             if attempt == MAX_RECOVERY_ATTEMPTS or isinstance(err, MemberFailedError) or \
                     not (lost or recovers(driver, err)):

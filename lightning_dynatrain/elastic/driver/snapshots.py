@@ -8,21 +8,27 @@ world change first waits for the snapshot in flight (``before_state_change``) an
 moved, forgets it (``after_state_change``). It also logs each step's global batch and learning rate
 (``step_log.py``) from the snapshot on.
 
-``rebuild.recover`` calls ``go_back`` when a death took boxes no survivor holds:
+``rebuild.recover`` goes back to a snapshot when a death took boxes no survivor holds:
 
 1. the survivors agree on the snapshot step ``S`` (``vps.recovery_source.snapshot_source``: each
    one's own copy, and a keeper's copy of each box only the dead held) and on the step ``T`` the
    state had reached (the newest a survivor completed);
-2. each writes its own copy of step ``S`` back into its state (``restore``); the recovery switch then
-   moves it to the new layout, the dead's boxes left as holes, and the keepers fill them
+2. the recovery switch moves each survivor's own copy of step ``S`` (``held``: the live state is
+   dropped) to the new layout, the dead's boxes left as holes, and the keepers fill them
    (``megatron.snapshot_fill``);
 3. steps ``S+1 .. T`` run again at the new layout from the step log (``replay``): their batches and
    learning rates, so the result is the computation of the lost steps at the new layout, and the
    loop's data position and schedule, which never went back, agree with it.
+
+A member that dies during 2 or 3 (the state has moved to the new layout, the snapshot has not):
+the survivors go back to the same snapshot again, without it too (``restored``), as long as each
+box has a holder or a keeper left among them.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -31,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynatrain.elastic.failure_watch import MemberFailedError
+from lightning_dynatrain.elastic.session import RECOVERY_FAULT_ENV
 from lightning_dynatrain.megatron.snapshot import SnapshotFigures, Snapshots
 from lightning_dynatrain.elastic.driver.step_log import StepLog
 from lightning_dynatrain.vps.errors import StateLostError
@@ -40,6 +47,7 @@ from lightning_dynatrain.vps.snapshot_plan import snapshot_plan
 if TYPE_CHECKING:
     from lightning_dynatrain.elastic.driver.front import TrainingFront
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup
+    from lightning_dynatrain.megatron.snapshot import HeldState
     from lightning_dynatrain.runtime.training_run import TrainingRun
     from lightning_dynatrain.vps.spec import Precision
 
@@ -57,8 +65,8 @@ class SnapshotKeeper:
         self._fresh = True  # a new world or layout: snapshot at the next boundary ...
         self._not_before = 1  # ... from this step on
         self.restored = False
-        """The snapshot was written back into the state (``go_back``) and the state has not moved on
-        since: a recovery that lost another member goes back to the snapshot again."""
+        """A recovery went back to the snapshot (``held``) and the state has not moved on since: a
+        recovery that lost another member goes back to the snapshot again."""
 
     @property
     def figures(self) -> "SnapshotFigures | None":
@@ -113,7 +121,7 @@ class SnapshotKeeper:
     # --------------------------------------------------------------------------- recovery
     def quiesce(self) -> None:
         """The old world was abandoned: the snapshot in flight ends (its exchange fails with a dead
-        peer); what it holds is kept for ``go_back``."""
+        peer); what it holds is kept for going back to it (``held``)."""
         if not self.snapshots.wait(SNAPSHOT_WAIT):
             raise MemberFailedError(f"the snapshot in flight did not end within {SNAPSHOT_WAIT:.0f} s of the "
                                     "old world's abandon", hint="restart the job from its last checkpoint")
@@ -141,10 +149,18 @@ class SnapshotKeeper:
                                  "to compute them again", hint="restart the job from its last checkpoint")
         return source
 
-    def go_back(self, step: int) -> None:
-        """Step 2's first half: this survivor's own copy of step ``step`` (``source.step``) back in its state."""
+    def held(self, step: int) -> "HeldState":
+        """Step 2's first half: this survivor's own copy of step ``step`` (``source.step``), the
+        source of the recovery's switch (a copy of it: the snapshot stays whole, and a recovery that
+        loses another member before the state moved on goes back to it again: ``restored``). The
+        running state's memory is given back first (nothing reads it again): the device holds one
+        state at a time."""
+        from lightning_dynatrain.megatron.state import free_memory
+
         self.restored = True
-        self.snapshots.restore(self.run.state, step)
+        device = next(self.run.state.model.parameters()).device
+        free_memory(self.run.state)
+        return self.snapshots.held(step, device)
 
     def fill(self, source: SnapshotSource, everyone: list[dict], precision: "Precision") -> int:
         """Step 2's second half, at the new layout: the holes written from the keepers' copies
@@ -159,6 +175,7 @@ class SnapshotKeeper:
         state, spec = self.run.state, self._setup().spec
         pieces = fill_plan(spec, state.layout, precision, source.lost, keepers)
         host = dist.new_group(backend="gloo")
+        _fault("KILL_IN_FILL")
         try:
             return fill_from_kept(state, spec, precision, pieces, self.snapshots.kept(source.step), dist.get_rank(),
                                   group=host)
@@ -169,6 +186,7 @@ class SnapshotKeeper:
         """Step 3: steps ``first .. last`` again at the current layout; their losses."""
         losses, start = {}, time.perf_counter()
         for logged in self.log.between(first, last):
+            _fault("KILL_IN_REPLAY")
             losses[logged.step] = self.run.train_step(logged.batch, lr=logged.lr, weight_decay=logged.weight_decay)
         if losses:
             self.front.info(f"[dynatrain] steps {first}..{last} computed again at {self.run.layout} from the step "
@@ -203,6 +221,13 @@ class SnapshotKeeper:
 
     def _setup(self) -> "SwitchSetup":
         return self.run.switcher.world_change_setup(self.run.recipe, self.run.optimizer_settings)
+
+
+def _fault(where: str) -> None:
+    """Test hook: ``DYNATRAIN_RECOVERY_FAULT=KILL_IN_FILL`` (``KILL_IN_REPLAY``) kills this process
+    as the keepers' fill (the first step computed again) of a recovery starts."""
+    if os.environ.get(RECOVERY_FAULT_ENV) == where:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 __all__ = ["SNAPSHOT_WAIT", "SnapshotKeeper"]
