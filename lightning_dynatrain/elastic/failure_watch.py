@@ -237,7 +237,11 @@ class FailureWatch:
             lost = self.lost
             if lost is not None and self.failure is None:
                 waited = time.monotonic() - noticed.setdefault(lost.generation, time.monotonic())
-                self.abandon(lost, again=waited > 0)  # the main thread's collectives with the dead fail now
+                try:
+                    self.abandon(lost, again=waited > 0)  # the main thread's collectives with the dead fail now
+                except Exception as err:  # noqa: BLE001 - the watchdog must go on (it ends the process if need be)
+                    print(f"[dynatrain] abandoning the old world failed: {type(err).__name__}: {err}", file=sys.stderr,
+                          flush=True)
                 if waited > self.exit_after:
                     self._end(f"member(s) {', '.join(lost.failed)} failed and this process did not take up the "
                               f"recovery in {self.exit_after:.0f} s")

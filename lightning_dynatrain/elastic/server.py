@@ -31,18 +31,20 @@ a count in ``suspects``: gloo says at once when a peer's connection closed), the
 ``suspect_after`` instead, a few heartbeats: the dead are named in seconds, not ``dead_after``
 (which stays for a member that hangs without anything failing). A member whose process ended is
 known at once, not after a silence: each member holds a connection to this process's liveness
-listener (``liveness.py``), which its kernel closes when it ends; the next pass records it failed
-(a pass every 20 ms), with every member of its launch when its launcher ends a launch with any of
-its processes (torchrun's agent does: ``JoinRequest.ends_with_launch``), and tells the survivors
-over their connections at once. A member that closed its connection with ``bye`` (its fit ended)
-is no death, silent or not. The heartbeat bounds stay for what closes nothing: a process that
-hangs, a host that vanishes. That generation is the survivors' world, effective at once: its
-members are the running world's without the failed ones (a change not yet installed is dropped
-with it), and the survivors recover into it (``elastic/driver/recovery.py``) or, where the state
-the dead held is gone, stop. When no member survives, the job is over and every
-request after that is refused (also when the members stopped because their fit ended). A joiner
-that stops before its generation is installed only cancels that change (a generation with the
-running world's members, ``dropped``): training goes on.
+listener (``liveness.py``), which its kernel closes when it ends; the first pass
+``CLOSES_TOGETHER`` (0.1 s) after it records it failed (a pass every 20 ms), with every member
+whose connection closed meanwhile (the processes of a node one event ended: one record, one
+recovery) and every member of its launch when its launcher ends a launch with any of its processes
+(torchrun's agent does: ``JoinRequest.ends_with_launch``), and tells the survivors over their
+connections at once. A member that closed its connection with ``bye`` (its fit ended) is no death,
+silent or not. The heartbeat bounds stay for what closes nothing: a process that hangs, a host
+that vanishes. That generation is the survivors' world, effective at once: its members are the
+running world's without the failed ones (a change not yet installed is dropped with it), and the
+survivors recover into it (``elastic/driver/recovery.py``) or, where the state the dead held is
+gone, stop. When no member survives, the job is over and every request after that is refused
+(also when the members stopped because their fit ended). A joiner that stops before its
+generation is installed only cancels that change (a generation with the running world's members,
+``dropped``): training goes on.
 
 Time comes from two clocks, both arguments of ``StoreServer`` so that a test can move time by hand
 and run the decision itself (``step``: one pass) instead of sleeping and hoping the loop has run:
@@ -81,6 +83,11 @@ class _World:
     effective_step: int = 0
     failed: bool = False
     launch_of: dict[str, str] = field(default_factory=dict)  # member -> its launch, where it ends with its launch
+
+
+#: seconds the store waits after a member's liveness connection closed for other closes before it records
+#: the failure: the processes one event ended (a node's, a launch's) go in one record, one recovery
+CLOSES_TOGETHER = 0.1
 
 
 class StoreServer:
@@ -261,6 +268,7 @@ class StoreServer:
         now = self.wall_clock()  # the members' heartbeat stamps are on this clock
         closed = self._closed_members()
         ended = self.liveness.ended if self.liveness is not None else set()  # (their fit ended: no heartbeats)
+        settled = any(self.clock() - at >= CLOSES_TOGETHER for at in closed.values())  # (closes that come with it)
 
         def silent(member: str) -> float:
             key = f"alive/{member}"
@@ -269,7 +277,9 @@ class StoreServer:
         bound = self.suspect_after if int(self.store.add("suspects", 0)) else self.dead_after
 
         def dead(member: str) -> bool:
-            return member in closed or member not in ended and silent(member) > bound
+            if member in closed:
+                return settled
+            return member not in ended and silent(member) > bound
 
         if any(dead(m) for m in self.world.running):  # and whoever died with it (see the module docstring)
             together = min(self.together, bound / 2)
@@ -347,4 +357,4 @@ def serve_forever(host: str, port: int, token: bytes | str, *, on_ready: Callabl
         liveness.close()
 
 
-__all__ = ["StoreServer", "serve_forever"]
+__all__ = ["CLOSES_TOGETHER", "StoreServer", "serve_forever"]

@@ -87,7 +87,14 @@ def shut_connections(*, keep_ports: Iterable[int] = (), only: frozenset[str] | N
             continue
         if not (link.startswith("socket:[") and link[8:-1] in inodes):
             continue
-        duplicate = socket.socket(fileno=os.dup(fd))  # shutdown acts on the connection, not the descriptor
+        try:  # another thread may close the descriptor meanwhile, and the number be reused
+            copy = os.dup(fd)  # shutdown acts on the connection, not the descriptor
+        except OSError:
+            continue
+        if str(os.fstat(copy).st_ino) != link[8:-1]:  # reused for another file: not ours to shut
+            os.close(copy)
+            continue
+        duplicate = socket.socket(fileno=copy)
         try:
             duplicate.shutdown(socket.SHUT_RDWR)
             shut += 1

@@ -1,11 +1,12 @@
-"""Liveness by connection: the store records a member whose process ended in its next pass, with
-no time passed on its clock, and tells the survivors over their connections.
+"""Liveness by connection: the store records a member whose process ended ``CLOSES_TOGETHER`` (0.1 s)
+later on its clock, with whoever else's connection closed meanwhile, and tells the survivors over
+their connections.
 
 A real ``TCPStore`` and ``StoreServer`` driven by hand as in ``test_store.py`` (its ``Job``: the
 store's clock moves only when a test moves it), now with a real ``LivenessListener``. A member that
 dies is a real process (``python -c``) holding a real ``LivenessLink``, ended by SIGKILL: its
-kernel closes the connection. No test here moves the clock, so no heartbeat bound can be what
-names a member: ``dead_after`` never passes.
+kernel closes the connection. No test here moves the clock further than ``CLOSES_TOGETHER``, so no
+heartbeat bound can be what names a member: ``dead_after`` never passes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from lightning_dynatrain.elastic.client import JobStore
 from lightning_dynatrain.elastic.liveness import LIVENESS_KEY, LivenessLink, LivenessListener, read_port
 from lightning_dynatrain.elastic.records import LeaveRequest, Signer
-from lightning_dynatrain.elastic.server import StoreServer
+from lightning_dynatrain.elastic.server import CLOSES_TOGETHER, StoreServer
 from tests.elastic.test_store import MOMENT, TOKEN, Job, _form_first_world, _join
 
 _CHILD = """
@@ -75,7 +76,10 @@ def test_the_listeners_port_is_in_the_store_signed(job):
     assert read_port(Signer("another token"), blob) is None
 
 
-def test_a_member_killed_is_recorded_failed_in_the_next_pass_and_the_survivors_are_told(job):
+def test_members_killed_are_recorded_failed_in_one_record_a_moment_later_and_the_survivors_are_told(job):
+    """Two members' processes SIGKILLed one after the other (a node's, one event): the store waits
+    ``CLOSES_TOGETHER`` after the first close, not a heartbeat bound, and records both in one
+    generation; the survivors hear of it over their connections."""
     a, b, c, d = _form_first_world(job, 4)
     told: list[int] = []
     heard = threading.Event()
@@ -84,21 +88,27 @@ def test_a_member_killed_is_recorded_failed_in_the_next_pass_and_the_survivors_a
         told.append(generation)
         heard.set()
 
-    links = [job.link(m, notice) for m in (a, c, d)]
-    victim = job.member_process(b)
+    links = [job.link(m, notice) for m in (a, d)]
+    victims = [job.member_process(b), job.member_process(c)]
     job.until_heard(lambda: len(job.listener.connected) == 4)
     job.beat(a, b, c, d)
     job.step()
     assert job.generation() == 0
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    victims[0].send_signal(signal.SIGKILL)
+    victims[0].wait()
     job.until_heard(lambda: b.member_id in job.listener.closed)
-    job.step()  # the clock has not moved: no heartbeat is late
+    job.step()
+    assert job.generation() == 0  # the other closes of the same event may still come
+    victims[1].send_signal(signal.SIGKILL)
+    victims[1].wait()
+    job.until_heard(lambda: c.member_id in job.listener.closed)
+    job.pass_time(CLOSES_TOGETHER, beating=(a, d))  # far below any heartbeat bound
     world = a.membership(1)
-    assert (job.generation(), world.failed) == (1, (b.member_id,))
-    assert world.members == (a.member_id, c.member_id, d.member_id)
-    assert f"[dynatrain store] member {b.member_id} failed: its process ended (its liveness connection closed)" \
-        in job.logged
+    assert (job.generation(), set(world.failed)) == (1, {b.member_id, c.member_id})
+    assert world.members == (a.member_id, d.member_id)
+    for member in (b, c):
+        assert f"[dynatrain store] member {member.member_id} failed: its process ended (its liveness connection " \
+               "closed)" in job.logged
     assert heard.wait(30), "no survivor was told"
     for link in links:
         link.close()
@@ -173,7 +183,7 @@ def test_the_members_of_a_launch_its_launcher_ends_together_are_recorded_with_it
     victim.kill()
     victim.wait()
     job.until_heard(lambda: b.member_id in job.listener.closed)
-    job.step()
+    job.pass_time(CLOSES_TOGETHER, beating=(a, c))
     world = a.membership(job.generation())
     assert (set(world.failed), world.members) == ({b.member_id, c.member_id}, (a.member_id,))
     assert f"[dynatrain store] member {c.member_id} failed: a process of its launch ended, and its launcher stops " \
