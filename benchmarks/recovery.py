@@ -13,8 +13,8 @@ and train on (``elastic/driver/recovery.py``, ``elastic/driver/snapshots.py``). 
 ``dp2-tp2-pp1`` without ZeRO-1 and without snapshots instead (the replicas hold everything).
 
 The store knows a killed process at once (its liveness connection closes: ``elastic/liveness.py``)
-and tells the survivors, whose watchdogs abandon the old world so that their step in flight stops
-at its next collective. Figures (wall clock, the second launch's kill at 0):
+and tells the survivors, whose step in flight fails at its next collective with the dead. Figures
+(wall clock, the second launch's kill at 0):
 
 - ``detect_seconds``: until the first survivor knows (it read the store's record, or a collective
   of its step failed: ``RecoveryReport.noticed_at``);

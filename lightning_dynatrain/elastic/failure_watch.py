@@ -9,10 +9,13 @@ failure (``notice``, over this member's liveness connection: ``liveness.py``), e
 
 - a survivors' world with this process in it and recovery on: ``lost`` holds it until the main
   thread ``take``s it (``elastic/driver/recovery.py`` rebuilds the state there). The main thread may be
-  computing toward a collective with the dead, or waiting in one that will not end (with a member
-  that hangs, or with a survivor that gave up on the old world already): the watchdog abandons the
-  old world at once (``abandon.abandon_world``, as the recovery would first), so that the main
-  thread's next or current collective fails within milliseconds, and the main thread recovers.
+  computing toward a collective with the dead (which fails at once: the dead's connections are
+  closed), or waiting in one that will not end (with a member that hangs, or with a survivor that
+  gave up on the old world already): after ``grace`` seconds the watchdog abandons the old world
+  (``abandon.abandon_world``), and again at each pass until the main thread takes the recovery,
+  which makes that wait fail at once. (Abandoning at once, while the main thread computes, was
+  tried: in 4 of about 80 elastic test jobs a survivor then stayed in a tensor-parallel all-reduce
+  with a live peer whose connections were shut, until ``exit_after``.)
   Not taken within ``exit_after`` seconds, the process ends (``EXIT_MEMBER_FAILED``);
 - otherwise (no survivors, recovery off, or this process itself was recorded as failed: it hung
   and came back too late) the job cannot go on here: ``failure`` holds the message, raised as
@@ -95,12 +98,14 @@ class FailureWatch:
         abandon: abandons the old world (at once for each failure, and again at each pass until the
             main thread takes it); the number of connections it shut.
         exit_after: seconds to wait for the main thread before ending the process.
+        grace: seconds the main thread has to take the recovery on its own before ``abandon`` (its
+            collectives with the dead fail at once on their own; see the module docstring).
     """
 
     def __init__(self, store: JobStore, *, me: str, recover: bool, abandon: Callable[[], int],
-                 exit_after: float) -> None:
+                 exit_after: float, grace: float) -> None:
         self.store, self.me, self.recover = store, me, recover
-        self.abandon_world, self.exit_after = abandon, exit_after
+        self.abandon_world, self.exit_after, self.grace = abandon, exit_after, grace
         self.failure: str | None = None
         self.lost: Membership | None = None
         self.known_at: dict[int, float] = {}
@@ -237,8 +242,9 @@ class FailureWatch:
             lost = self.lost
             if lost is not None and self.failure is None:
                 waited = time.monotonic() - noticed.setdefault(lost.generation, time.monotonic())
-                try:
-                    self.abandon(lost, again=waited > 0)  # the main thread's collectives with the dead fail now
+                try:  # the main thread may wait in a collective with a survivor that gave up on the old world
+                    if waited > self.grace:
+                        self.abandon(lost, again=waited > self.grace + 0.5)
                 except Exception as err:  # noqa: BLE001 - the watchdog must go on (it ends the process if need be)
                     print(f"[dynatrain] abandoning the old world failed: {type(err).__name__}: {err}", file=sys.stderr,
                           flush=True)

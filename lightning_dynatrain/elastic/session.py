@@ -120,7 +120,7 @@ class ElasticSession:
         self.world: Membership | None = None
         self.joined_change: WorldChange | None = None
         self.failures = FailureWatch(store, me=self.me, recover=recover, abandon=self.abandon_world,
-                                     exit_after=exit_after)
+                                     exit_after=exit_after, grace=max(2.0, 2 * heartbeat))
         self.leave_requested = False
         self._leave_nonce: str | None = None
         self._seen = -1
