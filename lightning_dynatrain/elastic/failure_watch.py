@@ -95,8 +95,8 @@ class FailureWatch:
         store: the job's store client (the watchdog uses a connection of its own).
         me: this process's member id.
         recover: survivors go on (``False``: any failure ends the job, as before recovery existed).
-        abandon: abandons the old world (at once for each failure, and again at each pass until the
-            main thread takes it); the number of connections it shut.
+        abandon: abandons the old world (``grace`` seconds after each failure was read, and again at
+            each pass until the main thread takes it); the number of connections it shut.
         exit_after: seconds to wait for the main thread before ending the process.
         grace: seconds the main thread has to take the recovery on its own before ``abandon`` (its
             collectives with the dead fail at once on their own; see the module docstring).
