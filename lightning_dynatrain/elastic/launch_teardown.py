@@ -22,18 +22,15 @@ def ends_with_any_worker(environ: dict[str, str] | None = None) -> bool:
     agent does (it stops the worker group, then restarts it or fails the run), with more than one
     worker."""
     env = os.environ if environ is None else environ
-    return "TORCHELASTIC_RUN_ID" in env and int(env.get("WORLD_SIZE", "1")) > 1
+    return "TORCHELASTIC_RUN_ID" in env and int(env.get("LOCAL_WORLD_SIZE", "1")) > 1
 
 
 def launch_torn_down(environ: dict[str, str] | None = None, proc: Path = Path("/proc")) -> bool:
     """This process is a torchrun worker and a worker of its launch has exited (see the module docstring)."""
     env = os.environ if environ is None else environ
-    if "TORCHELASTIC_RUN_ID" not in env:  # not under torchrun's agent
+    if not ends_with_any_worker(env) or not proc.is_dir():  # not under torchrun's agent, or a launch of one
         return False
-    started = int(env.get("LOCAL_WORLD_SIZE", "1"))
-    if started < 2 or not proc.is_dir():
-        return False
-    return _live_children(os.getppid(), proc) < started
+    return _live_children(os.getppid(), proc) < int(env["LOCAL_WORLD_SIZE"])
 
 
 def _live_children(parent: int, proc: Path) -> int:

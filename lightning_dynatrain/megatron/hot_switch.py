@@ -59,7 +59,7 @@ from lightning_dynatrain.megatron.model_source import ModelSource
 from lightning_dynatrain.megatron.memory_check import SwitchMemoryError, check_switch_memory, switch_need_bytes
 from lightning_dynatrain.megatron.optimizer import adam_config, build_ddp_and_optimizer, copy_group_settings
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
-from lightning_dynatrain.megatron.state import MegatronState, free_memory
+from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import (
     MegatronTarget,
     adam_step,
@@ -181,8 +181,8 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
 
     ``held`` (``megatron.snapshot.HeldState``, a snapshot's own copy): the source instead of
     ``current``, at its own layout (``members`` place its ranks), as a recovery that goes back to a
-    snapshot switches; ``current`` only lends its model's settings and its memory, freed first
-    (``state.free_memory``: nothing reads it again, and it is not rolled back to).
+    snapshot switches; ``current`` only lends its model's settings, its memory freed by the caller
+    before it made ``held`` (``state.free_memory``: nothing reads it again, it is not rolled back to).
 
     A switch that fails with the old state whole (refused, or rolled back under ``keep_old``)
     makes megatron's groups of the source current again from ``groups``; with
@@ -218,8 +218,6 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     device = next(current.model.parameters()).device
     memory = device_kind(device).switch_memory(recycle=setup.recycle, idle_cap=setup.staging_budget,
                                                keep_old=setup.keep_old and held is None)
-    if held is not None:
-        free_memory(current)
     old_grads = sum(t.nbytes for t in current.gradient_buffers())
     cached_groups = groups.keys() if groups is not None else frozenset()
     attempt = None
