@@ -26,7 +26,7 @@ plan-demo: $(STAMP)
 	$(VENV)/bin/dynatrain plan --model qwen-moe-235b --src dp128-tp4-pp2-ep64-zero1 --dst dp256-tp2-pp2-ep128-zero1
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The tests that need no multi-process run (a few minutes).
 test-fast: $(STAMP)

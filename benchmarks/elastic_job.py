@@ -162,13 +162,16 @@ class ElasticJob:
 
         return [pickle.loads(p.read_bytes()) for p in sorted(self.out.glob(f"*.{name}.pkl"))]
 
-    def tail(self, lines: int = 80) -> str:
-        """The log's last ``lines`` lines, without c10d's store-wait timeouts (a line per timed-out
-        ``store.wait``: they would crowd out the processes' own messages)."""
+    def text(self) -> str:
+        """The whole log, without c10d's store-wait timeouts and Python's warnings (what a test
+        searches for may be anywhere in it: a thread dump or a long tail can push it far back)."""
         self.log.flush()
-        text = [line for line in self.log_path.read_text(errors="replace").splitlines() if "waitForInput" not in line]
-        return "\n".join(line for line in text if "Warning" not in line and "warnings.warn" not in line)[-20000:] \
-            if len(text) < lines else "\n".join(text[-lines:])
+        return "\n".join(line for line in self.log_path.read_text(errors="replace").splitlines()
+                         if "waitForInput" not in line and "Warning" not in line and "warnings.warn" not in line)
+
+    def tail(self, lines: int = 80) -> str:
+        """The log's last ``lines`` lines, as :meth:`text` reads it (for a failure's message)."""
+        return "\n".join(self.text().splitlines()[-lines:])
 
 
 __all__ = ["ElasticJob", "SCRIPT", "TOKEN"]

@@ -59,7 +59,7 @@ def test_refused_joiners_and_joiners_dying_in_the_build_only_cancel_their_change
         intruder = job.start_python(env={"DYNATRAIN_TOKEN": "guessed"})
         other_model = job.start_python("--fingerprint-salt", "another model")
         assert job.wait(intruder) != 0 and job.wait(other_model) != 0
-        log = job.tail(400)
+        log = job.text()
         assert "not signed with this job's token" in log
         assert "its model, recipe or package version differs from the job's" in log
         assert job.client.generation() == 0 and job.installed() == members  # no rank, no generation
@@ -69,7 +69,7 @@ def test_refused_joiners_and_joiners_dying_in_the_build_only_cancel_their_change
         _a_joiner_stops_and_only_its_change_is_cancelled(job, "STOP", members, first)
         # one stops later, once its peers build the next world's target ahead: that change is cancelled too
         _a_joiner_stops_and_only_its_change_is_cancelled(job, "STOP_IN_BUILD", members, first)
-        assert "building dp3-tp1-pp1 ahead" in job.tail(400)
+        assert "building dp3-tp1-pp1 ahead" in job.text()
         assert job.installed() == members and first.poll() is None
 
 
@@ -96,7 +96,7 @@ def test_grows_that_fail_with_the_old_state_whole_go_back_to_the_old_world_and_t
         stop = job.step() + 10
         job.client.store.set(STOP_KEY, str(stop))
         codes = [job.wait(first), job.wait(later)]
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
     assert codes == [0, 0], log
     assert len(results) == 3 and {r["global_step"] for r in results.values()} == {stop}, log
     assert {(r["world"], r["layout"]) for r in results.values()} == {(3, "dp3-tp1-pp1")}
@@ -153,7 +153,7 @@ def test_a_joiner_killed_in_the_transfer_that_fills_it_fails_the_grow_naming_its
         started = time.monotonic()
         code = job.wait(first, timeout=120)
         print(f"the old members stopped {time.monotonic() - started:.0f} s after the joiner's generation")
-        log = job.tail(400)
+        log = job.text()
         assert job.wait(killed) == -signal.SIGKILL, log
     assert code != 0, log
     # (both survivors print to one log at once: a traceback's underline carets can land inside the
@@ -178,7 +178,7 @@ def test_a_grow_that_freed_state_and_lost_its_joiner_goes_back_to_the_snapshot(t
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL:1"})
         code = job.wait(first, timeout=240)
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
         assert job.wait(killed) == -signal.SIGKILL, log
     assert code == 0, log
     assert "after freeing old state (only joiners were lost), so it was rolled back" in log, log
@@ -203,12 +203,12 @@ def test_a_leaver_killed_before_its_hand_off_moved_anything_leaves_the_others_tr
         job.wait_for(lambda: job.step() >= at + 3, what="world 3 to train")
         killed.send_signal(signal.SIGTERM)  # it leaves: the shrink's switch runs over world 3
         assert job.wait(killed, timeout=60) == -signal.SIGKILL, job.tail(200)
-        job.wait_for(lambda: "lost; world 3 -> 2, dp3-tp1-pp1 -> dp2-tp1-pp1" in job.tail(400),
+        job.wait_for(lambda: "lost; world 3 -> 2, dp3-tp1-pp1 -> dp2-tp1-pp1" in job.text(),
                      what="the survivors' recovery", timeout=60)
         stop = job.step() + 5
         job.client.store.set(STOP_KEY, str(stop))
         assert job.wait(first, timeout=120) == 0, job.tail(400)
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
     survivors = [r for r in results.values() if r["pid"] != killed.pid]
     assert len(survivors) == 2, log
     assert {(r["world"], r["layout"], r["global_step"]) for r in survivors} == {(2, "dp2-tp1-pp1", stop)}, log

@@ -59,7 +59,7 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
         job.wait_for(lambda: job.installed_size() == 3, what="the last joiner to leave (world 3 again)")
         codes = [job.wait(p) for p in [first, *joiners, again]]
         results = job.results()
-        log = job.tail()
+        log = job.text()
     assert codes == [0, 0, 0, 0], log
     left = [r for r in results.values() if r["left"]]
     survivors = [r for r in results.values() if not r["left"]]

@@ -104,7 +104,7 @@ def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_pa
                     suspect_after=2.0, fit_args=("--describe-recovered",)) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p) for p in procs]
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
         _recovered_as_static(job, static_run, from_step)  # the replicas' state of that step, whole
     assert codes[victim] == -signal.SIGKILL, log
     assert [c for r, c in enumerate(codes) if r != victim] == [0, 0, 0], log
@@ -159,7 +159,7 @@ def test_a_member_dying_in_the_recovery_is_left_behind_too(tmp_path, static_run,
                     fit_args=("--snapshot-every", "3")) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p, timeout=240) for p in procs]
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
     assert codes == [0, 0, -signal.SIGKILL, -signal.SIGKILL], log
     end = "dp2-tp1-pp1"
     assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(2, end, MAX_STEPS)}, log
@@ -182,7 +182,7 @@ def test_a_zero1_shard_only_the_dead_held_ends_the_job_naming_what_was_lost(tmp_
                     fit_args=("--zero1",)) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p, timeout=120) for p in procs]
-        log = job.tail(400)
+        log = job.text()
     assert codes[1] == -signal.SIGKILL and all(c not in (0, -signal.SIGKILL) for r, c in enumerate(codes) if r != 1), \
         (codes, log)
     assert "died holding state no survivor has" in log and "exp_avg" in log, log
@@ -212,7 +212,7 @@ def test_state_only_the_dead_held_comes_back_from_the_snapshot_also_when_another
                     fit_args=("--zero1", "--start", start, "--snapshot-every", "3", "--describe-recovered")) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p, timeout=240) for p in procs]
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
         _recovered_as_static(job, static_dp4, 6)  # the snapshot of step 6, the dead's boxes from their keepers
     assert codes == [0, -signal.SIGKILL, 0, -signal.SIGKILL], log
     assert "a member died during the recovery" in log, log
@@ -242,7 +242,7 @@ def test_a_member_lost_while_a_snapshot_is_taken_goes_back_to_the_previous_one(t
                               "--snapshot-buffers", "2", "--describe-recovered")) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p, timeout=180) for p in procs]
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
         _recovered_as_static(job, static_zero1, 3)
     assert codes == [0, -signal.SIGKILL, 0, 0], log
     end = "dp3-tp1-pp1-zero1"
@@ -273,7 +273,7 @@ def test_a_member_lost_in_a_switch_that_freed_state_comes_back_from_the_snapshot
                               "--describe-recovered", *fit_args)) as job:
         procs = job.start_launch(4, rank_env={3: {"DYNATRAIN_SWITCH_FAULT": fault}})
         codes = [job.wait(p, timeout=180) for p in procs]
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
         recovered = job.described("recovered")
     assert codes == [0, 0, 0, -signal.SIGKILL], log
     end = "dp3-tp1-pp1-zero1"
@@ -325,13 +325,16 @@ def test_a_lost_host_is_named_after_dead_after_and_a_spare_grows_the_world_back(
         job.wait_for(lambda: job.installed_size() == 3, what="the spare to join", timeout=120)
         job.client.store.set(STOP_KEY, str(job.step() + 3))
         codes = [job.wait(p) for p in [*first, spare]]
-        results, log = job.results(), job.tail(600)
+        results, log = job.results(), job.text()
     assert codes == [0, 0, 0], log
     assert all(code not in (0, -signal.SIGKILL) for code in stopped_codes), (stopped_codes, log)
     out = set(re.findall(r"^\[dynatrain\] this process \((\S+)\) was recorded as failed", log, re.MULTILINE))
     assert len(out) == 2, log  # each stopped process, continued, says it is out of the job
     silences = [float(x) for x in re.findall(r"\[dynatrain store\] member \S+ failed: silent for ([0-9.]+) s", log)]
-    assert len(silences) == 2 and all(dead_after <= x <= dead_after + 2 for x in silences), (silences, log)
+    # the first is named past dead_after; the other with it, silent nearly as long (the store's
+    # ``together``: min(2 s, dead_after / 2), as the two said they were alive up to a heartbeat apart)
+    assert len(silences) == 2 and dead_after <= max(silences) <= dead_after + 2, (silences, log)
+    assert all(dead_after - min(2.0, dead_after / 2) <= x for x in silences), (silences, log)
     assert "its process ended" not in log, log
     assert {r["world"] for r in results.values()} == {3}
     for r in results.values():  # every process holds the job's history: the recovery, then the grow
@@ -366,7 +369,7 @@ def test_a_torchrun_worker_killed_takes_its_launch_down_in_one_change(tmp_path):
         job.client.store.set(STOP_KEY, str(job.step() + 2))
         assert job.wait(first, timeout=120) == 0, job.tail(400)
         second_code = job.wait(second, timeout=60)
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
     assert second_code != 0, log
     # the sibling learns it is out from the store's record, or torchrun's SIGTERM comes first
     assert "was recorded as failed" in log or "ends with it (the others recover its state" in log, log
@@ -406,7 +409,7 @@ def test_a_member_killed_in_a_layout_switch_that_keeps_the_old_state_is_recovere
                     fit_args=fit_args) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p) for p in procs]
-        results, log = job.results(), job.tail(400)
+        results, log = job.results(), job.text()
     assert codes == [0, 0, 0, -signal.SIGKILL], log
     assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(3, "dp3-tp1-pp1", MAX_STEPS)}
     assert len({r["shard"] for r in results.values()}) == 1
