@@ -39,7 +39,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="plan a layout switch for a named model without running it",
         description="Plan every rank's send/recv/retain lists for a switch SRC -> DST and print the totals. "
-        "Bytes count parameters and every optimizer state kind at the chosen precision.",
+        "Bytes count parameters and every optimizer state kind at the chosen precision (the parameters "
+        "alone with --weights-only).",
     )
     p.add_argument("--model", required=True, help=f"model preset: {', '.join(preset_names())}")
     p.add_argument("--src", required=True, help="source layout, e.g. dp16-tp8-pp8 or dp128-tp4-pp2-ep64-zero1")
@@ -50,6 +51,9 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="bf16: bf16 params + fp32 main params and Adam moments (default, as large runs train); "
                    "fp32: fp32 params + Adam moments (as this project trains on CPU); +sgd: SGD's momentum "
                    "in place of Adam's moments")
+    p.add_argument("--weights-only", action="store_true",
+                   help="plan the params alone, in the dtype they train in (the switch to a rollout layout and "
+                   "back, the optimizer's state staying where it is)")
     p.add_argument("--intra-node-gbps", type=float, default=_DEFAULTS.intra_node / GB,
                    help="GB/s per rank and direction inside a node (default %(default)s, NVLink class)")
     p.add_argument("--inter-node-gbps", type=float, default=_DEFAULTS.inter_node / GB,
@@ -82,7 +86,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         with ProgressLine(f"dynatrain plan: planning {ranks} of {args.model}", after=PROGRESS_AFTER_S):
             report, plans = dry_run(spec, src, dst, precision=precision, topology=topology, links=links,
-                                    only_rank=args.rank)
+                                    only_rank=args.rank, weights_only=args.weights_only)
     except IndexError as err:
         raise DynaTrainError(str(err), hint="pass a rank inside the larger of the two worlds") from None
     if args.plot is not None:
@@ -91,12 +95,14 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(figures))
         return 0
-    print(f"{args.model}: {src} -> {dst} ({args.precision})")
+    print(f"{args.model}: {src} -> {dst} ({args.precision}{', weights only' if args.weights_only else ''})")
     if args.rank is not None:
         print(plans[args.rank])
     width = max(map(len, figures))
     for key, value in figures.items():
-        if key.endswith("_bytes"):
+        if isinstance(value, bool):
+            text = "yes" if value else "no"
+        elif key.endswith("_bytes"):
             text = f"{value:,} ({value / GB:.3f} GB)"
         elif isinstance(value, float):
             text = f"{value:.4f}"
@@ -114,8 +120,9 @@ def _plot(args: argparse.Namespace, spec, src: ParallelConfig, dst: ParallelConf
     world = union_world(src, dst)
     with ProgressLine(f"dynatrain plan: bytes between {world} ranks for {args.plot}", after=PROGRESS_AFTER_S) as line:
         matrix = transfer_matrix(spec, src, dst, precision=precision, gpus_per_node=args.gpus_per_node,
-                                 progress=line.update)
-    path = plot_transfer_matrix(matrix, args.plot, title=f"{args.model}: {src} -> {dst} ({precision.value} state)")
+                                 progress=line.update, weights_only=args.weights_only)
+    what = f"{precision.value} {'params' if args.weights_only else 'state'}"
+    path = plot_transfer_matrix(matrix, args.plot, title=f"{args.model}: {src} -> {dst} ({what})")
     # stdout stays one JSON object under --json
     print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
 

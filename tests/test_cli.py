@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-KEYS = {"parameters", "state_bytes", "moved_bytes", "retained_bytes", "intra_node_bytes", "inter_node_bytes",
+KEYS = {"weights_only", "parameters", "state_bytes", "moved_bytes", "retained_bytes", "intra_node_bytes", "inter_node_bytes",
         "max_rank_send_bytes", "max_rank_recv_bytes", "plan_seconds", "plan_seconds_per_rank_max",
         "estimated_transfer_seconds"}
 
@@ -36,6 +36,17 @@ def test_tp4_to_dp4_moves_three_full_copies():
     assert f["moved_bytes"] == pytest.approx(3 * f["state_bytes"], rel=0.01)
     assert f["moved_bytes"] == f["intra_node_bytes"] + f["inter_node_bytes"]
     assert f["state_bytes"] == f["parameters"] * 12
+
+
+def test_weights_only_moves_the_bf16_params_alone():
+    """tp4 -> dp4 at bf16: each of the 4 destination ranks needs the 3/4 of the params it did not
+    hold, 2 bytes an element (the full switch moves 3/4 of 2 + 4 + 4 + 4 bytes an element: 7x as much)."""
+    args = ("--model", "llama2-7b", "--src", "dp1-tp4-pp1-zero1", "--dst", "dp4-tp1-pp1", "--precision", "bf16")
+    weights, full = plan_json(*args, "--weights-only"), plan_json(*args)
+    assert weights["weights_only"] is True and full["weights_only"] is False
+    assert weights["state_bytes"] == pytest.approx(weights["parameters"] * 2, rel=1e-3)  # (its norms are fp32)
+    assert weights["moved_bytes"] == pytest.approx(3 * weights["state_bytes"], rel=0.01)
+    assert full["moved_bytes"] == pytest.approx(7 * weights["moved_bytes"], rel=0.01)
 
 
 def test_1024_rank_plan_runs_and_adds_up():

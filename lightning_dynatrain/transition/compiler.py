@@ -139,17 +139,21 @@ def compile_switch(
 @lru_cache(maxsize=64)
 def switch_program(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, *,
                    staging_budget: int, topology: Topology, link_costs: LinkCosts | None = None,
-                   direct_min_bytes: int | None = DIRECT_MIN_BYTES, members: Members | None = None) -> SwitchProgram:
+                   direct_min_bytes: int | None = DIRECT_MIN_BYTES, members: Members | None = None,
+                   weights_only: bool = False) -> SwitchProgram:
     """Process ``rank``'s program for ``src -> dst`` of ``spec``: planned and compiled, cached by
     everything it depends on (a new world has new members, a new topology, new link costs: a new
-    program). ``members``: which process holds each layout rank (default: the same)."""
+    program). ``members``: which process holds each layout rank (default: the same).
+    ``weights_only``: the params alone (a rollout's switch): the optimizer's state is neither read
+    nor released, it stays where it is."""
     members = members or Members.same(src.world_size, dst.world_size)
-    plan = plan_rank_cached(spec, src, dst, rank, precision, topology, members)
-    peers = {r: plan_rank_cached(spec, src, dst, r, precision, topology, members)
+    plan = plan_rank_cached(spec, src, dst, rank, precision, topology, members, weights_only)
+    peers = {r: plan_rank_cached(spec, src, dst, r, precision, topology, members, weights_only)
              for r in sorted({t.peer for t in plan.recvs})} if link_costs is not None else {}
 
     def regions(layout: ParallelConfig, layout_rank: int | None) -> RegionMap:
-        return rank_regions(spec, layout, layout_rank, precision) if layout_rank is not None else {}
+        return rank_regions(spec, layout, layout_rank, precision, weights_only=weights_only) \
+            if layout_rank is not None else {}
 
     return compile_switch(plan, regions(src, members.src_rank(rank)), regions(dst, members.dst_rank(rank)),
                           staging_budget=staging_budget, direct_min_bytes=direct_min_bytes, link_costs=link_costs,

@@ -81,8 +81,9 @@ class TransferMatrix:
 
 def transfer_matrix(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, *,
                     precision: Precision = Precision.FP32, gpus_per_node: int = 8,
-                    progress: Progress | None = None) -> TransferMatrix:
-    """Plan the switch ``src -> dst`` on every rank (``plan_rank``) and add its bytes up by rank pair.
+                    progress: Progress | None = None, weights_only: bool = False) -> TransferMatrix:
+    """Plan the switch ``src -> dst`` on every rank (``plan_rank``) and add its bytes up by rank pair
+    (``weights_only``: the params alone, a rollout's switch).
 
     A rank's receive list names the rank each box comes from, so the receive lists alone give every
     off-diagonal entry; the retain lists give the diagonal. Ranks beyond one of the two worlds (a
@@ -92,7 +93,7 @@ def transfer_matrix(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, *
     topology = Topology.uniform(world, gpus_per_node)
     matrix = np.zeros((world, world), dtype=np.int64)
     for rank in range(world):
-        plan = plan_rank(spec, src, dst, rank, precision=precision, topology=topology)
+        plan = plan_rank(spec, src, dst, rank, precision=precision, topology=topology, weights_only=weights_only)
         for t in plan.recvs:
             matrix[t.peer, rank] += t.box.numel * spec.itemsize(t.tensor, t.kind, precision)
         matrix[rank, rank] += plan.bytes(plan.retains, spec, precision)

@@ -41,8 +41,10 @@ class LinkModel:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DryRunReport:
-    """The figures of one planned switch. Bytes count params and every optimizer state kind."""
+    """The figures of one planned switch. Bytes count params and every optimizer state kind, or the
+    params alone when ``weights_only`` (a rollout's switch)."""
 
+    weights_only: bool
     parameters: int
     state_bytes: int
     moved_bytes: int
@@ -82,6 +84,7 @@ def dry_run(
     links: LinkModel = LinkModel(),
     only_rank: int | None = None,
     cold_samples: int = 32,
+    weights_only: bool = False,
 ) -> tuple[DryRunReport, dict[int, RankPlan]]:
     """Plan the switch ``src -> dst`` on every rank (or only ``only_rank``) and add it up.
 
@@ -100,7 +103,7 @@ def dry_run(
     for r in _sample(ranks, cold_samples):
         clear_planner_caches()
         t0 = time.perf_counter()
-        plan_rank(spec, src, dst, r, precision=precision, topology=topology)
+        plan_rank(spec, src, dst, r, precision=precision, topology=topology, weights_only=weights_only)
         cold_max = max(cold_max, time.perf_counter() - t0)
 
     # every rank, sharing caches; each plan is added up and dropped (a rank keeps only its own)
@@ -109,7 +112,7 @@ def dry_run(
     moved = retained = intra = inter = max_send = max_recv = 0
     for r in ranks:
         t0 = time.perf_counter()
-        plan = plan_rank(spec, src, dst, r, precision=precision, topology=topology)
+        plan = plan_rank(spec, src, dst, r, precision=precision, topology=topology, weights_only=weights_only)
         dt = time.perf_counter() - t0
         total += dt
         warm_max = max(warm_max, dt)
@@ -129,8 +132,9 @@ def dry_run(
         est = max(est, wire + kept / links.local_copy)
 
     report = DryRunReport(
+        weights_only=weights_only,
         parameters=spec.parameters,
-        state_bytes=spec.state_bytes(precision),
+        state_bytes=spec.state_bytes(precision, weights_only=weights_only),
         moved_bytes=moved,
         retained_bytes=retained,
         intra_node_bytes=intra,

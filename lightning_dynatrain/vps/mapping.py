@@ -223,12 +223,16 @@ def is_sharded(layout: ParallelConfig, kind: StateKind) -> bool:
 
 
 def rank_regions(
-    spec: ModelSpec, layout: ParallelConfig, rank: int, precision: Precision = Precision.FP32
+    spec: ModelSpec, layout: ParallelConfig, rank: int, precision: Precision = Precision.FP32, *,
+    weights_only: bool = False,
 ) -> dict[tuple[str, StateKind], list[Region]]:
-    """F_P(layout, rank): every (tensor, state kind) the rank holds, with its regions."""
+    """F_P(layout, rank): every (tensor, state kind) the rank holds, with its regions
+    (``weights_only``: its params alone)."""
     out: dict[tuple[str, StateKind], list[Region]] = {}
     for tensor in spec.tensors:
         for kind, _ in precision.kinds_of(tensor):
+            if weights_only and kind is not StateKind.PARAM:
+                continue
             sharded = is_sharded(layout, kind)
             regions = state_placement(spec, layout, tensor.name, sharded, precision if sharded else Precision.FP32
                                       ).regions(rank)

@@ -43,6 +43,8 @@ class RankPlan:
     fills: tuple[Transfer, ...] = ()
     group_size: int = 0
     """Processes of the switch's group (``Members.size``); 0: the larger of the two worlds."""
+    weights_only: bool = False
+    """The params alone move (a rollout's switch); the optimizer's state stays where it is."""
 
     @property
     def world(self) -> int:
@@ -67,7 +69,8 @@ class RankPlan:
             return f"{len(ts)} boxes/{sum(t.box.numel for t in ts)} el"
 
         return (
-            f"rank {self.rank} {self.src}->{self.dst}: send {count(self.sends)} to {sorted({t.peer for t in self.sends})}"
+            f"rank {self.rank} {self.src}->{self.dst}{' (weights only)' if self.weights_only else ''}:"
+            f" send {count(self.sends)} to {sorted({t.peer for t in self.sends})}"
             f" | recv {count(self.recvs)} from {sorted({t.peer for t in self.recvs})}"
             f" | retain {count(self.retains)}"
             + (f" | fill {count(self.fills)}" if self.fills else "")

@@ -17,6 +17,11 @@ with ``Members.holes``, is a fill that a snapshot's copy overwrites after the sw
 
 The optimizer's state kinds share one geometry (they are sharded alike), so the geometry is
 computed once per tensor and expanded per kind.
+
+A *weights-only* plan (``weights_only=True``) moves the params alone, in the dtype the model trains
+in (bf16 params under ``Precision.BF16``): the switch to a rollout layout and back, while the
+optimizer's state (main params, moments) stays where it is. It is the full plan's ``PARAM``
+transfers, planned without the rest.
 """
 
 from __future__ import annotations
@@ -81,9 +86,11 @@ def plan_rank(
     precision: Precision = Precision.FP32,
     topology: Topology | None = None,
     members: Members | None = None,
+    weights_only: bool = False,
 ) -> RankPlan:
     """The plan of process ``rank`` for the switch ``src -> dst``. A process outside a layout's
-    world only sends (it leaves) or only receives (it joins).
+    world only sends (it leaves) or only receives (it joins). ``weights_only``: the params only
+    (see the module docstring).
 
     ``topology``: the node of every process (sources on the process's own node are preferred);
     ``None`` assumes nodes of 8 in order. ``members``: which process holds each source and each
@@ -95,7 +102,7 @@ def plan_rank(
     # Planning allocates many small acyclic tuples; a cyclic-GC pass over a training process's
     # large heap in the middle of it can cost more than the plan itself.
     with automatic_gc_paused():
-        return _plan_rank(spec, src, dst, rank, precision, topology, members)
+        return _plan_rank(spec, src, dst, rank, precision, topology, members, weights_only)
 
 
 def _checked(members: Members, src: ParallelConfig, dst: ParallelConfig) -> Members:
@@ -113,7 +120,7 @@ def default_topology(src: ParallelConfig, dst: ParallelConfig) -> Topology:
 
 def _plan_rank(
     spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision, topology: Topology,
-    members: Members,
+    members: Members, weights_only: bool,
 ) -> RankPlan:
     order = {t.name: i for i, t in enumerate(spec.tensors)}
     kind_order = {k: i for i, (k, _) in enumerate(precision.kinds)}
@@ -126,7 +133,7 @@ def _plan_rank(
     as_src = (lambda holders: holders) if members.is_identity else \
         (lambda h: tuple(p for p in (members.src[r] for r in h) if p is not None))  # the dead hold nothing
     as_dst = (lambda holders: holders) if members.is_identity else (lambda h: tuple(members.dst[r] for r in h))
-    for group in (0, 1):  # params first, then the optimizer's state
+    for group in (0,) if weights_only else (0, 1):  # params first, then the optimizer's state
         for tensor in spec.tensors:
             src_sharded, dst_sharded, kinds = _kind_groups(src, dst, precision.kinds_of(tensor))[group]
             source = state_placement(spec, src, tensor.name, src_sharded, precision if src_sharded else Precision.FP32)
@@ -175,6 +182,7 @@ def _plan_rank(
         recvs=tuple(sorted(recvs, key=key)),
         retains=tuple(sorted(retains, key=key)),
         fills=tuple(sorted(fills, key=key)),
+        weights_only=weights_only,
     )
 
 
@@ -202,10 +210,11 @@ def _beyond(box: Box, axis: int, limit: int) -> Box | None:
 @lru_cache(maxsize=256)
 def plan_rank_cached(
     spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, precision: Precision,
-    topology: Topology | None = None, members: Members | None = None,
+    topology: Topology | None = None, members: Members | None = None, weights_only: bool = False,
 ) -> RankPlan:
     """``plan_rank`` memoised on its inputs (plans are frozen, so sharing them is safe)."""
-    return plan_rank(spec, src, dst, rank, precision=precision, topology=topology, members=members)
+    return plan_rank(spec, src, dst, rank, precision=precision, topology=topology, members=members,
+                     weights_only=weights_only)
 
 
 def union_world(src: ParallelConfig, dst: ParallelConfig) -> int:
@@ -221,11 +230,13 @@ def plan_all(
     topology: Topology | None = None,
     ranks: Iterable[int] | None = None,
     members: Members | None = None,
+    weights_only: bool = False,
 ) -> dict[int, RankPlan]:
     """Plans of every process of the switch (or of ``ranks``)."""
     size = members.size if members is not None else union_world(src, dst)
     ranks = range(size) if ranks is None else ranks
-    return {r: plan_rank(spec, src, dst, r, precision=precision, topology=topology, members=members) for r in ranks}
+    return {r: plan_rank(spec, src, dst, r, precision=precision, topology=topology, members=members,
+                         weights_only=weights_only) for r in ranks}
 
 
 __all__ = ["choose_source", "default_topology", "plan_all", "plan_rank", "plan_rank_cached", "union_world"]

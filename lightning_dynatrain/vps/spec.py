@@ -273,13 +273,15 @@ class ModelSpec:
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
 
-    def state_bytes(self, precision: Precision) -> int:
-        """Bytes of one full logical copy of params and optimizer state."""
+    def state_bytes(self, precision: Precision, *, weights_only: bool = False) -> int:
+        """Bytes of one full logical copy of params and optimizer state (``weights_only``: of the
+        params alone, in the dtype they train in)."""
         total = 0
         for t in self.tensors:
             axis = t.axis_of(VOCAB)
             numel = t.numel if axis is None else t.numel // t.shape[axis] * self.vocab_size
-            total += numel * precision.of(t).bytes_per_element
+            each = precision.element_size(StateKind.PARAM, t) if weights_only else precision.of(t).bytes_per_element
+            total += numel * each
         return total
 
     def itemsize(self, tensor: str, kind: StateKind, precision: Precision) -> int:

@@ -24,7 +24,7 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import rank_regions
 from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.planner import plan_all
-from lightning_dynatrain.vps.spec import Precision
+from lightning_dynatrain.vps.spec import Precision, StateKind
 from lightning_dynatrain.vps.topology import Topology
 from tests.vps.strategies import layouts, small_specs
 
@@ -32,13 +32,15 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 FAVOUR_BROADCAST = LinkCosts(p2p_bytes_per_s=1.0, broadcast_bytes_per_s=1e12, broadcast_setup_s=0.0)
 
 
-def _programs(spec, src, dst, precision, budget, direct_min, costs, members=None) -> dict[int, SwitchProgram]:
+def _programs(spec, src, dst, precision, budget, direct_min, costs, members=None,
+              weights_only=False) -> dict[int, SwitchProgram]:
     members = members or Members.same(src.world_size, dst.world_size)
     topology = Topology.uniform(members.size, 4)
-    plans = plan_all(spec, src, dst, precision=precision, topology=topology, members=members)
+    plans = plan_all(spec, src, dst, precision=precision, topology=topology, members=members,
+                     weights_only=weights_only)
 
     def regions(layout, rank):
-        return rank_regions(spec, layout, rank, precision) if rank is not None else {}
+        return rank_regions(spec, layout, rank, precision, weights_only=weights_only) if rank is not None else {}
 
     return {p: compile_switch(plans[p], regions(src, members.src_rank(p)), regions(dst, members.dst_rank(p)),
                               staging_budget=budget, direct_min_bytes=direct_min, link_costs=costs, peer_plans=plans,
@@ -60,18 +62,21 @@ def switches(draw):
         size = max(src.world_size, dst.world_size) + draw(st.integers(0, 1))
         members = Members(src=tuple(draw(st.permutations(range(size)))[:src.world_size]),
                           dst=tuple(draw(st.permutations(range(size)))[:dst.world_size]), size=size)
-    return spec, src, dst, precision, budget, direct_min, costs, members
+    return spec, src, dst, precision, budget, direct_min, costs, members, draw(st.sampled_from([False, False, True]))
 
 
 @settings(max_examples=60, **SETTINGS)
 @given(switches())
 def test_programs_are_exact_matched_deadlock_free_and_bounded(case):
-    spec, src, dst, precision, budget, direct_min, costs, members = case
-    largest_row = max((p.needed_budget for p in
-                       _programs(spec, src, dst, precision, 2**30, direct_min, None, members).values()), default=0)
+    """Also weights-only programs (a rollout's switch): the params alone are read, written and released."""
+    spec, src, dst, precision, budget, direct_min, costs, members, weights_only = case
+    largest_row = max((p.needed_budget for p in _programs(spec, src, dst, precision, 2**30, direct_min, None, members,
+                                                          weights_only).values()), default=0)
     budget = max(budget, largest_row)  # below a row, every rank refuses the switch at run time
-    programs = _programs(spec, src, dst, precision, budget, direct_min, costs, members)
+    programs = _programs(spec, src, dst, precision, budget, direct_min, costs, members, weights_only)
     for program in programs.values():
+        if weights_only:
+            assert {t.key[1] for t in (*program.sources, *program.destinations)} <= {StateKind.PARAM}
         _check_life_times(program)
         _check_writes_exactly_once(program)
         for step in program.steps:

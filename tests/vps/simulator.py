@@ -100,7 +100,8 @@ def _keeper_data(kept: KeptCopies, members: Members, piece: FillPiece,
 
 def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP32,
              members: Members | None = None, patch: Sequence[FillPiece] = (), snapshot: SnapshotPlan | None = None,
-             keepers: Mapping[tuple[str, StateKind, Box], int] | None = None) -> SimulationResult:
+             keepers: Mapping[tuple[str, StateKind, Box], int] | None = None,
+             weights_only: bool = False) -> SimulationResult:
     """Run ``plans`` (every process of the switch) and assert the destination state is exact.
     ``members``: which process holds each source and destination rank (default: the same);
     ``patch``: with ``members.holes``, the pieces a snapshot's keepers write after the switch, which
@@ -108,7 +109,8 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
     ``src``; needed with a ``patch``): each keeper holds only the copies it gives it, and a piece is
     written from the copy its named keeper (a process, see ``members``) holds, or fails naming it;
     ``keepers``: the old rank keeping each lost box (``SnapshotSource.keepers``), which every
-    piece's keeper must be."""
+    piece's keeper must be. ``weights_only``: the destination's params alone must be written (a
+    rollout's switch); a transfer of any other kind fails."""
     offsets = _offsets(spec, precision)
     assert not patch or snapshot is not None, "a patch needs the snapshot plan: the keepers hold only its copies"
     if snapshot is not None:
@@ -116,7 +118,8 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
     kept = kept_copies(spec, snapshot, offsets) if snapshot is not None else {}
     members = members or Members.same(src.world_size, dst.world_size)
     src_regions = {p: rank_regions(spec, src, r, precision) for r, p in enumerate(members.src) if p is not None}
-    dst_regions = {members.dst[r]: rank_regions(spec, dst, r, precision) for r in range(dst.world_size)}
+    dst_regions = {members.dst[r]: _kinds(rank_regions(spec, dst, r, precision), weights_only)
+                   for r in range(dst.world_size)}
     # source storage: each region holds the global indices of its elements
     src_store = {
         (r, key, i): _expected(spec, offsets, key[0], key[1], reg.box)
@@ -201,8 +204,15 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
     return result
 
 
-def minimum_moved(spec, src, dst, precision=Precision.FP32, members: Members | None = None) -> int:
-    """Elements destination ranks need, did not hold, and some source rank holds (brute force)."""
+def _kinds(regions: dict, weights_only: bool) -> dict:
+    """``regions`` (by tensor and kind), of the params alone when ``weights_only``."""
+    return {key: regs for key, regs in regions.items() if not weights_only or key[1] is StateKind.PARAM}
+
+
+def minimum_moved(spec, src, dst, precision=Precision.FP32, members: Members | None = None,
+                  weights_only: bool = False) -> int:
+    """Elements destination ranks need, did not hold, and some source rank holds (brute force;
+    ``weights_only``: of the params alone)."""
     members = members or Members.same(src.world_size, dst.world_size)
     src_regions = [rank_regions(spec, src, r, precision) for r in range(src.world_size)]
     held: dict = {}  # each box once, however many replicas hold it (the dead hold nothing)
@@ -213,7 +223,7 @@ def minimum_moved(spec, src, dst, precision=Precision.FP32, members: Members | N
     for r in range(dst.world_size):
         src_rank = members.src_rank(members.dst[r])
         have = src_regions[src_rank] if src_rank is not None else {}
-        for key, regs in rank_regions(spec, dst, r, precision).items():
+        for key, regs in _kinds(rank_regions(spec, dst, r, precision), weights_only).items():
             for reg in regs:
                 exists = np.zeros(reg.box.shape, dtype=bool)
                 for box in held.get(key, []):
