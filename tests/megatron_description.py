@@ -43,9 +43,7 @@ def describe(state: Any) -> dict:
     dtype)`` with the local data's bits (an integer view: bf16 and NaN compare exactly); the
     optimizer's step and param groups' settings (``optimizer_settings``).
     """
-    import torch
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.mapping import apply_factories
 
     from lightning_dynatrain.devices import device_kind
 
@@ -57,19 +55,42 @@ def describe(state: Any) -> dict:
         optimizer = _optimizer_description(state.optimizer, model)
         described = {"model": model, "optimizer": optimizer}
         apply_factories(described)
+    return {"pieces": _pieces(described), **optimizer_settings(dict(_plain_values(optimizer)))}
+
+
+def describe_model(model: Any) -> dict:
+    """``describe`` of a bare model shard (no DDP, no optimizer: a rollout's model): its parameters
+    as megatron describes them (``model.sharded_state_dict()``), ``{"pieces": [...]}``. Collective
+    only where the model's description is."""
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    from lightning_dynatrain.devices import device_kind
+
+    with device_kind(next(model.parameters()).device).megatron_context():
+        described = {"model": model.sharded_state_dict(metadata=dict(METADATA))}
+        apply_factories(described)
+    return {"pieces": _pieces(described)}
+
+
+def _pieces(described: dict) -> list[tuple]:
+    """Every ``ShardedTensor`` with data in ``described``, as plain data (see ``describe``)."""
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     pieces = []
     for value in nested_values(described):
         if not isinstance(value, ShardedTensor) or value.data is None:
             continue
         if value.flattened_range is not None:
             raise AssertionError(f"{value.key}: a flattened range; describe reads fully_reshardable states only")
-        data = value.data.detach().contiguous().cpu()
+        data = value.data.detach().cpu().clone()  # (a numpy view of a live storage would pin its size)
         bits = data.view(torch.int16 if data.element_size() == 2 else {1: torch.uint8, 4: torch.int32,
                                                                          8: torch.int64}[data.element_size()])
         main = all(r == 0 for r in (value.replica_id if isinstance(value.replica_id, tuple) else (value.replica_id,)))
         pieces.append((value.key, tuple(value.global_shape), tuple(value.global_offset), value.prepend_axis_num,
                        main, bits.numpy().copy(), str(data.dtype)))
-    return {"pieces": pieces, **optimizer_settings(dict(_plain_values(optimizer)))}
+    return pieces
 
 
 def _optimizer_description(optimizer: Any, model: dict) -> dict:
@@ -234,4 +255,4 @@ def differences(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]
     return out
 
 
-__all__ = ["METADATA", "assemble", "describe", "differences", "optimizer_settings"]
+__all__ = ["METADATA", "assemble", "describe", "describe_model", "differences", "optimizer_settings"]

@@ -14,7 +14,9 @@ into megatron-core ask one ``DeviceKind`` (``device_kind(device)``) instead of t
   memory goes back to the system before the whole storage is freed;
 - ``free_bytes()`` / ``pool_name()``: the memory pool a switch draws on (memory check);
 - ``host_copier()``: how an in-memory snapshot copies the state into host buffers beside training
-  (``snapshot_copy``).
+  (``snapshot_copy``);
+- ``memory_is_host``: whether the device's memory is host memory already (a rollout's
+  ``park="host"`` then moves nothing, ``parked_storage``).
 
 Two kinds, frozen dataclasses over the device: ``host.HostKind`` for the CPU (and the storage-free
 ``meta`` device a probe builds on), whose package holds all the code that exists only for CPU
@@ -81,6 +83,10 @@ class DeviceKind(Protocol):
 
     def host_copier(self) -> HostCopier:
         """What copies this device's tensors into host buffers beside training (``snapshot_copy``)."""
+
+    @property
+    def memory_is_host(self) -> bool:
+        """Whether the device's memory is the host's (nothing to gain by moving state to the host)."""
 
 
 def device_kind(device: torch.device | str) -> DeviceKind:

@@ -76,5 +76,9 @@ class AcceleratorKind:
         """CUDA: copies on a side stream into pinned buffers; other accelerators: plain copies."""
         return StreamHostCopier(self.device) if self.device.type == "cuda" else PlainHostCopier()
 
+    @property
+    def memory_is_host(self) -> bool:
+        return False
+
 
 __all__ = ["AcceleratorKind"]

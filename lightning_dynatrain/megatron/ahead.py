@@ -239,13 +239,14 @@ def _start(current: MegatronState, target: ParallelConfig, setup, pgs, route: di
 
 
 def process_program(setup, src: ParallelConfig, target: ParallelConfig, process: int, precision: Precision,
-                    members: Members) -> SwitchProgram:
+                    members: Members, *, weights_only: bool = False) -> SwitchProgram:
     """This process's compiled program for a switch ``src -> target`` under ``setup`` (a
-    ``SwitchSetup``; cached by its inputs); broadcasts only within one world."""
+    ``SwitchSetup``; cached by its inputs); broadcasts only within one world. ``weights_only``: the
+    params alone (a rollout's switch)."""
     topology = setup.topology or default_topology(src, target)
     return switch_program(setup.spec, src, target, process, precision, staging_budget=setup.staging_budget,
                           topology=topology, link_costs=setup.link_costs if members.is_identity else None,
-                          members=members)
+                          members=members, weights_only=weights_only)
 
 
 def build_unfilled_state(setup, target: ParallelConfig, pgs, *, params_dtype: torch.dtype,

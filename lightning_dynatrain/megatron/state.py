@@ -56,6 +56,17 @@ class MegatronState:
         return [buf.grad_data for buf in [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]]
 
 
+def optimizer_tensors(state: MegatronState) -> list[torch.Tensor]:
+    """Every tensor megatron's optimizer holds on this rank: its params (main params, or the
+    model's own where it keeps none) and its per-param state (moments, Adam's step)."""
+    out: list[torch.Tensor] = []
+    for sub in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+        inner = sub.optimizer
+        out += [p for group in inner.param_groups for p in group["params"]]
+        out += [t for entry in inner.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+    return out
+
+
 def free_memory(state: MegatronState) -> int:
     """Give back the memory of every tensor of ``state`` (its parameters and DDP buffers, the
     optimizer's main parameters and states); the bytes freed. For a state nothing will read again
@@ -63,11 +74,7 @@ def free_memory(state: MegatronState) -> int:
     free before the successor takes its own. The state must not be trained on afterwards."""
     tensors = [*state.model.parameters(), *state.gradient_buffers(),
                *(b.param_data for b in [*state.ddp.buffers, *state.ddp.expert_parallel_buffers]
-                 if getattr(b, "param_data", None) is not None)]
-    for sub in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
-        inner = sub.optimizer
-        tensors += [p for group in inner.param_groups for p in group["params"]]
-        tensors += [t for entry in inner.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+                 if getattr(b, "param_data", None) is not None), *optimizer_tensors(state)]
     freed, seen = 0, set()
     for tensor in tensors:
         storage = tensor.untyped_storage()
@@ -100,4 +107,4 @@ def release_state(state: MegatronState) -> None:
         vars(part).clear()
 
 
-__all__ = ["MegatronState", "free_memory", "release_state"]
+__all__ = ["MegatronState", "free_memory", "optimizer_tensors", "release_state"]

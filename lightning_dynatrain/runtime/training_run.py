@@ -13,7 +13,10 @@ their library afterwards:
 5. a switch: ``check(target)`` (the one check of a switch request: the world, the model, the batch
    and the optimizer, refused before anything moves with a typed error), then
    ``switch(layout, step=)`` or, ahead of it, ``prepare(layout)``;
-6. ``close()`` at the end, while the world is up.
+6. between two steps, ``with rollout(layout, park=, keep_weights=) as policy:`` the training
+   weights at another layout for generation (``runtime.rollout``); no step, switch or build ahead
+   runs meanwhile (each is refused with ``RolloutError``);
+7. ``close()`` at the end, while the world is up.
 
 ``install`` is the one place a layout's ``MegatronState`` becomes the one training runs on (set-up,
 every switch, every world change and recovery); the front end's ``on_install`` (given at
@@ -32,8 +35,10 @@ Example (every rank; the loop engine's set-up)::
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Literal
 
@@ -43,6 +48,7 @@ import torch.distributed as dist
 from lightning_dynatrain.runtime.layout_checks import num_microbatches, validate_optimizer, validate_target
 from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
 from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe, optimizer_config
+from lightning_dynatrain.runtime.rollout import RolloutError, RolloutFigures, RolloutPolicy
 from lightning_dynatrain.transition.errors import mark_refused
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -86,6 +92,8 @@ class TrainingRun:
         self._optimizer: AdamSettings | OptimizerConfig | None = None
         self._model: torch.nn.Module | None = None
         self._state: MegatronState | None = None
+        self._rollout: RolloutPolicy | None = None  # the rollout phase running, if any
+        self._stepping = False  # inside ``train_step``
 
     # ---------------------------------------------------------------------------- what runs now
     @property
@@ -254,6 +262,7 @@ class TrainingRun:
         """
         recipe = self._recipe
         try:
+            self._refuse_in_rollout("a layout switch")
             layout = validate_target(target, world_size=self._world_size or self.layout.world_size,
                                      current=self._layout, model=recipe.model if recipe else None,
                                      global_batch_size=recipe.global_batch_size if recipe else None,
@@ -284,6 +293,7 @@ class TrainingRun:
     def prepare(self, layout: ParallelConfig) -> bool:
         """Start building the switch to the checked ``layout`` in the background (``LayoutSwitcher.prepare``);
         whether a build started. Collective (every rank, between the same two steps)."""
+        self._refuse_in_rollout("a switch built ahead")
         return self.switcher.prepare(self.state, layout, recipe=self.recipe, optimizer=self.optimizer_settings)
 
     # ------------------------------------------------------------------------------- steps
@@ -293,7 +303,12 @@ class TrainingRun:
         (the same on every rank). ``progress``: how far it got (``megatron.step_progress``)."""
         from lightning_dynatrain.runtime.steps import train_step
 
-        return train_step(self.state, batch, self.recipe, lr=lr, weight_decay=weight_decay, progress=progress)
+        self._refuse_in_rollout("a training step")
+        self._stepping = True
+        try:
+            return train_step(self.state, batch, self.recipe, lr=lr, weight_decay=weight_decay, progress=progress)
+        finally:
+            self._stepping = False
 
     def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """The global mean loss of the global ``batch`` at the current layout, forward only (the DDP
@@ -303,6 +318,72 @@ class TrainingRun:
         if self._state is not None:
             return eval_step(self._state.ddp, self._state.groups, self._state.layout, batch, self.recipe)
         return eval_step(self.model_shard, self.groups, self.layout, batch, self.recipe)
+
+    # ----------------------------------------------------------------------------- rollouts
+    @property
+    def in_rollout(self) -> bool:
+        """Whether a rollout phase runs now."""
+        return self._rollout is not None
+
+    @contextmanager
+    def rollout(self, layout: str | ParallelConfig, *, park: str = "in_place",
+                keep_weights: bool = True) -> Iterator[RolloutPolicy]:
+        """The training weights at ``layout`` for scoring and sampling (``runtime.rollout``), between two
+        steps; on leaving, training's state at its layout as it was, bit for bit (checked with the
+        switcher's ``verify``). Collective: every rank enters and leaves together.
+
+        ``park``: ``"in_place"`` leaves the optimizer's state and gradient buffers where they are;
+        ``"host"`` moves the optimizer's state to host memory and frees the gradient buffers (on CPU
+        processes nothing moves: their memory is the host's). ``keep_weights=False`` frees the
+        training shards of the weights meanwhile and refills them on leaving (a weights-only switch back).
+
+        Raises (before anything moved, every rank):
+            RolloutError: inside a step, in a rollout already, a switch being built ahead, or bad
+                ``park``/``keep_weights``.
+            LayoutError, WorldSizeError: ``layout`` does not fit the model or the world.
+        """
+        from lightning_dynatrain.megatron.execution import ExecutionOptions
+        from lightning_dynatrain.megatron.rollout import PARKS, enter_rollout, leave_rollout
+        from lightning_dynatrain.runtime.switcher import fingerprint, verify_unchanged
+
+        try:
+            if self._stepping:
+                raise RolloutError("a rollout was asked for inside a training step",
+                                   hint="enter it between two steps (before the step's train_step, or in a callback)")
+            self._refuse_in_rollout("another rollout")
+            if self.switcher.building:
+                raise RolloutError("a switch is being built ahead", hint="enter the rollout after that switch ran")
+            if park not in PARKS or not isinstance(keep_weights, bool):
+                raise RolloutError(f"park={park!r}, keep_weights={keep_weights!r}",
+                                   hint=f"park is one of {', '.join(PARKS)}; keep_weights True or False")
+            target = validate_target(layout, world_size=self._world_size or self.layout.world_size,
+                                     current=self.layout, model=self.recipe.model, execution=ExecutionOptions())
+        except DynaTrainError as err:
+            raise mark_refused(err)
+        switcher, state = self.switcher, self.state
+        setup = switcher.setup(self.recipe, self.optimizer_settings)
+        before = fingerprint(state, setup) if switcher.verify else None
+        phase = enter_rollout(state, target, setup, groups=switcher.groups, park=park, keep_weights=keep_weights,
+                              subgroups=switcher.subgroups)
+        policy = self._rollout = RolloutPolicy(phase, setup.spec)
+        policy.figures = RolloutFigures(enter_seconds=phase.enter_seconds, enter_report=phase.enter_report,
+                                        parked_bytes=phase.parked_bytes)
+        try:
+            yield policy
+        finally:
+            self._rollout = None
+            start = time.perf_counter()
+            report = leave_rollout(phase, setup, groups=switcher.groups, subgroups=switcher.subgroups)
+            policy.figures = RolloutFigures(enter_seconds=phase.enter_seconds, enter_report=phase.enter_report,
+                                            parked_bytes=phase.parked_bytes, leave_report=report,
+                                            leave_seconds=time.perf_counter() - start)
+        if before is not None:
+            verify_unchanged(before, state, setup)
+
+    def _refuse_in_rollout(self, what: str) -> None:
+        if self._rollout is not None:
+            raise mark_refused(RolloutError(f"{what} was asked for during a rollout phase (at {self._rollout.layout})",
+                                            hint="leave the rollout (end its `with` block) first"))
 
     # ------------------------------------------------------------------------------ the end
     def close(self) -> None:

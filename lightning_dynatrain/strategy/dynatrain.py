@@ -100,7 +100,6 @@ class DynaTrainStrategy(MegatronProcessStrategy):
             so a failed switch rolls back to the old layout on every surviving rank.
         cluster_environment: Lightning's cluster environment; ``None`` lets the Trainer detect it.
         seed: seed of megatron's RNG trackers (model weights are seeded by the module's recipe).
-
         parallel_devices: as for any Lightning ``ParallelStrategy``.
         checkpoint_io: unused: checkpoints are DCP directories the strategy writes itself.
         precision_plugin: leave it out and pass ``Trainer(precision="bf16-mixed" | "32-true")``: the
@@ -161,7 +160,6 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         self.stepping = Stepping(self.run, handle=lambda: self.optimizer_handle, elastic=lambda: self._elastic,
                                  trainer=self._running_trainer, local_collectives=self._collectives_are_local)
 
-    # ------------------------------------------------------------------------------ registry
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
@@ -321,8 +319,7 @@ class DynaTrainStrategy(MegatronProcessStrategy):
 
     # ------------------------------------------------------------- switching: switch_requests.py
     def check_layout(self, target: str | ParallelConfig) -> ParallelConfig:
-        """Parse and check ``target`` against the world, the model, the batch and the optimizer; the
-        layout or a typed error (``TrainingRun.check``)."""
+        """The checked layout ``target`` or a typed error (``TrainingRun.check``: world, model, batch, optimizer)."""
         return self.run.check(target)
 
     def reconfigure(self, target: str | ParallelConfig) -> ReconfigReport | None:
@@ -336,6 +333,10 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         build started. Collective: every rank, between the same two steps. Returns and raises:
         ``SwitchRequests.prepare_reconfigure``."""
         return self.switch_requests.prepare_reconfigure(target)
+
+    def rollout(self, layout: str | ParallelConfig, *, park: str = "in_place", keep_weights: bool = True):
+        """``with strategy.rollout(layout) as policy:`` the weights at ``layout``, between steps (``TrainingRun.rollout``)."""
+        return self.run.rollout(layout, park=park, keep_weights=keep_weights)
 
     @property
     def pending_layout(self) -> ParallelConfig | None:

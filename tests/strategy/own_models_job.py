@@ -5,7 +5,9 @@ real gloo, real megatron, one job for all of them (``run_own_models4``).
 Per model: a fit with scheduled switches over dp/tp/pp (and ep for the MoE), ``verify=True``, every
 rank's training state described by megatron itself (``tests/megatron_description.py``) right before
 and right after each switch; then the same steps at the first layout without switches. The split-MLP GPT (bf16, megatron's ``OptimizerParamScheduler``)
-also saves a checkpoint after one switch, and a second fit resumes from it. The BERT runs a torch
+also saves a checkpoint after one switch, and a second fit resumes from it, and enters a rollout
+phase at ``ROLLOUT`` (weights freed, optimizer parked): the state described before and after it, the
+rollout model's weights, what it generated, a switch asked for inside it. The BERT runs a torch
 ``LambdaLR``, the MoE a constant rate. Every rank returns the spec the strategy read from its model.
 
 Lightning sees ``LOCAL_RANK`` (so it launches nothing) and finds ``torch.distributed`` initialised.
@@ -31,6 +33,8 @@ CASES = {
 }
 #: the split-MLP fit saves here (after the switch of that step); a second fit resumes from it
 RESUME_AT = 4
+#: the split-MLP fit enters a rollout phase after this step (at dp1-tp2-pp2), at this layout
+ROLLOUT = (3, "dp4-tp1-pp1")
 
 
 def _module(name: str):
@@ -86,12 +90,31 @@ def _trainer(layout: str, steps: int, precision: str, callbacks: list, **kwargs)
 
 
 def _callbacks(schedule: dict, save: Path | None = None) -> tuple[list, dict]:
-    """``[state before, ScheduledReconfig, state after (and a save)]`` and what they record."""
+    """``[state before, ScheduledReconfig, state after (and a save and a rollout)]`` and what they record."""
     from lightning.pytorch.callbacks import Callback
 
     from lightning_dynatrain.callbacks import ScheduledReconfig
+    from tests.megatron_description import describe_model
 
     record: dict = {"before": {}, "after": {}, "lr": []}
+
+    def rollout(strategy) -> dict:
+        import torch
+
+        out = {"before": describe(strategy.megatron)}
+        prompts = torch.arange(4 * 6).reshape(4, 6) % 200
+        with strategy.rollout(ROLLOUT[1], park="host", keep_weights=False) as policy:
+            out["model"] = describe_model(policy.model)
+            generated = policy.generate(prompts, max_new_tokens=3, temperature=1.0, seed=5)
+            out["generated"] = (generated.tokens.numpy(), generated.log_probs.numpy())  # (plain data for the parent)
+            out["scored"] = policy.log_probs(generated.tokens).numpy()
+            try:
+                strategy.reconfigure("dp4-tp1-pp1")
+            except Exception as err:  # noqa: BLE001 (what was raised is the record)
+                out["refused"] = type(err).__name__
+        out["after"] = describe(strategy.megatron)
+        out["parked_bytes"] = policy.figures.parked_bytes
+        return out
 
     class LocalState(Callback):
         def __init__(self, side: str):
@@ -105,6 +128,8 @@ def _callbacks(schedule: dict, save: Path | None = None) -> tuple[list, dict]:
                 record["lr"].append(tuple(trainer.strategy.optimizer_handle.scheduled))
                 if save is not None and step == RESUME_AT:
                     trainer.save_checkpoint(save)
+                if save is not None and step == ROLLOUT[0]:
+                    record["rollout"] = rollout(trainer.strategy)
 
     return [LocalState("before"), ScheduledReconfig(schedule), LocalState("after")], record
 
@@ -149,4 +174,4 @@ def run_own_models4(tmp: str, names: tuple[str, ...] = tuple(CASES)) -> list[dic
     return run_distributed(_job, 4, tmp, names, timeout_s=900, collective_timeout_s=300)
 
 
-__all__ = ["CASES", "RESUME_AT", "STEPS", "run_own_models4"]
+__all__ = ["CASES", "RESUME_AT", "ROLLOUT", "STEPS", "run_own_models4"]

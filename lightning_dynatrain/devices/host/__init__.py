@@ -80,5 +80,9 @@ class HostKind:
         """Plain copies: the state is in host memory already."""
         return PlainHostCopier()
 
+    @property
+    def memory_is_host(self) -> bool:
+        return True
+
 
 __all__ = ["HostKind"]
