@@ -18,7 +18,9 @@ on the ``.py`` files under ``DIR`` whenever the step count is a multiple of ``N`
 ``OUT/val.csv``.
 ``--save-state-at K`` saves the whole state after step K with ``accelerator.save_state(OUT/state)``;
 ``--resume DIR`` loads one with ``accelerator.load_state(DIR)`` (written at any layout and number of
-processes: it loads into this run's layout) and trains on to ``--max-steps``.
+processes: it loads into this run's layout) and trains on to ``--max-steps``. ``--rollout K:LAYOUT``
+samples a few continuations after step K at another layout, in the same processes
+(``engine.rollout``: the weights alone switched there and back; ``docs/rollout.md``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from loop_common import Validation, add_run_args, model_of, plugin_of, summary, write
+from loop_common import Validation, add_run_args, model_of, plugin_of, rollout, summary, write
 
 from lightning_dynatrain.accelerate import DynaTrainEngine
 from lightning_dynatrain.data import StdlibBytes
@@ -83,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                     accelerator.print(f"[accelerate_gpt] {line}")
                 if engine.step == args.save_state_at:
                     accelerator.save_state(str(args.out / "state"))
+                if line := rollout(args, engine):
+                    accelerator.print(f"[accelerate_gpt] {line}")
                 if engine.step >= args.max_steps:
                     break
         seconds = time.perf_counter() - start

@@ -20,7 +20,9 @@ on the ``.py`` files under ``DIR`` whenever the step count is a multiple of ``N`
 ``OUT/val.csv``.
 ``--save-at K`` saves the whole state after step K with ``fabric.save(OUT/state, ...)``;
 ``--resume DIR`` loads one with ``fabric.load(DIR, ...)`` (written at any layout and number of
-processes: it loads into this run's layout) and trains on to ``--max-steps``.
+processes: it loads into this run's layout) and trains on to ``--max-steps``. ``--rollout K:LAYOUT``
+samples a few continuations after step K at another layout, in the same processes
+(``engine.rollout``: the weights alone switched there and back; ``docs/rollout.md``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 from lightning.fabric import Fabric
-from loop_common import Validation, add_run_args, model_of, plugin_of, summary, write
+from loop_common import Validation, add_run_args, model_of, plugin_of, rollout, summary, write
 
 from lightning_dynatrain.data import StdlibBytes
 from lightning_dynatrain.fabric import DynaTrainEngine, DynaTrainFabricStrategy
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
                     fabric.print(f"[fabric_gpt] {line}")
                 if engine.step == args.save_at:
                     fabric.save(args.out / "state", state)
+                if line := rollout(args, engine):
+                    fabric.print(f"[fabric_gpt] {line}")
                 if engine.step >= args.max_steps:
                     break
         seconds = time.perf_counter() - start

@@ -32,6 +32,9 @@ def add_run_args(p: argparse.ArgumentParser, *, out: str) -> None:
     p.add_argument("--val-every", type=int, default=0, help="validate when the step count is a multiple of N, "
                    "the run's first step count included (0: never)")
     p.add_argument("--val-batches", type=int, default=2, help="global batches per validation")
+    p.add_argument("--rollout", default=None, metavar="STEP:LAYOUT",
+                   help="after step STEP, sample a few continuations at LAYOUT (a rollout phase: the weights alone "
+                   "switched there and back, the optimizer's state parked; docs/rollout.md)")
     m = p.add_argument_group("model and batch (as examples/train_gpt.py)")
     m.add_argument("--hidden", type=int, default=128)
     m.add_argument("--layers", type=int, default=4)
@@ -90,6 +93,23 @@ class Validation:
         loss = sum(losses) / len(losses)
         self.rows.append((self.engine.step, loss, str(self.engine.layout)))
         return f"step {self.engine.step} val_loss {loss:.4f} ({self.engine.layout})"
+
+
+def rollout(args: argparse.Namespace, engine: DynaTrainEngine) -> str | None:
+    """``--rollout STEP:LAYOUT``: after step STEP, four prompts from the standard library continued by 8
+    sampled bytes at LAYOUT, between two steps; the line to print (``None`` at other steps)."""
+    import torch
+
+    if args.rollout is None or engine.step != int(args.rollout.split(":")[0]):
+        return None
+    layout = args.rollout.split(":", 1)[1]
+    prompts = torch.tensor([list(text.encode()) for text in ("def main(", "import os", "class Foo", "return x ")])
+    with engine.rollout(layout, park="host") as policy:
+        out = policy.generate(prompts, max_new_tokens=8, temperature=0.8, top_k=32, seed=engine.step)
+    sampled = [bytes(row[prompts.shape[1]:].tolist()).decode(errors="replace") for row in out.tokens]
+    figures = policy.figures
+    return (f"rollout at {layout} after step {engine.step}: {sampled[0]!r} after {'def main('!r}, mean log-prob "
+            f"{out.log_probs.mean().item():.3f}; in {figures.enter_seconds:.2f} s, out {figures.leave_seconds:.2f} s")
 
 
 def write(out: Path, rows: list[tuple[int, float, str]], history: list,

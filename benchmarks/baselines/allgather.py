@@ -77,14 +77,18 @@ def _sub(view: torch.Tensor, piece: Piece, box: Box) -> torch.Tensor:
 
 def allgather_switch(source: dict, dest: dict, spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int,
                      *, precision: Precision = Precision.FP32, chunk_elements: int = CHUNK_ELEMENTS,
-                     group: dist.ProcessGroup | None = None) -> GatherStats:
-    """Fill ``dest`` (the new layout's live tensors) from ``source`` (the old layout's); collective."""
+                     group: dist.ProcessGroup | None = None,
+                     kinds: tuple[StateKind, ...] | None = None) -> GatherStats:
+    """Fill ``dest`` (the new layout's live tensors) from ``source`` (the old layout's); collective.
+    ``kinds``: only these state kinds (``(StateKind.PARAM,)``: a weights-only refit); default all."""
     start = time.perf_counter()
     old, new = layout_pieces(spec, src, precision), layout_pieces(spec, dst, precision)
     world = dist.get_world_size(group)
     collectives = recv_bytes = 0
     gather_s = 0.0
     for tk in old.holders:
+        if kinds is not None and tk[1] not in kinds:
+            continue
         tensor = spec.tensor(tk[0])
         shape = old.stored_shape[tk[0]]
         for slice_box in _slices(shape, tensor.stack_axes, chunk_elements):

@@ -105,12 +105,13 @@ def measure_speeds(*, nbytes: int = 64 * MiB, copy_bytes: int = 256 * MiB, repea
 
 def switch_floor(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig, rank: int, speeds: Speeds, *,
                  precision: Precision = Precision.FP32, topology: Topology | None = None,
-                 group: dist.ProcessGroup | None = None) -> Floor:
-    """The floor of ``src -> dst`` from every rank's plan (collective; same result on every rank).
+                 group: dist.ProcessGroup | None = None, weights_only: bool = False) -> Floor:
+    """The floor of ``src -> dst`` from every rank's plan (collective; same result on every rank);
+    ``weights_only``: of the weights-only plan (a rollout's switch).
 
     Uses the uncached ``plan_rank``: a hot switch timed later still pays for its own plan.
     """
-    plan = plan_rank(spec, src, dst, rank, precision=precision, topology=topology)
+    plan = plan_rank(spec, src, dst, rank, precision=precision, topology=topology, weights_only=weights_only)
     mine = torch.tensor([plan.bytes(plan.recvs, spec, precision), plan.bytes(plan.retains, spec, precision)],
                         dtype=torch.int64)
     table = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]

@@ -264,6 +264,11 @@ class DynaTrainEngine:
         self.library.print(str(report))
         return report
 
+    def rollout(self, layout: str | ParallelConfig, *, park: str = "in_place", keep_weights: bool = True):
+        """``with engine.rollout(layout) as policy:`` the training weights at ``layout`` for generation,
+        between two steps (``TrainingRun.rollout``, ``docs/rollout.md``). Collective."""
+        return self.run.rollout(layout, park=park, keep_weights=keep_weights)
+
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The run's progress, the same on every rank (Accelerate saves it from rank 0 as a custom

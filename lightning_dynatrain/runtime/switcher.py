@@ -262,6 +262,11 @@ class LayoutSwitcher:
             self._prepared[2].wait()
             self._prepared = None
 
+    def wait_for_build(self) -> bool:
+        """Wait for the background build running, if any (what it built stays); whether none runs now
+        (the build ended within the training timeout)."""
+        return self._prepared is None or self._prepared[2].wait(self.training_timeout.total_seconds())
+
     @property
     def building(self) -> bool:
         """A background build runs now."""

@@ -337,9 +337,10 @@ class TrainingRun:
         processes nothing moves: their memory is the host's). ``keep_weights=False`` frees the
         training shards of the weights meanwhile and refills them on leaving (a weights-only switch back).
 
+        A switch being built ahead (``prepare``) finishes its build first and stays built.
+
         Raises (before anything moved, every rank):
-            RolloutError: inside a step, in a rollout already, a switch being built ahead, or bad
-                ``park``/``keep_weights``.
+            RolloutError: inside a step, in a rollout already, or bad ``park``/``keep_weights``.
             LayoutError, WorldSizeError: ``layout`` does not fit the model or the world.
         """
         from lightning_dynatrain.megatron.execution import ExecutionOptions
@@ -351,8 +352,6 @@ class TrainingRun:
                 raise RolloutError("a rollout was asked for inside a training step",
                                    hint="enter it between two steps (before the step's train_step, or in a callback)")
             self._refuse_in_rollout("another rollout")
-            if self.switcher.building:
-                raise RolloutError("a switch is being built ahead", hint="enter the rollout after that switch ran")
             if park not in PARKS or not isinstance(keep_weights, bool):
                 raise RolloutError(f"park={park!r}, keep_weights={keep_weights!r}",
                                    hint=f"park is one of {', '.join(PARKS)}; keep_weights True or False")
@@ -361,6 +360,9 @@ class TrainingRun:
         except DynaTrainError as err:
             raise mark_refused(err)
         switcher, state = self.switcher, self.state
+        if not switcher.wait_for_build():  # a switch being built ahead finishes first (it stays built)
+            raise mark_refused(RolloutError("a switch being built ahead did not finish within the training timeout",
+                                            hint="see the build's warning on each rank; enter the rollout later"))
         setup = switcher.setup(self.recipe, self.optimizer_settings)
         before = fingerprint(state, setup) if switcher.verify else None
         phase = enter_rollout(state, target, setup, groups=switcher.groups, park=park, keep_weights=keep_weights,

@@ -335,8 +335,8 @@ class DynaTrainStrategy(MegatronProcessStrategy):
         return self.switch_requests.prepare_reconfigure(target)
 
     def rollout(self, layout: str | ParallelConfig, *, park: str = "in_place", keep_weights: bool = True):
-        """``with strategy.rollout(layout) as policy:`` the weights at ``layout``, between steps (``TrainingRun.rollout``)."""
-        return self.run.rollout(layout, park=park, keep_weights=keep_weights)
+        """``with strategy.rollout(layout) as policy:`` the weights at ``layout``, between steps (``SwitchRequests.rollout``)."""
+        return self.switch_requests.rollout(layout, park=park, keep_weights=keep_weights)
 
     @property
     def pending_layout(self) -> ParallelConfig | None:

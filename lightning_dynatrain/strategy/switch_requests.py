@@ -13,12 +13,15 @@ step replaces the first). Every ``training_step`` is one whole optimizer step ov
 (megatron's micro-batches inside it), so "mid accumulation" means "inside a training step". The
 check of the target and the switch itself are the run's (``TrainingRun.check``, ``TrainingRun.switch``);
 each switch's report goes to the Trainer's loggers and rank 0 prints its line (``log_switch``).
+A rollout phase (``rollout``) is the run's too (``TrainingRun.rollout``); here a snapshot in flight
+ends first, as before a switch, and rank 0 prints the phase's two transitions.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
 
 import torch.distributed as dist
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_dynatrain.elastic.driver.driver import ElasticDriver
+    from lightning_dynatrain.runtime.rollout import RolloutPolicy
     from lightning_dynatrain.runtime.training_run import TrainingRun
 
 T = TypeVar("T")
@@ -157,6 +161,23 @@ class SwitchRequests:
             self.history.append(report)
         log_switch(self._trainer(), report, is_global_zero=not dist.is_initialized() or dist.get_rank() == 0)
         return report
+
+    @contextmanager
+    def rollout(self, layout: str | ParallelConfig, *, park: str, keep_weights: bool) -> "Iterator[RolloutPolicy]":
+        """``TrainingRun.rollout`` between two steps: under ``OnNodeChange`` the snapshot in flight ends
+        first (the phase leaves the state as it was, so the snapshot stays valid); rank 0 prints both
+        transitions."""
+        elastic = self._elastic()
+        if elastic is not None and elastic.snapshots is not None:
+            elastic.snapshots.before_state_change()
+        step = self._global_step()
+        with self._run.rollout(layout, park=park, keep_weights=keep_weights) as policy:
+            figures = policy.figures
+            rank_zero_info(f"[dynatrain] step {step}: rollout at {policy.layout}, weights moved in "
+                           f"{figures.enter_seconds:.2f} s, {figures.parked_bytes / 2**20:.1f} MiB parked")
+            yield policy
+        rank_zero_info(f"[dynatrain] step {step}: back at {self._run.layout} from the rollout in "
+                       f"{policy.figures.leave_seconds:.2f} s")
 
     def close(self) -> None:
         """Forget a pending switch (the run ends)."""

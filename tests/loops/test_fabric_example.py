@@ -4,7 +4,8 @@ seed; resumed from its own ``fabric.save`` under Fabric's own launcher (``python
 ``Fabric.launch()`` starts the other processes), at the layout that wrote it (the same losses,
 exactly) and on 2 processes; in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with fp32 main params), saved
 and resumed; with a scheduled switch refused (training goes on, or the error leaves the loop); and
-with a rank killed in a switch (every survivor fails naming it and the checkpoint to resume from).
+with a rank killed in a switch (every survivor fails naming it and the checkpoint to resume from); the
+straight run enters a rollout phase after its save (the resumed run, without it, must match it).
 
 Each run is a real job under its own timeout; the Lightning run is the session's (``conftest.py``).
 """
@@ -35,6 +36,7 @@ from tests.loops.jobs import (
 pytestmark = pytest.mark.slow
 
 FABRIC_RUN = [fabric_executable(), "run", "--accelerator", "cpu", "--devices", "4"]
+ROLLOUT = "dp4-tp1-pp1"  # the straight run's rollout layout, after step SAVE_AT
 
 
 def own_launcher(devices: int) -> list[str]:
@@ -50,7 +52,7 @@ def _fabric(launch: list[str], out: Path, *extra: str, layout: str = START, sche
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("fabric_example")
-    straight = _fabric(FABRIC_RUN, tmp / "fabric", "--save-at", str(SAVE_AT))
+    straight = _fabric(FABRIC_RUN, tmp / "fabric", "--save-at", str(SAVE_AT), "--rollout", f"{SAVE_AT}:{ROLLOUT}")
     state = str(tmp / "fabric" / "state")
     resumed = _fabric(own_launcher(4), tmp / "resumed", "--resume", state, layout=LAYOUT_OF_STEP[SAVE_AT],
                       DYNATRAIN_SCHEDULE_AHEAD="false")
@@ -75,6 +77,16 @@ def test_fabric_run_trains_and_switches_like_the_lightning_run(runs: dict, light
         (0, START), (3, LAYOUT_OF_STEP[3]), (6, LAYOUT_OF_STEP[6])]
     # nothing to act on: megatron's import notices and the like are filtered (warning_filters.py)
     assert "Warning" not in runs["straight"].stderr, runs["straight"].stderr[-4000:]
+
+
+def test_a_rollout_between_two_steps_samples_at_its_layout_and_leaves_training_as_it_was(runs: dict) -> None:
+    """The straight run samples at dp4-tp1-pp1 after step 3 (saved just before), with the switch of
+    step 4 built ahead (the rollout waits for its build, which stays); the run resumed from that save
+    without the rollout computes the same losses after it, bit for bit (the next test): the rollout
+    left the training state as it was."""
+    out = runs["straight"].stdout
+    line = next(x for x in out.splitlines() if x.startswith(f"[fabric_gpt] rollout at {ROLLOUT} after step {SAVE_AT}: "))
+    assert "after 'def main('" in line and "mean log-prob -" in line, line
 
 
 def test_fabric_save_and_load_resume_exactly_at_the_same_layout(runs: dict) -> None:

@@ -27,7 +27,7 @@ def rollouts(draw):
     return spec, train, rollout, draw(st.sampled_from(list(Precision))), draw(st.sampled_from([1, 2, 4]))
 
 
-@settings(max_examples=80, **SETTINGS)
+@settings(max_examples=30, **SETTINGS)
 @given(rollouts())
 def test_weights_only_switches_both_ways_are_exact_minimal_and_the_full_plans_params(case):
     spec, train, rollout, precision, gpus_per_node = case
