@@ -4,7 +4,8 @@ For each (training layout, rollout layout) pair, one spawned job of 4 gloo proce
 megatron GPT at the training layout (fp32, Adam state from one real step) and measures, slowest rank:
 
 1. **enter** (``megatron.rollout.enter_rollout``, ``keep_weights=True``, ``park="in_place"``): the
-   weights-only switch into a bare model at the rollout layout; its bytes; the floor of that plan
+   weights-only switch into a bare model at the rollout layout, and its engine's part (the walker's
+   report; the rest is the groups, the program and the model's build); its bytes; the floor of that plan
    (``baselines.floor``: received bytes over the measured p2p rate + kept bytes at ``copy_`` speed);
 2. **leave** with ``keep_weights=True``: nothing moves back;
 3. the same with ``keep_weights=False``: entering frees the training shards of the weights, leaving
@@ -123,6 +124,7 @@ def _job(rank: int, world: int, quick: bool, train_text: str, rollout_text: str,
     before = rss()
     phase, out["enter_seconds"] = _timed(lambda: enter_rollout(state, rollout, setup, groups=cache))
     out["enter_bytes"] = phase.enter_report.recv_bytes
+    out["enter_engine_seconds"] = _slowest(phase.enter_report.total_seconds)  # the walker's part of it
     out["tokens_per_s"] = generate(phase)
     out["rss_in_phase_kept"] = rss() - before
     report, out["leave_seconds"] = _timed(lambda: leave_rollout(phase, setup, groups=cache))
@@ -130,6 +132,7 @@ def _job(rank: int, world: int, quick: bool, train_text: str, rollout_text: str,
     phase, out["enter_freed_seconds"] = _timed(lambda: enter_rollout(state, rollout, setup, groups=cache,
                                                                      keep_weights=False))
     out["rss_in_phase_freed"] = rss() - before
+    out["enter_freed_engine_seconds"] = _slowest(phase.enter_report.total_seconds)
     out["parked_bytes"] = phase.parked_bytes
     report, out["leave_refill_seconds"] = _timed(lambda: leave_rollout(phase, setup, groups=cache))
     out["leave_refill_bytes"] = 0 if report is None else report.recv_bytes
@@ -183,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     for train, rollout in pairs:
         print(f"[rl_phase] {train} <-> {rollout} ...", flush=True)
         rows[f"{train} <-> {rollout}"] = run_pair(args.quick, train, rollout, args)
-    keys = ["floor_seconds", "enter_seconds", "enter_over_floor", "enter_bytes", "leave_seconds", "leave_bytes",
-            "enter_freed_seconds", "leave_refill_seconds", "leave_refill_bytes", "refit_seconds", "refit_over_enter",
+    keys = ["floor_seconds", "enter_seconds", "enter_engine_seconds", "enter_over_floor", "enter_bytes",
+            "leave_seconds", "leave_bytes", "enter_freed_seconds", "enter_freed_engine_seconds", "leave_refill_seconds", "leave_refill_bytes", "refit_seconds", "refit_over_enter",
             "tokens_per_s", "train_layout_tokens_per_s", "step_seconds", "transition_share", "rss_in_phase_kept",
             "rss_in_phase_freed"]
     print(f"{'':28}" + "".join(f"{name[:26]:>28}" for name in rows))

@@ -14,7 +14,7 @@ from benchmarks.elastic_job import REPO, ElasticJob, torchrun
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 160
+MAX_STEPS = 240  # the second launch starts in about 30 s, at step 70-160 on an idle machine: it must join before the end
 POLICY = "{2: dp2-tp1-pp1, 4: dp2-tp2-pp1}"
 
 
