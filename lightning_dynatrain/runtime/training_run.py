@@ -35,6 +35,7 @@ Example (every rank; the loop engine's set-up)::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -376,9 +377,8 @@ class TrainingRun:
             self._rollout = None
             start = time.perf_counter()
             report = leave_rollout(phase, setup, groups=switcher.groups, subgroups=switcher.subgroups)
-            policy.figures = RolloutFigures(enter_seconds=phase.enter_seconds, enter_report=phase.enter_report,
-                                            parked_bytes=phase.parked_bytes, leave_report=report,
-                                            leave_seconds=time.perf_counter() - start)
+            policy.figures = dataclasses.replace(policy.figures, leave_report=report,
+                                                 leave_seconds=time.perf_counter() - start)
         if before is not None:
             verify_unchanged(before, state, setup)
 
