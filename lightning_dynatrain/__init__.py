@@ -45,6 +45,7 @@ _EXPORTS = {
     "StdlibTextDataModule": "lightning_dynatrain.data.datamodule",
     "ParallelConfig": "lightning_dynatrain.vps.layout",
     "SwitchMemoryError": "lightning_dynatrain.megatron.memory_check",
+    "PolicyLoss": "lightning_dynatrain.megatron.policy_loss",
 }
 _STRATEGY_MODULE = "lightning_dynatrain.strategy.dynatrain"  # registers the strategy at its end
 

@@ -211,8 +211,9 @@ class DynaTrainEngine:
                                    for_eval=True)
 
     # ------------------------------------------------------------------------------ steps
-    def train_step(self, batch: Mapping[str, torch.Tensor]) -> float:
+    def train_step(self, batch: Mapping[str, torch.Tensor], *, forward_step: Callable | None = None) -> float:
         """One optimizer step over the global ``batch`` (the fused megatron step); the global mean loss.
+        ``forward_step``: this step's (an RL step: ``PolicyLoss(...).forward_step``), default the model's.
 
         A schedule entry due at this step boundary runs first.
 
@@ -228,7 +229,8 @@ class DynaTrainEngine:
             self._data_checked = True
         switcher = self.run.switcher
         beside_build, start = switcher.building, time.perf_counter()
-        loss = self.run.train_step(batch, lr=self.lr_at(self.step), weight_decay=self.weight_decay)
+        loss = self.run.train_step(batch, lr=self.lr_at(self.step), weight_decay=self.weight_decay,
+                                   forward_step=forward_step)
         switcher.step_ran(time.perf_counter() - start, beside_build=beside_build)
         self.step += 1
         return loss

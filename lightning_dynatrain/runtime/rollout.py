@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # megatron-core loads with the first model, not with the pack
 
 class RolloutError(DynaTrainError):
     """A rollout asked for what the run cannot do now (inside a step, already in a rollout, a switch
-    or world change during one, a layout the model or world cannot take, scoring at ``pp > 1``)."""
+    or world change during one, a layout the model or world cannot take, scoring at ``pp > 1`` or ``cp > 1``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +130,9 @@ class RolloutPolicy:
         if self.layout.pp > 1:
             raise RolloutError(f"the rollout layout {self.layout} has {self.layout.pp} pipeline stages: scoring and "
                                "sampling run with one", hint="choose a rollout layout with pp1 (e.g. more dp or tp)")
+        if self.layout.cp > 1:
+            raise RolloutError(f"the rollout layout {self.layout} splits sequences over {self.layout.cp} context-parallel "
+                               "ranks: scoring and sampling run on whole sequences", hint="choose a rollout layout with cp1")
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
             raise RolloutError(f"{what} must be a 2-D LongTensor [rows, length], got "
                                f"{getattr(tokens, 'dtype', type(tokens).__name__)} "

@@ -10,7 +10,7 @@ micro-batches, finalize grads, optimizer step). ``eval_step`` runs the same forw
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -57,14 +57,16 @@ def local_share(batch: Mapping[str, torch.Tensor], *, dp_rank: int, dp_size: int
 
 
 def train_step(state: MegatronState, batch: Mapping[str, torch.Tensor], recipe: MegatronRecipe, *,
-               lr: float, weight_decay: float, progress: StepProgress | None = None) -> float:
+               lr: float, weight_decay: float, progress: StepProgress | None = None,
+               forward_step: Callable | None = None) -> float:
     """One optimizer step of the global ``batch`` at ``state``'s layout; the global mean loss (same on
-    every rank). ``progress``: how far it got (``megatron.step_progress``)."""
+    every rank). ``progress``: how far it got (``megatron.step_progress``); ``forward_step``: this
+    step's (e.g. ``PolicyLoss(...).forward_step``), default the model's."""
     local = local_share(batch, dp_rank=state.dp_rank, dp_size=state.dp_size,
                         global_batch_size=recipe.global_batch_size)
     set_lr_and_wd(state.optimizer, lr=lr, weight_decay=weight_decay)
     return run_train_step(state.ddp, state.optimizer, local, state.layout, microbatches(recipe, state.layout),
-                          forward_step=recipe.model.forward_step, seq_length=recipe.model.seq_length,
+                          forward_step=forward_step or recipe.model.forward_step, seq_length=recipe.model.seq_length,
                           pg_collection=state.groups, progress=progress)
 
 

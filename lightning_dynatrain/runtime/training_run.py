@@ -299,15 +299,17 @@ class TrainingRun:
 
     # ------------------------------------------------------------------------------- steps
     def train_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float,
-                   progress: "StepProgress | None" = None) -> float:
+                   progress: "StepProgress | None" = None, forward_step: Callable | None = None) -> float:
         """One optimizer step over the global ``batch`` at the current layout; the global mean loss
-        (the same on every rank). ``progress``: how far it got (``megatron.step_progress``)."""
+        (the same on every rank). ``progress``: how far it got (``megatron.step_progress``);
+        ``forward_step``: this step's (``megatron.policy_loss.PolicyLoss``'s), default the model's."""
         from lightning_dynatrain.runtime.steps import train_step
 
         self._refuse_in_rollout("a training step")
         self._stepping = True
         try:
-            return train_step(self.state, batch, self.recipe, lr=lr, weight_decay=weight_decay, progress=progress)
+            return train_step(self.state, batch, self.recipe, lr=lr, weight_decay=weight_decay, progress=progress,
+                              forward_step=forward_step)
         finally:
             self._stepping = False
 

@@ -15,14 +15,13 @@ What is left it hands to three parts, each given what it may touch:
 
 With an ``OnNodeChange`` callback the run is elastic: the callback makes the driver
 (``elastic.driver.ElasticDriver``), which reaches Lightning only through ``elastic_front.LightningFront``.
-Example: the README's quick start. Every data-parallel notion (``distributed_sampler_kwargs``,
-``reduce``) comes from the *current layout*.
+Every data-parallel notion (``distributed_sampler_kwargs``, ``reduce``) comes from the *current layout*.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -349,14 +348,15 @@ class DynaTrainStrategy(MegatronProcessStrategy):
 
     # ------------------------------------------------------------------ steps: stepping.py
     def train_step(self, batch: Mapping[str, torch.Tensor], *, lr: float | None = None,
-                   weight_decay: float | None = None) -> float:
+                   weight_decay: float | None = None, forward_step: Callable | None = None) -> float:
         """One optimizer step over the global ``batch`` (call from ``training_step``); the global mean loss.
 
         ``lr`` / ``weight_decay``: this step's values (times each megatron group's multipliers);
         ``None``: what the optimizer's schedule group holds (``DynaTrainOptimizer``: the config's, or
-        what a scheduler set). Lightning counts it as an optimizer step (``trainer.global_step`` advances).
-        """
-        return self.stepping.train_step(lightning_optimizers(self)[0], batch, lr=lr, weight_decay=weight_decay)
+        what a scheduler set). ``forward_step``: this step's (an RL step: ``PolicyLoss(...).forward_step``),
+        default the model's. Lightning counts it as an optimizer step (``trainer.global_step`` advances)."""
+        return self.stepping.train_step(lightning_optimizers(self)[0], batch, lr=lr, weight_decay=weight_decay,
+                                        forward_step=forward_step)
 
     def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """The global mean loss of the global ``batch``, forward only, at the current layout (call

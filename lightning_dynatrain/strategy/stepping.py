@@ -53,29 +53,34 @@ class Stepping:
         self._local_collectives = local_collectives
 
     def train_step(self, optimizer: "LightningOptimizer", batch: Mapping[str, torch.Tensor], *,
-                   lr: float | None = None, weight_decay: float | None = None) -> float:
+                   lr: float | None = None, weight_decay: float | None = None,
+                   forward_step: Callable | None = None) -> float:
         """One optimizer step over the global ``batch``, through Lightning's ``optimizer`` (so that
         Lightning counts it); the global mean loss. ``lr`` / ``weight_decay``: this step's values;
-        ``None``: what the optimizer's schedule group holds."""
+        ``None``: what the optimizer's schedule group holds. ``forward_step``: this step's, or the model's."""
         scheduled_lr, scheduled_wd = self._handle().scheduled
         closure = partial(self.optimizer_step, batch, lr=scheduled_lr if lr is None else lr,
-                          weight_decay=scheduled_wd if weight_decay is None else weight_decay)
+                          weight_decay=scheduled_wd if weight_decay is None else weight_decay,
+                          forward_step=forward_step)
         return optimizer.step(closure=closure)
 
-    def optimizer_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float) -> float:
+    def optimizer_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float,
+                       forward_step: Callable | None = None) -> float:
         """The megatron step; under ``OnNodeChange``, a member lost in it is recovered from here
         (the one guard, ``elastic.driver.recovery.recover_or_raise``) and the step runs again at the survivors' layout on the
         same global batch, or counts as done where its result survived."""
         elastic, trainer = self._elastic(), self._trainer()
         if elastic is None:
-            return self._run.train_step(batch, lr=lr, weight_decay=weight_decay)
+            return self._run.train_step(batch, lr=lr, weight_decay=weight_decay, forward_step=forward_step)
         assert trainer is not None
         if elastic.snapshots is not None:  # what a recovery from a snapshot runs again
-            elastic.snapshots.record(trainer.global_step + 1, batch, lr=lr, weight_decay=weight_decay)
+            elastic.snapshots.record(trainer.global_step + 1, batch, lr=lr, weight_decay=weight_decay,
+                                     forward_step=forward_step)
         while True:
             progress = elastic.progress(trainer.global_step + 1)
             try:
-                loss = self._run.train_step(batch, lr=lr, weight_decay=weight_decay, progress=progress)
+                loss = self._run.train_step(batch, lr=lr, weight_decay=weight_decay, progress=progress,
+                                            forward_step=forward_step)
                 elastic.last_loss = (progress.step, loss)
                 return loss
             except Exception as err:

@@ -114,6 +114,8 @@ def _case(rank, shape, dtype, train_text, rollout_text, park, keep_weights) -> d
     leave_rollout(phase, setup, groups=cache)
     out["after"] = describe(state)
     out["loss"] = _step(state, shape, seed=2)
+    if train.pp == 1:
+        out["policy_step"] = _policy_step(state, shape)
     destroy(keep=None)
     cache.close()
     # the same run without the rollout: its second step's loss
@@ -124,6 +126,29 @@ def _case(rank, shape, dtype, train_text, rollout_text, park, keep_weights) -> d
     destroy(keep=None)
     cache.close()
     return out
+
+
+ADVANTAGES = (1.0, 0.5, -1.0, -0.25)  # one per row of the RL batch
+
+
+def _policy_step(state, shape) -> dict:
+    """One RL step (``PolicyLoss``) through megatron's schedule, the old log-probabilities read with
+    megatron's forward: the loss it reports, and each scored token's log-probability before and after."""
+    import torch
+
+    from lightning_dynatrain.megatron.policy_loss import PolicyLoss
+    from lightning_dynatrain.megatron.train_step import run_train_step
+    from lightning_dynatrain.runtime.steps import local_share
+
+    tokens = _tokens(shape["vocab_size"], 4, shape["seq_length"] + 1, seed=7)
+    old = torch.from_numpy(_training_log_probs(state, tokens))
+    mask = torch.zeros_like(old)
+    mask[:, shape["seq_length"] // 2:] = 1  # the "generated" half is scored
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "old_log_probs": old, "loss_mask": mask,
+             "advantages": torch.tensor(ADVANTAGES)[:, None].expand_as(old).contiguous()}
+    local = local_share(batch, dp_rank=state.dp_rank, dp_size=state.dp_size, global_batch_size=4)
+    loss = run_train_step(state.ddp, state.optimizer, local, state.layout, 1, forward_step=PolicyLoss().forward_step)
+    return {"loss": loss, "before": old.numpy(), "after": _training_log_probs(state, tokens), "mask": mask.numpy()}
 
 
 def _scoring_at_pp2(rank: int) -> dict:
@@ -218,6 +243,18 @@ def test_parking_frees_what_it_says(results):
     assert all(r["fp32"]["parked_bytes"] == 0 for r in results)
     for name in ("bf16", "moe", "pp"):
         assert all(r[name]["parked_bytes"] > 0 for r in results), name
+
+
+@pytest.mark.parametrize("name, bound", [("fp32", 1e-6), ("moe", 1e-6), ("bf16", 1e-3)])
+def test_a_policy_step_reports_the_clipped_loss_and_raises_what_its_advantages_favour(results, name, bound):
+    """At the weights that sampled (ratio 1) the clipped loss is minus the mean advantage of the scored
+    tokens; after the step the advantage-weighted log-probability of those tokens has risen."""
+    step = results[0][name]["policy_step"]
+    mask, advantages = step["mask"], np.array(ADVANTAGES)[:, None]
+    assert all(r[name]["policy_step"]["loss"] == step["loss"] for r in results)
+    assert abs(step["loss"] + (advantages * mask).sum() / mask.sum()) <= bound
+    gain = (advantages * mask * (step["after"] - step["before"])).sum()
+    assert gain > 0, gain
 
 
 def test_a_rollout_layout_with_two_stages_is_entered_and_left_but_scoring_there_is_refused(results):

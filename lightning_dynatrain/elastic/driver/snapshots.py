@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,8 +74,9 @@ class SnapshotKeeper:
         return self.snapshots.figures
 
     # ------------------------------------------------------------------------ during training
-    def record(self, step: int, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float) -> None:
-        self.log.record(step, batch, lr=lr, weight_decay=weight_decay)
+    def record(self, step: int, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float,
+               forward_step: Callable | None = None) -> None:
+        self.log.record(step, batch, lr=lr, weight_decay=weight_decay, forward_step=forward_step)
 
     def before_update(self) -> None:
         """Called before an optimizer step's update: this rank's own copy is complete."""
@@ -187,7 +188,8 @@ class SnapshotKeeper:
         losses, start = {}, time.perf_counter()
         for logged in self.log.between(first, last):
             _fault("KILL_IN_REPLAY")
-            losses[logged.step] = self.run.train_step(logged.batch, lr=logged.lr, weight_decay=logged.weight_decay)
+            losses[logged.step] = self.run.train_step(logged.batch, lr=logged.lr, weight_decay=logged.weight_decay,
+                                                      forward_step=logged.forward_step)
         if losses:
             self.front.info(f"[dynatrain] steps {first}..{last} computed again at {self.run.layout} from the step "
                             f"log in {time.perf_counter() - start:.2f} s")

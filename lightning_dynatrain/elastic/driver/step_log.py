@@ -11,7 +11,7 @@ drops the steps it holds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,12 +19,14 @@ import torch
 
 @dataclass(frozen=True)
 class LoggedStep:
-    """One optimizer step's input: the step it ends at, its global batch, its lr and weight decay."""
+    """One optimizer step's input: the step it ends at, its global batch, its lr and weight decay, and
+    its ``forward_step`` when the step named one (``None``: the model's)."""
 
     step: int
     batch: Mapping[str, torch.Tensor]
     lr: float
     weight_decay: float
+    forward_step: Callable | None = None
 
 
 class StepLog:
@@ -33,10 +35,11 @@ class StepLog:
     def __init__(self) -> None:
         self._steps: dict[int, LoggedStep] = {}
 
-    def record(self, step: int, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float) -> None:
+    def record(self, step: int, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float,
+               forward_step: Callable | None = None) -> None:
         """Keep step ``step``'s input (a copy: the loader may reuse its tensors)."""
         kept = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        self._steps[step] = LoggedStep(step, kept, lr, weight_decay)
+        self._steps[step] = LoggedStep(step, kept, lr, weight_decay, forward_step)
 
     def drop_through(self, step: int) -> None:
         """Forget the steps up to ``step`` (a snapshot of ``step`` holds their result)."""
