@@ -16,6 +16,8 @@ Options for tests and benchmarks: ``--step-seconds`` stretches each step (the co
 model) so that processes started later find the fit still running; ``--fingerprint-salt`` changes
 the model's fingerprint without changing the model; ``--stop-in-store`` ends the fit at the step
 the job's store names under ``bench/stop_at`` (every rank reads it: they stop at the same step);
+``--rollout-every N`` enters a rollout phase (a few tokens sampled at ``dp<world>-tp1-pp1``) inside
+every N-th step, ``--kill-in-rollout RANK:STEP`` kills that rank inside step STEP's phase (``tiny``);
 ``--switch-while-building`` asks for a layout switch while a world change is
 built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; ``--save`` writes one at the end; ``--log-dir`` adds a
 ``CSVLogger`` there (every step logged: its metrics file must continue whoever is rank 0);
@@ -90,6 +92,10 @@ def main() -> None:
                         help="write megatron's description of the state a recovery made, before it trains (tests)")
     parser.add_argument("--trace-death", type=int, default=None, metavar="STEP",
                         help="trace the recovery in step STEP (the one DYNATRAIN_STEP_FAULT kills a member in)")
+    parser.add_argument("--rollout-every", type=int, default=None, metavar="N",
+                        help="a rollout phase at dp<world>-tp1-pp1 inside every N-th training step, before its update")
+    parser.add_argument("--kill-in-rollout", default=None, metavar="RANK:STEP",
+                        help="that rank kills itself (SIGKILL) inside step STEP's rollout phase")
     parser.add_argument("--switch-while-building", action="store_true",
                         help="ask for a layout switch at the first boundary where a world change is built ahead")
     args = parser.parse_args()
@@ -197,9 +203,23 @@ def main() -> None:
         module = OwnGPT(own_provider(**model["own"]), max_steps=args.max_steps, global_batch_size=model["global_batch"],
                         micro_batch_size=1, seed=SEED)
     else:
-        module = GPTLightningModule(GPTShape(**model["shape"]), lr=3e-3, weight_decay=0.01,
-                                    global_batch_size=model["global_batch"], micro_batch_size=1, warmup_steps=2,
-                                    max_steps=args.max_steps, seed=SEED, eps=1e-6)
+        class WithRollouts(GPTLightningModule):
+            """Every ``--rollout-every``-th step samples a few tokens at ``dp<world>-tp1-pp1`` first."""
+
+            def training_step(self, batch, batch_idx):
+                strategy, step = self.trainer.strategy, self.trainer.global_step + 1
+                if args.rollout_every and step % args.rollout_every == 0:
+                    with strategy.rollout(f"dp{strategy.world_size}-tp1-pp1") as policy:
+                        if args.kill_in_rollout == f"{strategy.global_rank}:{step}":
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        policy.generate(batch["tokens"][:4, :8], max_new_tokens=2, seed=step)
+                    self.rollouts.append(step)
+                return super().training_step(batch, batch_idx)
+
+        module = WithRollouts(GPTShape(**model["shape"]), lr=3e-3, weight_decay=0.01,
+                              global_batch_size=model["global_batch"], micro_batch_size=1, warmup_steps=2,
+                              max_steps=args.max_steps, seed=SEED, eps=1e-6)
+        module.rollouts = []  # the steps whose rollout phase ended
     if args.fingerprint_salt:
         module.hparams["salt"] = args.fingerprint_salt
     # this launch's processes: torchrun's variables, else srun's (one node), else one process
@@ -307,7 +327,7 @@ def main() -> None:
               **record.result, "changes": node_change.changes if node_change else [],
               "rolled_back": node_change.rolled_back if node_change else [],
               "recoveries": node_change.recoveries if node_change else [], "started_at": STARTED_AT,
-              "ready_at": record.ready_at,
+              "ready_at": record.ready_at, "rollouts": getattr(module, "rollouts", []),
               "switch_while_building": next((c.answer for c in callbacks if isinstance(c, SwitchWhileBuilding)), None),
               "death_path": next((c.result for c in callbacks if isinstance(c, TraceDeath)), None)}
     args.out.mkdir(parents=True, exist_ok=True)

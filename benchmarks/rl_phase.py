@@ -11,8 +11,8 @@ megatron GPT at the training layout (fp32, Adam state from one real step) and me
 3. the same with ``keep_weights=False``: entering frees the training shards of the weights, leaving
    refills them (the inverse weights-only switch), and the process's RSS in the phase against before;
 4. **generation**: tokens/s of ``RolloutPolicy.generate`` at the rollout layout, and at the training
-   layout (a rollout at the training layout itself: every weight kept in place) where it has one
-   pipeline stage;
+   layout (a rollout at the training layout itself: every weight kept in place; across its pipeline
+   stages where it has several);
 5. **the RL frameworks' way**: a second model built once at the rollout layout (as verl and
    NeMo-RL keep an inference copy), refilled by a weights-only gather-and-slice refit
    (``baselines.allgather``, params only) per iteration;
@@ -136,10 +136,9 @@ def _job(rank: int, world: int, quick: bool, train_text: str, rollout_text: str,
     out["parked_bytes"] = phase.parked_bytes
     report, out["leave_refill_seconds"] = _timed(lambda: leave_rollout(phase, setup, groups=cache))
     out["leave_refill_bytes"] = 0 if report is None else report.recv_bytes
-    if train.pp == 1:
-        phase = enter_rollout(state, train, setup, groups=cache)
-        out["train_layout_tokens_per_s"] = generate(phase)
-        leave_rollout(phase, setup, groups=cache)
+    phase = enter_rollout(state, train, setup, groups=cache)  # generating at the training layout itself
+    out["train_layout_tokens_per_s"] = generate(phase)
+    leave_rollout(phase, setup, groups=cache)
     # the RL frameworks' way: a second model at the rollout layout, refilled by gather-and-slice
     pgs = initialize_for_layout(rollout, seed=bench.seed, groups=cache)
     second = build_unfilled(bench.shape, rollout, seed=bench.seed, params_dtype=torch.float32, pg_collection=pgs,

@@ -79,7 +79,7 @@ def run_train_step(
     with device_kind(device).megatron_context():
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = _pipeline_schedule(ddp_model, micro, forward_step, seq_length, forward_only=False)
+        reports = pipeline_schedule(ddp_model, micro, forward_step, seq_length, forward_only=False)
         if progress is not None:
             progress.reached("forward_backward")
         finalize_model_grads([ddp_model], pg_collection=pgs)
@@ -113,7 +113,7 @@ def run_eval_step(
     model.eval()
     try:
         with device_kind(device).megatron_context(), torch.no_grad():
-            reports = _pipeline_schedule(model, micro, forward_step, seq_length, forward_only=True)
+            reports = pipeline_schedule(model, micro, forward_step, seq_length, forward_only=True)
     finally:
         model.train(was_training)
     return _global_mean_loss(reports, pgs, device)
@@ -132,9 +132,11 @@ def _micro_batches(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], la
     return pgs, device, _microbatches(moved, num_microbatches)
 
 
-def _pipeline_schedule(model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], forward_step: Callable | None,
-                       seq_length: int | None, *, forward_only: bool) -> list:
-    """Megatron's schedule for the current pipeline (1F1B, or no pipelining) over ``micro``."""
+def pipeline_schedule(model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], forward_step: Callable | None,
+                      seq_length: int | None, *, forward_only: bool) -> list:
+    """Megatron's schedule for the current pipeline (1F1B, or no pipelining) over ``micro``: what the
+    last stage's ``loss_func`` reports per micro-batch (its raw output where ``forward_step`` returns
+    ``(output, None)``), ``[]`` on the other stages."""
     if forward_step is None:
         from lightning_dynatrain.megatron.gpt import gpt_forward_step as forward_step
     first = micro[0]
@@ -172,4 +174,4 @@ def _global_mean_loss(reports: list, pgs: ProcessGroupCollection, device: torch.
     return float(total[0] / total[1])
 
 
-__all__ = ["run_eval_step", "run_train_step"]
+__all__ = ["pipeline_schedule", "run_eval_step", "run_train_step"]

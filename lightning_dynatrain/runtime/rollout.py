@@ -5,13 +5,14 @@ training weights at the rollout layout, in the same processes, between two optim
 weights alone switched to ``layout``, the rest parked) and yields the policy; leaving the ``with``
 block returns to the training layout with the training state as it was, bit for bit.
 
-The policy runs megatron's forward at the rollout layout, with a pipeline of one stage (a rollout
-layout with ``pp > 1`` is entered, but scoring and sampling there are refused: megatron's pipeline
-schedules need a loss and fixed shapes, and a generation loop across stages is not written). Rows
-are split over the data-parallel ranks and gathered back, so every rank gets every row; the
-tensor-parallel ranks of a row compute its full logits (gathered over the vocabulary) and sample
-alike. Each prompt samples from its own generator, seeded from ``seed`` and the prompt's index, so
-the tokens drawn do not depend on the layout or on how rows are split. Every step runs the whole
+The policy runs megatron's forward at the rollout layout; across pipeline stages through megatron's
+forward-only schedule (the activations passed from stage to stage by megatron's p2p), the last
+stage's output (the last position's logits while sampling) broadcast to the other stages. Rows are
+split over the data-parallel ranks and gathered back, so every rank gets every row; the
+tensor-parallel ranks of a row compute its full logits (gathered over the vocabulary) and every
+rank of a replica samples alike (a rollout layout with ``cp > 1`` is refused: whole sequences).
+Each prompt samples from its own generator, seeded from ``seed`` and the prompt's index, so the
+tokens drawn do not depend on the layout or on how rows are split. Every step runs the whole
 sequence again (no KV cache: megatron's inference contexts need CUDA here).
 
 Log-probabilities are the model's own, at temperature 1 over megatron's padded vocabulary, as the
@@ -43,7 +44,14 @@ if TYPE_CHECKING:  # megatron-core loads with the first model, not with the pack
 
 class RolloutError(DynaTrainError):
     """A rollout asked for what the run cannot do now (inside a step, already in a rollout, a switch
-    or world change during one, a layout the model or world cannot take, scoring at ``pp > 1`` or ``cp > 1``)."""
+    or world change during one, a layout the model or world cannot take, scoring at ``cp > 1``)."""
+
+
+class RolloutInterrupted(RolloutError):
+    """A member died during a rollout phase and the survivors went on without it (an elastic run):
+    the phase's results are dropped, the training state is the one of the step boundary it began at,
+    and the training step runs again from its start in the survivors' world (``DynaTrainStrategy``
+    does that itself; a rollout layout there must fit the new world)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +122,7 @@ class RolloutPolicy:
             generators = [torch.Generator().manual_seed(seed * 1_000_003 + first_row + i) for i in range(len(local))]
             picked, scores = local, []
             for _ in range(max_new_tokens):
-                logits = self._full_logits(picked)[:, -1].float()
+                logits = self._full_logits(picked, last=True)[:, -1].float()
                 log_probs = torch.log_softmax(logits, dim=-1)  # the model's own, over the padded vocabulary
                 choice = _choose(logits[:, :vocab], temperature, top_k, generators).to(picked.device)
                 scores.append(log_probs.gather(1, choice[:, None]))
@@ -127,9 +135,6 @@ class RolloutPolicy:
 
     # ---------------------------------------------------------------------------- the model
     def _rows(self, tokens: torch.Tensor, what: str) -> torch.Tensor:
-        if self.layout.pp > 1:
-            raise RolloutError(f"the rollout layout {self.layout} has {self.layout.pp} pipeline stages: scoring and "
-                               "sampling run with one", hint="choose a rollout layout with pp1 (e.g. more dp or tp)")
         if self.layout.cp > 1:
             raise RolloutError(f"the rollout layout {self.layout} splits sequences over {self.layout.cp} context-parallel "
                                "ranks: scoring and sampling run on whole sequences", hint="choose a rollout layout with cp1")
@@ -140,10 +145,11 @@ class RolloutPolicy:
                                hint="pad prompts to one length (left-pad) and stack them")
         return tokens.to(next(self.model.parameters()).device)
 
-    def _forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, *, last: bool = False) -> torch.Tensor:
         """Megatron's forward (a loss per token with ``labels``, else this rank's vocabulary shard of
-        the logits); the sequence right-padded where sequence parallelism splits it (causal: the
-        padding changes no earlier position)."""
+        the logits; ``last``: the last position's only), on every rank of the pipeline; the sequence
+        right-padded where sequence parallelism splits it (causal: the padding changes no earlier
+        position)."""
         length = tokens.shape[1]
         tp = self.layout.tp
         pad = -length % tp if self._execution.sequence_parallel_at(tp, is_moe=self.spec.num_experts > 0) else 0
@@ -152,12 +158,37 @@ class RolloutPolicy:
             labels = torch.nn.functional.pad(labels, (0, pad)) if labels is not None else None
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         with device_kind(tokens.device).megatron_context(), torch.no_grad():
-            out = self.model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=labels)
-        return out[:, :length]
+            if self.layout.pp == 1:
+                out = self.model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=labels)
+            else:  # megatron's forward-only schedule passes the activations from stage to stage
+                from lightning_dynatrain.megatron.train_step import pipeline_schedule
 
-    def _full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``[rows, length, padded vocabulary]``: the shards of the tensor-parallel ranks joined."""
-        shard = self._forward(tokens).contiguous()
+                batch = {"tokens": tokens, "positions": positions, **({"labels": labels} if labels is not None else {})}
+                outputs = pipeline_schedule(self.model, [batch], _stage_forward, tokens.shape[1], forward_only=True)
+                out = outputs[0] if outputs else None
+        if out is not None:
+            out = out[:, length - 1:length] if last else out[:, :length]
+        return out if self.layout.pp == 1 else self._from_last_stage(out)
+
+    def _from_last_stage(self, out: torch.Tensor | None) -> torch.Tensor:
+        """The last pipeline stage's ``out`` (fp32) on every stage (``None`` off the last stage)."""
+        group = self._weights.groups.pp
+        device = next(self.model.parameters()).device
+        shape = torch.zeros(4, dtype=torch.long, device=device)
+        if out is not None:
+            out = out.float().contiguous()
+            shape[:out.dim() + 1] = torch.tensor([out.dim(), *out.shape])
+        last = dist.get_global_rank(group, group.size() - 1)
+        dist.broadcast(shape, src=last, group=group)
+        if out is None:
+            out = torch.empty(shape[1:1 + int(shape[0])].tolist(), dtype=torch.float32, device=device)
+        dist.broadcast(out, src=last, group=group)
+        return out
+
+    def _full_logits(self, tokens: torch.Tensor, *, last: bool = False) -> torch.Tensor:
+        """``[rows, length, padded vocabulary]`` (``last``: ``length`` 1): the shards of the
+        tensor-parallel ranks joined."""
+        shard = self._forward(tokens, last=last).contiguous()
         group = self._weights.groups.tp
         if group.size() == 1:
             return shard
@@ -186,6 +217,13 @@ class RolloutPolicy:
         return torch.cat([p[:max(0, min(each, len(rows) - r * each))] for r, p in enumerate(parts)])
 
 
+def _stage_forward(data_iterator, model: torch.nn.Module):
+    """A pipeline stage's forward for megatron's schedule: the raw output, no loss."""
+    batch = next(data_iterator)
+    return model(input_ids=batch["tokens"], position_ids=batch["positions"], attention_mask=None,
+                 labels=batch.get("labels")), None
+
+
 def _choose(logits: torch.Tensor, temperature: float, top_k: int | None,
             generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row: the most likely at temperature 0, else sampled (from row ``i``'s generator)."""
@@ -199,4 +237,4 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators)])
 
 
-__all__ = ["Generation", "RolloutError", "RolloutFigures", "RolloutPolicy"]
+__all__ = ["Generation", "RolloutError", "RolloutFigures", "RolloutInterrupted", "RolloutPolicy"]

@@ -87,7 +87,6 @@ class TrainingRun:
         self._on_install = on_install
         self._switcher: LayoutSwitcher | None = None
         self._layout: ParallelConfig | None = None
-        self._world_size: int | None = None
         self._groups: ProcessGroupCollection | None = None  # the starting layout's, for the model shard
         self._recipe: MegatronRecipe | None = None
         self._optimizer: AdamSettings | OptimizerConfig | None = None
@@ -193,7 +192,6 @@ class TrainingRun:
         if layout == "auto":
             layout = ParallelConfig(dp=world_size)
         self._layout = validate_target(layout, world_size=world_size)
-        self._world_size = world_size
         if self._switcher is None:
             self._switcher = LayoutSwitcher.from_settings(self.settings, training_timeout=self._training_timeout,
                                                           resume_from=self._resume_from, warn=self._warn)
@@ -216,7 +214,7 @@ class TrainingRun:
         """
         from lightning_dynatrain.runtime.training_state import build_checked_model
 
-        validate_target(self.layout, world_size=self._world_size or self.layout.world_size, model=recipe.model,
+        validate_target(self.layout, world_size=self.layout.world_size, model=recipe.model,
                         global_batch_size=recipe.global_batch_size, micro_batch_size=recipe.micro_batch_size,
                         execution=recipe.execution)
         self._recipe = recipe
@@ -264,7 +262,7 @@ class TrainingRun:
         recipe = self._recipe
         try:
             self._refuse_in_rollout("a layout switch")
-            layout = validate_target(target, world_size=self._world_size or self.layout.world_size,
+            layout = validate_target(target, world_size=self.layout.world_size,
                                      current=self._layout, model=recipe.model if recipe else None,
                                      global_batch_size=recipe.global_batch_size if recipe else None,
                                      micro_batch_size=recipe.micro_batch_size if recipe else None,
@@ -358,7 +356,7 @@ class TrainingRun:
             if park not in PARKS or not isinstance(keep_weights, bool):
                 raise RolloutError(f"park={park!r}, keep_weights={keep_weights!r}",
                                    hint=f"park is one of {', '.join(PARKS)}; keep_weights True or False")
-            target = validate_target(layout, world_size=self._world_size or self.layout.world_size,
+            target = validate_target(layout, world_size=self.layout.world_size,
                                      current=self.layout, model=self.recipe.model, execution=ExecutionOptions())
         except DynaTrainError as err:
             raise mark_refused(err)

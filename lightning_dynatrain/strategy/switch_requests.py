@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_dynatrain.elastic.driver.recovery import recover_or_raise
+from lightning_dynatrain.elastic.driver.recovery import recover_or_raise, recovers
 from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
 from lightning_dynatrain.transition.errors import mark_refused
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -97,11 +97,18 @@ class SwitchRequests:
     def run_step(self, step: Callable[[], T]) -> T:
         """Run one training step (Lightning's ``training_step``); a switch requested during it runs as
         it returns, at the boundary."""
+        from lightning_dynatrain.runtime.rollout import RolloutInterrupted
+
         switcher = self._run.switcher
         self.in_step = True
         beside_build, start = switcher.building, time.perf_counter()
         try:
-            output = step()
+            while True:
+                try:
+                    output = step()
+                    break
+                except RolloutInterrupted as err:  # the survivors went on: the step again, from its start
+                    rank_zero_info(f"[dynatrain] {err}")
         finally:
             self.in_step = False
         switcher.step_ran(time.perf_counter() - start, beside_build=beside_build)  # what a build ahead cost
@@ -166,16 +173,34 @@ class SwitchRequests:
     def rollout(self, layout: str | ParallelConfig, *, park: str, keep_weights: bool) -> "Iterator[RolloutPolicy]":
         """``TrainingRun.rollout`` between two steps: under ``OnNodeChange`` the snapshot in flight ends
         first (the phase leaves the state as it was, so the snapshot stays valid); rank 0 prints both
-        transitions."""
+        transitions. A member lost in the phase is recovered from as at the step boundary the phase
+        began at (its training state is whole: the weights were kept), then ``RolloutInterrupted``
+        drops the phase's results and ``run_step`` runs the training step again."""
+        from lightning_dynatrain.runtime.rollout import RolloutError, RolloutInterrupted
+
         elastic = self._elastic()
         if elastic is not None and elastic.snapshots is not None:
             elastic.snapshots.before_state_change()
         step = self._global_step()
-        with self._run.rollout(layout, park=park, keep_weights=keep_weights) as policy:
-            figures = policy.figures
-            rank_zero_info(f"[dynatrain] step {step}: rollout at {policy.layout}, weights moved in "
-                           f"{figures.enter_seconds:.2f} s, {figures.parked_bytes / 2**20:.1f} MiB parked")
-            yield policy
+        try:
+            with self._run.rollout(layout, park=park, keep_weights=keep_weights) as policy:
+                figures = policy.figures
+                rank_zero_info(f"[dynatrain] step {step}: rollout at {policy.layout}, weights moved in "
+                               f"{figures.enter_seconds:.2f} s, {figures.parked_bytes / 2**20:.1f} MiB parked")
+                yield policy
+        except Exception as err:
+            if elastic is None or not recovers(elastic, err):
+                raise
+            if not keep_weights:
+                raise RolloutError(f"a member died during the rollout at step {step}, which had freed the training "
+                                   "shards of the weights (keep_weights=False): the survivors cannot rebuild them",
+                                   hint="resume from the last checkpoint; rollouts a death may interrupt keep "
+                                   "their weights (keep_weights=True)") from err
+            recover_or_raise(elastic, err)
+            raise RolloutInterrupted(f"step {step}: a member died during the rollout; the survivors went on at "
+                                     f"{self._run.layout} and run the step again",
+                                     hint="choose the rollout layout from the world size where members may die") \
+                from err
         rank_zero_info(f"[dynatrain] step {step}: back at {self._run.layout} from the rollout in "
                        f"{policy.figures.leave_seconds:.2f} s")
 

@@ -22,6 +22,7 @@ of layer 3 is that box reshaped to ``[(groups/2) * (q_per_group+2) * head_dim, h
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -108,14 +109,11 @@ class Precision(str, enum.Enum):
     @property
     def kinds(self) -> tuple[tuple[StateKind, int], ...]:
         """The state kinds of a parameter stored at this precision, with bytes per element."""
-        moments = tuple((kind, 4) for kind in _OPTIMIZER_KINDS[self.optimizer])
-        if self.params == "bf16":
-            return ((StateKind.PARAM, 2), (StateKind.MAIN_PARAM, 4), *moments)
-        return ((StateKind.PARAM, 4), *moments)
+        return _kinds(self)
 
     def of(self, tensor: "LogicalTensor") -> "Precision":
         """The precision ``tensor`` is stored at: this one, or fp32 for an ``always_fp32`` tensor."""
-        return Precision.of_state(params="fp32", optimizer=self.optimizer) if tensor.always_fp32 else self
+        return _fp32_of(self) if tensor.always_fp32 else self
 
     def kinds_of(self, tensor: "LogicalTensor") -> tuple[tuple[StateKind, int], ...]:
         """``kinds`` of one tensor (see ``of``)."""
@@ -136,6 +134,19 @@ class Precision(str, enum.Enum):
     def dtype_name(self, kind: StateKind, tensor: "LogicalTensor") -> str:
         """The torch dtype's name (``"bfloat16"``, ``"float32"``) of ``kind`` of ``tensor``."""
         return "bfloat16" if self.element_size(kind, tensor) == 2 else "float32"
+
+
+@functools.cache  # (the planner asks for every piece of every tensor: computed once per precision)
+def _kinds(precision: Precision) -> tuple[tuple[StateKind, int], ...]:
+    moments = tuple((kind, 4) for kind in _OPTIMIZER_KINDS[precision.optimizer])
+    if precision.params == "bf16":
+        return ((StateKind.PARAM, 2), (StateKind.MAIN_PARAM, 4), *moments)
+    return ((StateKind.PARAM, 4), *moments)
+
+
+@functools.cache
+def _fp32_of(precision: Precision) -> Precision:
+    return Precision.of_state(params="fp32", optimizer=precision.optimizer)
 
 
 #: Optimizer scalars: identical on every rank, kept out of the box plan and carried whole.

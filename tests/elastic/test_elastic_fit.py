@@ -3,7 +3,8 @@ megatron, gloo): the fit goes on at each new world's layout and ends where a sta
 
 The script (``benchmarks/elastic_fit.py``) trains a model whose worlds 2, 3 and 4 all have valid
 layouts at a constant global batch of 12: the GPT preset with every change built ahead
-(``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``), and ``examples/own_model.py``'s model of the
+(``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``) and a rollout phase inside every third step
+(the static run has none: the losses show the phases changed nothing), and ``examples/own_model.py``'s model of the
 user's (its description read from megatron, megatron's learning-rate scheduler) with every change
 built in its pause (``dp1-tp1-pp2``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``).
 """
@@ -23,6 +24,7 @@ from benchmarks.elastic_job import SCRIPT, ElasticJob, torchrun
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 80
+ROLLOUT_EVERY = 3
 
 
 def _static(out, model: str) -> dict:
@@ -42,9 +44,10 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
                                                                                                    ahead):
     static = _static(tmp_path / "static", model)
     logs = tmp_path / "logs"
-    # built ahead, each process asks for a layout switch while a change is built (refused, nothing moves)
-    fit_args = ("--log-dir", str(logs), "--model", model) + (("--switch-while-building",) if ahead
-                                                              else ("--on-demand",))
+    # built ahead, each process asks for a layout switch while a change is built (refused, nothing moves),
+    # and every third step samples in a rollout phase at dp<world>-tp1-pp1 (the changes wait for its end)
+    fit_args = ("--log-dir", str(logs), "--model", model) + (
+        ("--switch-while-building", "--rollout-every", str(ROLLOUT_EVERY)) if ahead else ("--on-demand",))
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=fit_args) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
@@ -106,5 +109,8 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
         for step, lr in r["lrs"]:
             assert lr == static["lrs"][step], f"step {step}: lr {lr}, static {static['lrs'][step]}"
     assert sorted(seen) == list(range(1, MAX_STEPS + 1))
+    if ahead:  # each process's rollouts: every third step it computed, through every change
+        for r in results.values():
+            assert r["rollouts"] == [s for s, _ in r["losses"] if s % ROLLOUT_EVERY == 0], (r["pid"], r["rollouts"])
     for step, loss in seen.items():
         assert loss == pytest.approx(static["losses"][step], rel=1e-4), f"step {step}"

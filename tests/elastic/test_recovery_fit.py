@@ -422,3 +422,32 @@ def test_a_member_killed_in_a_layout_switch_that_keeps_the_old_state_is_recovere
                 assert loss == static_losses[step], step
             else:
                 assert loss == pytest.approx(static_losses[step], rel=1e-4), step
+
+
+def test_a_member_killed_in_a_rollout_phase_is_recovered_from_as_at_the_boundary_and_its_step_runs_again(
+        tmp_path, static_run, static_losses):
+    """Every step samples a few tokens in a rollout phase at ``dp<world>-tp1-pp1`` before its update;
+    rank 3 kills itself inside step ``FAULT_STEP``'s phase. The survivors recover from the replicas of
+    step ``FAULT_STEP - 1`` (the phase left the training state as it was), drop the phase's results
+    and run the step again at ``dp3-tp1-pp1``, its rollout included. The oracle is the static fit,
+    which never entered a rollout: the same samples, every loss before the kill bit for bit."""
+    fit_args = ("--rollout-every", "1", "--kill-in-rollout", f"3:{FAULT_STEP}")
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
+                    fit_args=fit_args) as job:
+        procs = job.start_launch(4)
+        codes = [job.wait(p) for p in procs]
+        results, log = job.results(), job.text()
+    assert codes == [0, 0, 0, -signal.SIGKILL], log
+    assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(3, "dp3-tp1-pp1", MAX_STEPS)}
+    assert {(x["step"], x["src"], x["dst"], x["steps_redone"]) for r in results.values() for x in r["recoveries"]} \
+        == {(FAULT_STEP - 1, "dp2-tp2-pp1", "dp3-tp1-pp1", 0)}
+    assert f"step {FAULT_STEP - 1}: a member died during the rollout; the survivors went on at dp3-tp1-pp1" in log, log
+    _same_samples(results, static_run)
+    for r in results.values():
+        assert r["rollouts"] == list(range(1, MAX_STEPS + 1))  # each step's phase ended once (the lost one dropped)
+        assert [step for step, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))
+        for step, loss in r["losses"]:
+            if step < FAULT_STEP:
+                assert loss == static_losses[step], step
+            else:
+                assert loss == pytest.approx(static_losses[step], rel=1e-4), step

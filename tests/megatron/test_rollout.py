@@ -10,7 +10,7 @@ training model at its own layout; tokens sampled at two rollout layouts with the
 
 Cases: fp32 tp2 -> dp2 with everything in place; bf16 zero1 -> tp2 with the weights freed and the
 optimizer parked on the host; an MoE whose experts change ep (ep2 zero1 -> tp2); a pipeline (pp2 ->
-dp2, weights freed).
+dp2, weights freed); scoring and sampling at a rollout layout with two pipeline stages.
 """
 
 from __future__ import annotations
@@ -152,7 +152,11 @@ def _policy_step(state, shape) -> dict:
 
 
 def _scoring_at_pp2(rank: int) -> dict:
-    """A rollout layout with two stages is entered and left; scoring there is refused, naming why."""
+    """At a rollout layout with two stages, scoring and sampling run through megatron's pipeline; at a
+    layout with two context-parallel ranks they are refused, naming why (the preset refuses cp > 1
+    before a rollout enters it: the phase's layout is relabelled to reach the policy's own check)."""
+    from dataclasses import replace
+
     from lightning_dynatrain.megatron.gpt import GPTShape
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup
     from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy
@@ -165,14 +169,20 @@ def _scoring_at_pp2(rank: int) -> dict:
     state = _build(DENSE, ParallelConfig.parse("dp2-tp1-pp1"), "float32", cache)
     _step(state, DENSE, seed=1)
     setup = SwitchSetup(model=GPTShape(**DENSE), seed=SEED, optimizer=dict(lr=1e-2), staging_budget=2**16)
-    out = {"before": describe(state)}
+    tokens = _tokens(DENSE["vocab_size"], ROWS, 10, seed=5)
+    out = {"before": describe(state), "train_log_probs": _training_log_probs(state, tokens)}
     phase = enter_rollout(state, ParallelConfig.parse("dp1-tp1-pp2"), setup, groups=cache, keep_weights=False)
+    policy = RolloutPolicy(phase, setup.spec)
+    out["log_probs"] = policy.log_probs(tokens).numpy()
+    sampled = policy.generate(tokens[:, :6], max_new_tokens=NEW, temperature=1.0, top_k=20, seed=3)
+    out["sampled"] = (sampled.tokens.numpy(), sampled.log_probs.numpy())
     try:
-        RolloutPolicy(phase, setup.spec).log_probs(_tokens(DENSE["vocab_size"], 2, 5, seed=1))
+        RolloutPolicy(replace(phase, layout=ParallelConfig.parse("dp1-tp1-pp1-cp2")), setup.spec).log_probs(tokens)
     except RolloutError as err:
         out["refused"] = str(err)
     leave_rollout(phase, setup, groups=cache)
     out["after"] = describe(state)
+    out["rescored"] = _training_log_probs(state, sampled.tokens)[:, 5:]
     destroy(keep=None)
     cache.close()
     return out
@@ -257,6 +267,18 @@ def test_a_policy_step_reports_the_clipped_loss_and_raises_what_its_advantages_f
     assert gain > 0, gain
 
 
-def test_a_rollout_layout_with_two_stages_is_entered_and_left_but_scoring_there_is_refused(results):
+def test_at_a_rollout_layout_with_two_stages_scoring_and_sampling_run_through_the_pipeline(results):
+    """Log-probabilities at dp1-tp1-pp2 against megatron's forward of the training model (dp2), and
+    the sampled tokens' reported log-probabilities against the same forward after the phase."""
     assert differences(_whole(results, "pp2", "before"), _whole(results, "pp2", "after")) == []
-    assert all("has 2 pipeline stages" in r["pp2"]["refused"] and "HINT" in r["pp2"]["refused"] for r in results)
+    first = results[0]["pp2"]
+    assert np.abs(first["log_probs"] - first["train_log_probs"]).max() <= 1e-5
+    tokens, log_probs = first["sampled"]
+    assert tokens.shape == (ROWS, 6 + NEW) and np.abs(first["rescored"] - log_probs).max() <= 1e-5
+    for r in results[1:]:
+        assert np.array_equal(r["pp2"]["sampled"][0], tokens) and np.array_equal(r["pp2"]["log_probs"],
+                                                                                 first["log_probs"])
+
+
+def test_scoring_at_a_rollout_layout_with_context_parallel_ranks_is_refused(results):
+    assert all("2 context-parallel ranks" in r["pp2"]["refused"] and "HINT" in r["pp2"]["refused"] for r in results)

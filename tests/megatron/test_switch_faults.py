@@ -32,7 +32,7 @@ from tests.dist import free_port
 SCRIPT = Path(__file__).with_name("switch_fault_job.py")
 ROOT = Path(__file__).resolve().parents[2]
 WORLD, VICTIM = 4, 2
-DEADLINE_S = 20.0
+DEADLINE_S = 12.0
 pytestmark = pytest.mark.slow
 
 
