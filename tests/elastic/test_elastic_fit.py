@@ -3,7 +3,7 @@ megatron, gloo): the fit goes on at each new world's layout and ends where a sta
 
 The script (``benchmarks/elastic_fit.py``) trains a model whose worlds 2, 3 and 4 all have valid
 layouts at a constant global batch of 12: the GPT preset with every change built ahead
-(``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``) and a rollout phase inside every third step
+(``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``) and a rollout phase inside every fourth step
 (the static run has none: the losses show the phases changed nothing), and ``examples/own_model.py``'s model of the
 user's (its description read from megatron, megatron's learning-rate scheduler) with every change
 built in its pause (``dp1-tp1-pp2``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``).
@@ -18,13 +18,13 @@ import sys
 
 import pytest
 
-from benchmarks.elastic_fit import MODELS
+from benchmarks.elastic_fit import MODELS, STOP_KEY
 from benchmarks.elastic_job import SCRIPT, ElasticJob, torchrun
 
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 80
-ROLLOUT_EVERY = 3
+ROLLOUT_EVERY = 4
 
 
 def _static(out, model: str) -> dict:
@@ -45,8 +45,8 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
     static = _static(tmp_path / "static", model)
     logs = tmp_path / "logs"
     # built ahead, each process asks for a layout switch while a change is built (refused, nothing moves),
-    # and every third step samples in a rollout phase at dp<world>-tp1-pp1 (the changes wait for its end)
-    fit_args = ("--log-dir", str(logs), "--model", model) + (
+    # and every fourth step samples in a rollout phase at dp<world>-tp1-pp1 (the changes wait for its end)
+    fit_args = ("--log-dir", str(logs), "--model", model, "--stop-in-store") + (
         ("--switch-while-building", "--rollout-every", str(ROLLOUT_EVERY)) if ahead else ("--on-demand",))
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=fit_args) as job:
         first = job.start_torchrun(2)
@@ -60,6 +60,9 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
         job.wait_for(lambda: gone() and job.installed_size() == 4, what="one more joiner (world 4 again)")
         assert job.signal_member(3, signal.SIGTERM) == again.pid  # it leaves: back to a world kept from before
         job.wait_for(lambda: job.installed_size() == 3, what="the last joiner to leave (world 3 again)")
+        stop = job.step() + 8  # a few steps of the last world, then the fit ends (every rank at that step)
+        assert stop < MAX_STEPS, "the last change came too late: raise MAX_STEPS"
+        job.client.store.set(STOP_KEY, str(stop))
         codes = [job.wait(p) for p in [first, *joiners, again]]
         results = job.results()
         log = job.text()
@@ -67,7 +70,7 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
     left = [r for r in results.values() if r["left"]]
     survivors = [r for r in results.values() if not r["left"]]
     assert sorted(r["pid"] for r in left) == sorted([rank0, again.pid]) and len(survivors) == 3, log
-    assert {r["global_step"] for r in survivors} == {MAX_STEPS}
+    assert {r["global_step"] for r in survivors} == {stop}
     layouts = MODELS[model]["policy"]
     assert {(r["world"], r["layout"]) for r in survivors} == {(3, layouts[3])}
     assert sorted(r["rank"] for r in survivors) == [0, 1, 2]
@@ -95,7 +98,7 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
     (metrics,) = logs.glob("metrics/version_*/metrics.csv")
     with open(metrics, newline="") as f:
         logged = {int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")}
-    assert logged == set(range(MAX_STEPS)), sorted(set(range(MAX_STEPS)) - logged)
+    assert logged == set(range(stop)), sorted(set(range(stop)) - logged)
     print("\n".join(f"step {c['step']}: {c['change']} {c['src']} -> {c['dst']}: pause {c['pause_seconds']:.3f} s, "
                     f"transfer {c['transfer_seconds']:.3f} s, built {c['build_seconds']:.3f} s "
                     f"(steps meanwhile {100 * c['overlap_slowdown']:+.0f}%), "
@@ -108,8 +111,8 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
             assert seen.setdefault(step, loss) == pytest.approx(loss, rel=1e-6), f"ranks disagree at step {step}"
         for step, lr in r["lrs"]:
             assert lr == static["lrs"][step], f"step {step}: lr {lr}, static {static['lrs'][step]}"
-    assert sorted(seen) == list(range(1, MAX_STEPS + 1))
-    if ahead:  # each process's rollouts: every third step it computed, through every change
+    assert sorted(seen) == list(range(1, stop + 1))
+    if ahead:  # each process's rollouts: every fourth step it computed, through every change
         for r in results.values():
             assert r["rollouts"] == [s for s, _ in r["losses"] if s % ROLLOUT_EVERY == 0], (r["pid"], r["rollouts"])
     for step, loss in seen.items():

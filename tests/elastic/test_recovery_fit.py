@@ -22,7 +22,8 @@ with in-memory snapshots (``OnNodeChange(snapshot_every=3)``) the survivors go b
 instead, at ``dp2-tp2-pp1-zero1`` and at ``dp4-tp1-pp1-zero1``, and compute the lost steps again,
 also when another member dies after the recovery moved the state (in the keepers' fill, in the
 steps computed again). A lost host (SIGSTOP) is named after ``dead_after``; a killed process at
-once, with its torchrun launch.
+once, with its torchrun launch. A member killed inside a rollout phase (a fit that samples in one
+every step) is recovered from as at the step boundary, and the step runs again.
 """
 
 from __future__ import annotations

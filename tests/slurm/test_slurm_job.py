@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.elastic_fit import STOP_KEY
 from benchmarks.elastic_job import SCRIPT, ElasticJob
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +196,7 @@ export SLURM_CONF={cluster.root / 'slurm.conf'}
 export PYTHONPATH={ROOT} OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 export DYNATRAIN_STORE={job.env["DYNATRAIN_STORE"]} DYNATRAIN_TOKEN={job.env["DYNATRAIN_TOKEN"]}
 srun -n {tasks} --ntasks-per-node {tasks} --oversubscribe {_python()} {SCRIPT} {job.out} --max-steps {job.max_steps} \\
-    --step-seconds {job.step_seconds}
+    --step-seconds {job.step_seconds} --stop-in-store
 """)
     sub = cluster.run("sbatch", "--parsable", str(script))
     assert sub.returncode == 0, f"sbatch failed:\n{sub.stdout}\n{sub.stderr}\n{cluster.logs()}"
@@ -220,7 +221,9 @@ def test_an_elastic_fit_grows_with_a_second_slurm_job_and_shrinks_when_it_is_can
         job.wait_for(lambda: job.step() >= at + 3, what="world 4 to train", timeout=JOB_TIMEOUT_S)
         assert cluster.run("scancel", "--signal=KILL", third).returncode == 0  # no notice: the tasks die
         job.wait_for(lambda: job.installed_size() == 2, what="the first job's tasks to recover", timeout=JOB_TIMEOUT_S)
-        assert job.step() < MAX_STEPS, "the kill came after the end: raise MAX_STEPS"
+        stop = job.step() + 8  # a few steps of the survivors' world, then the fit ends (every rank at that step)
+        assert stop < MAX_STEPS, "the kill came after the end: raise MAX_STEPS"
+        job.client.store.set(STOP_KEY, str(stop))
         states = {name: _wait(cluster, job_id) for name, job_id in (("first", first), ("second", second),
                                                                     ("third", third))}
         results, log = job.results(), job.tail()
@@ -235,7 +238,7 @@ def test_an_elastic_fit_grows_with_a_second_slurm_job_and_shrinks_when_it_is_can
     survivors = [r for r in results.values() if not r["left"]]
     left = [r for r in results.values() if r["left"]]
     assert len(survivors) == 2 and len(left) == 2, why(f"{len(survivors)} survivors, {len(left)} left")
-    assert {r["global_step"] for r in survivors} == {MAX_STEPS} and {r["world"] for r in survivors} == {2}, \
+    assert {r["global_step"] for r in survivors} == {stop} and {r["world"] for r in survivors} == {2}, \
         why("the end")
     changes = [(c["change"].split(" (")[0], c["src"], c["dst"]) for c in survivors[0]["changes"]]
     assert changes == [("world 2 -> 4", "dp2-tp1-pp1", "dp2-tp2-pp1"), ("world 4 -> 2", "dp2-tp2-pp1", "dp2-tp1-pp1"),
@@ -249,6 +252,6 @@ def test_an_elastic_fit_grows_with_a_second_slurm_job_and_shrinks_when_it_is_can
             {("dp2-tp2-pp1", "dp2-tp1-pp1", 0), ("dp2-tp2-pp1", "dp3-tp1-pp1", 0), ("dp3-tp1-pp1", "dp2-tp1-pp1", 0)}, \
             why(f"recoveries: {r['recoveries']}")
     losses = [dict(r["losses"]) for r in results.values()]
-    for step in range(1, MAX_STEPS + 1):  # every process that ran a step saw the same loss
+    for step in range(1, stop + 1):  # every process that ran a step saw the same loss
         seen = {round(l[step], 6) for l in losses if step in l}
         assert len(seen) == 1, why(f"step {step}: losses {seen}")
