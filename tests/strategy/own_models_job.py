@@ -5,10 +5,10 @@ real gloo, real megatron, one job for all of them (``run_own_models4``).
 Per model: a fit with scheduled switches over dp/tp/pp (and ep for the MoE), ``verify=True``, every
 rank's training state described by megatron itself (``tests/megatron_description.py``) right before
 and right after each switch; then the same steps at the first layout without switches. The split-MLP GPT (bf16, megatron's ``OptimizerParamScheduler``)
-also saves a checkpoint after one switch, and a second fit resumes from it, and enters a rollout
-phase at ``ROLLOUT`` (weights freed, optimizer parked): the state described before and after it, the
-rollout model's weights, what it generated, a switch asked for inside it. The BERT runs a torch
-``LambdaLR``, the MoE a constant rate. Every rank returns the spec the strategy read from its model.
+also saves a checkpoint after one switch, and a second fit resumes from it. It and the MoE enter a
+rollout phase (``ROLLOUTS``; the GPT's weights freed and optimizer parked, the MoE's experts at
+another ep): the state described before and after it, the rollout model's weights, what it
+generated, a switch asked for inside it. The BERT runs a torch ``LambdaLR``, the MoE a constant rate. Every rank returns the spec the strategy read from its model.
 
 Lightning sees ``LOCAL_RANK`` (so it launches nothing) and finds ``torch.distributed`` initialised.
 """
@@ -33,8 +33,9 @@ CASES = {
 }
 #: the split-MLP fit saves here (after the switch of that step); a second fit resumes from it
 RESUME_AT = 4
-#: the split-MLP fit enters a rollout phase after this step (at dp1-tp2-pp2), at this layout
-ROLLOUT = (3, "dp4-tp1-pp1")
+#: fits that enter a rollout phase: after this step, at this layout, parked so, the weights kept or not
+#: (the split-MLP GPT from dp1-tp2-pp2, bf16, its weights freed; the MoE from dp2-tp2-pp1-ep2, ep 2 -> 4)
+ROLLOUTS = {"split-mlp": (3, "dp4-tp1-pp1", "host", False), "sigmoid-moe": (3, "dp4-tp1-pp1-ep4", "in_place", True)}
 
 
 def _module(name: str):
@@ -89,7 +90,7 @@ def _trainer(layout: str, steps: int, precision: str, callbacks: list, **kwargs)
                    precision=precision, callbacks=callbacks, **defaults)
 
 
-def _callbacks(schedule: dict, save: Path | None = None) -> tuple[list, dict]:
+def _callbacks(schedule: dict, save: Path | None = None, rollout_at: tuple | None = None) -> tuple[list, dict]:
     """``[state before, ScheduledReconfig, state after (and a save and a rollout)]`` and what they record."""
     from lightning.pytorch.callbacks import Callback
 
@@ -103,7 +104,8 @@ def _callbacks(schedule: dict, save: Path | None = None) -> tuple[list, dict]:
 
         out = {"before": describe(strategy.megatron)}
         prompts = torch.arange(4 * 6).reshape(4, 6) % 200
-        with strategy.rollout(ROLLOUT[1], park="host", keep_weights=False) as policy:
+        _, layout, park, keep_weights = rollout_at
+        with strategy.rollout(layout, park=park, keep_weights=keep_weights) as policy:
             out["model"] = describe_model(policy.model)
             generated = policy.generate(prompts, max_new_tokens=3, temperature=1.0, seed=5)
             out["generated"] = (generated.tokens.numpy(), generated.log_probs.numpy())  # (plain data for the parent)
@@ -128,7 +130,7 @@ def _callbacks(schedule: dict, save: Path | None = None) -> tuple[list, dict]:
                 record["lr"].append(tuple(trainer.strategy.optimizer_handle.scheduled))
                 if save is not None and step == RESUME_AT:
                     trainer.save_checkpoint(save)
-                if save is not None and step == ROLLOUT[0]:
+                if rollout_at is not None and step == rollout_at[0]:
                     record["rollout"] = rollout(trainer.strategy)
 
     return [LocalState("before"), ScheduledReconfig(schedule), LocalState("after")], record
@@ -138,7 +140,7 @@ def _fits(name: str, tmp: Path) -> dict:
     case = CASES[name]
     out: dict = {}
     save = tmp / f"{name}.ckpt" if name == "split-mlp" else None
-    callbacks, record = _callbacks(case["schedule"], save)
+    callbacks, record = _callbacks(case["schedule"], save, ROLLOUTS.get(name))
     module = _module(name)
     trainer = _trainer(case["start"], STEPS, case["precision"], callbacks)
     trainer.fit(module, datamodule=_data(name))
@@ -174,4 +176,4 @@ def run_own_models4(tmp: str, names: tuple[str, ...] = tuple(CASES)) -> list[dic
     return run_distributed(_job, 4, tmp, names, timeout_s=900, collective_timeout_s=300)
 
 
-__all__ = ["CASES", "RESUME_AT", "ROLLOUT", "STEPS", "run_own_models4"]
+__all__ = ["CASES", "RESUME_AT", "ROLLOUTS", "STEPS", "run_own_models4"]

@@ -16,7 +16,7 @@ import re
 import pytest
 
 from tests.megatron_description import assemble, differences
-from tests.strategy.own_models_job import CASES, RESUME_AT, ROLLOUT, STEPS, run_own_models4
+from tests.strategy.own_models_job import CASES, RESUME_AT, ROLLOUTS, STEPS, run_own_models4
 
 pytestmark = pytest.mark.slow
 
@@ -67,28 +67,31 @@ def test_the_fit_switches_at_the_scheduled_steps_and_tracks_a_static_run(own4, n
         assert switched["losses"][-1] < switched["losses"][0] - 0.2
 
 
-def test_a_rollout_of_the_users_model_leaves_its_state_as_it_was(own4) -> None:
-    """The split-MLP GPT (bf16, ZeRO-1 off, at dp1-tp2-pp2) enters a rollout at dp4-tp1-pp1 with its
-    weights freed and its optimizer parked, generates and scores there, and leaves: megatron's
+@pytest.mark.parametrize("name, bound", [("split-mlp", 0.05), ("sigmoid-moe", 1e-5)])
+def test_a_rollout_of_the_users_model_leaves_its_state_as_it_was(own4, name, bound) -> None:
+    """The split-MLP GPT (bf16, at dp1-tp2-pp2) enters a rollout at dp4-tp1-pp1 with its weights freed
+    and its optimizer parked on the host; the MoE of the user's (fp32, at dp2-tp2-pp1-ep2) one at
+    dp4-tp1-pp1-ep4, everything in place. Each generates and scores there, and leaves: megatron's
     description of the whole state is the same before and after (and the fit's ``verify=True``
     fingerprint too, or it would have raised); the rollout model held the training weights; a
     switch asked for inside was refused; every rank got every row, the same."""
     import numpy as np
 
-    runs = [r["split-mlp"]["switched"]["rollout"] for r in own4]
+    runs = [r[name]["switched"]["rollout"] for r in own4]
     before, after = assemble([r["before"] for r in runs]), assemble([r["after"] for r in runs])
     assert differences(before, after) == []
     params = {k: v for k, v in before.items() if not k.startswith(("optimizer.", "chained_"))}
     assert differences(params, assemble([r["model"] for r in runs])) == []
     assert {r["refused"] for r in runs} == {"RolloutError"}
-    assert all(r["parked_bytes"] > 0 for r in runs)  # the weights' training shards (host memory: nothing moved)
+    # the freed training shards of the weights (host memory: nothing else moved); in place: nothing
+    assert all((r["parked_bytes"] > 0) == (not ROLLOUTS[name][3]) for r in runs)
     tokens, log_probs = runs[0]["generated"]
     assert tokens.shape == (4, 9) and tokens[:, :6].tolist() == np.arange(24).reshape(4, 6).tolist()
     for r in runs[1:]:
         assert np.array_equal(r["generated"][0], tokens) and np.array_equal(r["scored"], runs[0]["scored"])
-    # bf16: what generate reports for its tokens is what scoring the sequence gives, to bf16's precision
-    assert np.abs(runs[0]["scored"][:, 5:] - log_probs).max() <= 0.05
-    assert ROLLOUT[0] not in CASES["split-mlp"]["schedule"]
+    # what generate reports for its tokens is what scoring the sequence gives (bf16: to its precision)
+    assert np.abs(runs[0]["scored"][:, 5:] - log_probs).max() <= bound
+    assert ROLLOUTS[name][0] not in CASES[name]["schedule"]
 
 
 def test_the_user_mlp_trains_in_bf16_with_its_own_tensors(own4) -> None:
