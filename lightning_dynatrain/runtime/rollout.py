@@ -136,8 +136,9 @@ class RolloutPolicy:
     # ---------------------------------------------------------------------------- the model
     def _rows(self, tokens: torch.Tensor, what: str) -> torch.Tensor:
         if self.layout.cp > 1:
-            raise RolloutError(f"the rollout layout {self.layout} splits sequences over {self.layout.cp} context-parallel "
-                               "ranks: scoring and sampling run on whole sequences", hint="choose a rollout layout with cp1")
+            raise RolloutError(f"the rollout layout {self.layout} splits sequences over {self.layout.cp} "
+                               "context-parallel ranks: scoring and sampling run on whole sequences",
+                               hint="choose a rollout layout with cp1")
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
             raise RolloutError(f"{what} must be a 2-D LongTensor [rows, length], got "
                                f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
