@@ -12,8 +12,9 @@ split over the data-parallel ranks and gathered back, so every rank gets every r
 tensor-parallel ranks of a row compute its full logits (gathered over the vocabulary) and every
 rank of a replica samples alike (a rollout layout with ``cp > 1`` is refused: whole sequences).
 Each prompt samples from its own generator, seeded from ``seed`` and the prompt's index, so the
-tokens drawn do not depend on the layout or on how rows are split. Every step runs the whole
-sequence again (no KV cache: megatron's inference contexts need CUDA here).
+tokens drawn do not depend on the layout or on how rows are split. Generation keeps the keys and
+values in megatron's static inference context (its KV cache; on CPU processes the host adapter
+turns its CUDA allocation into a host one): the prompt runs once, then each new token alone.
 
 Log-probabilities are the model's own, at temperature 1 over megatron's padded vocabulary, as the
 training loss computes them (``-cross_entropy``): what a policy-gradient loss compares with.
@@ -39,6 +40,8 @@ from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.spec import ModelSpec
 
 if TYPE_CHECKING:  # megatron-core loads with the first model, not with the package
+    from megatron.core.inference.contexts import StaticInferenceContext
+
     from lightning_dynatrain.megatron.rollout import RolloutWeights
 
 
@@ -107,10 +110,13 @@ class RolloutPolicy:
         return self._gathered(tokens, lambda local: -self._forward(local[:, :-1], labels=local[:, 1:]).float())
 
     def generate(self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, seed: int = 0) -> Generation:
+                 top_k: int | None = None, seed: int = 0, kv_cache: bool = True) -> Generation:
         """Sample ``max_new_tokens`` after each prompt (``[rows, length]``, the same on every rank).
 
         ``temperature`` 0 takes the most likely token; ``top_k`` samples among the k most likely.
+        ``kv_cache``: keep each layer's keys and values in megatron's static inference context, so
+        each new token runs alone through the model (``False``, or a model or layout that cannot:
+        every token runs the whole sequence again).
         """
         prompts = self._rows(prompts, "prompts")
         if max_new_tokens < 1 or temperature < 0 or (top_k is not None and top_k < 1):
@@ -120,9 +126,13 @@ class RolloutPolicy:
 
         def sample(local: torch.Tensor, first_row: int) -> torch.Tensor:
             generators = [torch.Generator().manual_seed(seed * 1_000_003 + first_row + i) for i in range(len(local))]
+            cache = self._kv_cache(len(local), local.shape[1] + max_new_tokens) if kv_cache else None
             picked, scores = local, []
-            for _ in range(max_new_tokens):
-                logits = self._full_logits(picked, last=True)[:, -1].float()
+            for step in range(max_new_tokens):
+                if cache is None:
+                    logits = self._full_logits(picked, last=True)[:, -1].float()
+                else:  # the prompt once, then each new token alone
+                    logits = self._cached_logits(picked if step == 0 else picked[:, -1:], cache).float()
                 log_probs = torch.log_softmax(logits, dim=-1)  # the model's own, over the padded vocabulary
                 choice = _choose(logits[:, :vocab], temperature, top_k, generators).to(picked.device)
                 scores.append(log_probs.gather(1, choice[:, None]))
@@ -158,17 +168,45 @@ class RolloutPolicy:
             tokens = torch.nn.functional.pad(tokens, (0, pad))
             labels = torch.nn.functional.pad(labels, (0, pad)) if labels is not None else None
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        with device_kind(tokens.device).megatron_context(), torch.no_grad():
-            if self.layout.pp == 1:
-                out = self.model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=labels)
-            else:  # megatron's forward-only schedule passes the activations from stage to stage
-                from lightning_dynatrain.megatron.train_step import pipeline_schedule
-
-                batch = {"tokens": tokens, "positions": positions, **({"labels": labels} if labels is not None else {})}
-                outputs = pipeline_schedule(self.model, [batch], _stage_forward, tokens.shape[1], forward_only=True)
-                out = outputs[0] if outputs else None
+        out = self._run_model(tokens, input_ids=tokens, position_ids=positions, attention_mask=None, labels=labels)
         if out is not None:
             out = out[:, length - 1:length] if last else out[:, :length]
+        return out if self.layout.pp == 1 else self._from_last_stage(out)
+
+    def _run_model(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor | None:
+        """The model's forward on ``kwargs``; across pipeline stages megatron's forward-only schedule
+        passes the activations from stage to stage (the output on the last stage, else ``None``)."""
+        with device_kind(tokens.device).megatron_context(), torch.no_grad():
+            if self.layout.pp == 1:
+                return self.model(**kwargs)
+            from lightning_dynatrain.megatron.train_step import pipeline_schedule
+
+            outputs = pipeline_schedule(self.model, [{"tokens": tokens, "kwargs": kwargs}], _stage_forward,
+                                        tokens.shape[1], forward_only=True)
+        return outputs[0] if outputs else None
+
+    def _kv_cache(self, rows: int, length: int) -> "StaticInferenceContext | None":
+        """Megatron's static KV cache for ``rows`` sequences of up to ``length`` tokens, or ``None``
+        where it cannot serve: sequence parallelism pads single tokens (MoE layers at tp > 1), or a
+        model whose forward takes no ``inference_context``."""
+        import inspect
+
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        if self._execution.sequence_parallel_at(self.layout.tp, is_moe=self.spec.num_experts > 0) or \
+                "inference_context" not in inspect.signature(self.model.forward).parameters:
+            return None
+        return StaticInferenceContext(max_batch_size=rows, max_sequence_length=length)
+
+    def _cached_logits(self, tokens: torch.Tensor, cache: "StaticInferenceContext") -> torch.Tensor:
+        """``[rows, padded vocabulary]``: the logits after ``tokens``, the tokens before them read
+        from ``cache`` (megatron gathers the tensor-parallel shards itself), on every rank."""
+        start = cache.sequence_len_offset
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        out = self._run_model(tokens, input_ids=tokens, position_ids=positions, attention_mask=None,
+                              inference_context=cache, runtime_gather_output=True)
+        cache.sequence_len_offset += tokens.shape[1]
+        out = out[:, -1] if out is not None else None
         return out if self.layout.pp == 1 else self._from_last_stage(out)
 
     def _from_last_stage(self, out: torch.Tensor | None) -> torch.Tensor:
@@ -220,9 +258,7 @@ class RolloutPolicy:
 
 def _stage_forward(data_iterator, model: torch.nn.Module):
     """A pipeline stage's forward for megatron's schedule: the raw output, no loss."""
-    batch = next(data_iterator)
-    return model(input_ids=batch["tokens"], position_ids=batch["positions"], attention_mask=None,
-                 labels=batch.get("labels")), None
+    return model(**next(data_iterator)["kwargs"]), None
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int | None,

@@ -10,7 +10,8 @@ training model at its own layout; tokens sampled at two rollout layouts with the
 
 Cases: fp32 tp2 -> dp2 with everything in place; bf16 zero1 -> tp2 with the weights freed and the
 optimizer parked on the host; an MoE whose experts change ep (ep2 zero1 -> tp2); a pipeline (pp2 ->
-dp2, weights freed); scoring and sampling at a rollout layout with two pipeline stages.
+dp2, weights freed); scoring and sampling at a rollout layout with two pipeline stages; sampling
+with megatron's KV cache against recomputing the whole sequence for every token.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def _case(rank, shape, dtype, train_text, rollout_text, park, keep_weights) -> d
     greedy = policy.generate(prompts, max_new_tokens=NEW, temperature=0.0)
     out["sampled"] = (sampled.tokens.numpy(), sampled.log_probs.numpy())  # (tensors do not outlive the child)
     out["greedy"] = (greedy.tokens.numpy(), greedy.log_probs.numpy())
+    recomputed = policy.generate(prompts, max_new_tokens=NEW, temperature=1.0, top_k=20, seed=3, kv_cache=False)
+    out["recomputed"] = (recomputed.tokens.numpy(), recomputed.log_probs.numpy())  # every token over the whole sequence
     out["parked_bytes"] = phase.parked_bytes
     out["rescored"] = policy.log_probs(sampled.tokens)[:, 5:].numpy()
     leave_rollout(phase, setup, groups=cache)
@@ -176,6 +179,8 @@ def _scoring_at_pp2(rank: int) -> dict:
     out["log_probs"] = policy.log_probs(tokens).numpy()
     sampled = policy.generate(tokens[:, :6], max_new_tokens=NEW, temperature=1.0, top_k=20, seed=3)
     out["sampled"] = (sampled.tokens.numpy(), sampled.log_probs.numpy())
+    recomputed = policy.generate(tokens[:, :6], max_new_tokens=NEW, temperature=1.0, top_k=20, seed=3, kv_cache=False)
+    out["recomputed"] = (recomputed.tokens.numpy(), recomputed.log_probs.numpy())
     try:
         RolloutPolicy(replace(phase, layout=ParallelConfig.parse("dp1-tp1-pp1-cp2")), setup.spec).log_probs(tokens)
     except RolloutError as err:
@@ -226,6 +231,17 @@ def test_every_rank_gets_every_row_and_the_same_tokens(results, name):
     tokens, log_probs = first["sampled"]
     assert tokens.shape == (ROWS, 6 + NEW) and log_probs.shape == (ROWS, NEW)
     assert (log_probs <= 0).all() and np.isfinite(log_probs).all()
+
+
+@pytest.mark.parametrize("name, bound", [("fp32", 1e-5), ("moe", 1e-5), ("bf16", 0.05), ("pp", 1e-5), ("pp2", 1e-5)])
+def test_generating_with_the_kv_cache_samples_what_recomputing_every_token_samples(results, name, bound):
+    """Megatron's static KV cache (each new token alone through the model; across two stages at pp2)
+    against the whole sequence run again for every token: the same tokens, the same log-probabilities
+    (bf16: a token's probability within 5%; the MoE at tp2 pads single tokens and recomputes)."""
+    (tokens, log_probs), (again, again_log_probs) = results[0][name]["sampled"], results[0][name]["recomputed"]
+    assert np.array_equal(tokens, again)
+    assert np.abs(np.exp(log_probs - again_log_probs) - 1).max() <= bound if name == "bf16" else \
+        np.abs(log_probs - again_log_probs).max() <= bound
 
 
 @pytest.mark.parametrize("name, bound", [("fp32", 1e-5), ("moe", 1e-5), ("bf16", None)])
