@@ -139,6 +139,11 @@ THIRD_PARTY: tuple[QuietWarning, ...] = (
         UserWarning, r"megatron\.core\._rank_utils", "Could not determine rank from torch.distributed",
         "megatron-core 0.19's log_single_rank says it when a process without torch.distributed logs (a dataset "
         "built before the job's groups exist, a single-process tool); it then logs as rank 0, which that process is"),
+    QuietWarning(
+        DeprecationWarning, r"megatron\.core\.inference\.contexts",
+        "The following imports from `dynamic_context.py` will be removed",
+        "megatron-core 0.16-0.19 say it whenever their inference contexts package is imported (a rollout's KV "
+        "cache, StaticInferenceContext); the project imports nothing of dynamic_context"),
 )
 
 #: notices megatron-core and torch log at warning level (not ``warnings``), each hidden by logger and message
