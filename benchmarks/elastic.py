@@ -50,7 +50,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.elastic_fit import STOP_KEY  # noqa: E402
+from benchmarks.stop_in_store import STOP_KEY  # noqa: E402
 from benchmarks.elastic_job import REPO, SCRIPT, ElasticJob  # noqa: E402
 
 GOALS = {"init_masked": (">=", 0.93), "pause_over_cold": ("<=", 0.25), "outside_transfer_over_rebuild": ("<=", 0.10)}

@@ -44,6 +44,7 @@ import hashlib
 import json
 import os
 import time
+import sys
 from pathlib import Path
 
 STARTED_AT = time.time()
@@ -62,7 +63,6 @@ MODELS = {
                  policy={1: "dp1-tp1-pp1", 2: "dp1-tp2-pp1", 4: "dp2-tp2-pp1"}),
 }
 SEED = 1234
-STOP_KEY = "bench/stop_at"
 
 
 def main() -> None:
@@ -111,6 +111,10 @@ def main() -> None:
     if args.start:  # (the policy's own entry for that world applies to later changes to it)
         model["start"] = args.start
 
+    if __package__ in (None, ""):  # run as a script: make the repository importable
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.stop_in_store import StopInStore
+
     import torch
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.loggers import CSVLogger
@@ -124,17 +128,6 @@ def main() -> None:
     class Pace(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             time.sleep(args.step_seconds)
-
-    class StopInStore(Callback):
-        """End the fit at the step the job's store names (the same step on every rank)."""
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            from lightning_dynatrain.elastic.client import JobStore
-
-            if not hasattr(self, "store"):
-                self.store = JobStore.from_environment().store
-            if self.store.check([STOP_KEY]) and trainer.global_step >= int(self.store.get(STOP_KEY)):
-                trainer.should_stop = True
 
     class LeaveAt(Callback):
         """One rank asks to leave after a step, as a preemption notice would (the store sets the boundary)."""

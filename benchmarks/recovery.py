@@ -65,7 +65,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.elastic import _save_source, _torchrun  # noqa: E402
-from benchmarks.elastic_fit import STOP_KEY  # noqa: E402
+from benchmarks.stop_in_store import STOP_KEY  # noqa: E402
 from benchmarks.elastic_job import ElasticJob  # noqa: E402
 
 

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from benchmarks.elastic_fit import STOP_KEY
+from benchmarks.stop_in_store import STOP_KEY
 from benchmarks.elastic_job import ElasticJob
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,8 @@ import sys
 
 import pytest
 
-from benchmarks.elastic_fit import MODELS, STOP_KEY
+from benchmarks.elastic_fit import MODELS
+from benchmarks.stop_in_store import STOP_KEY
 from benchmarks.elastic_job import SCRIPT, ElasticJob, torchrun
 
 pytestmark = pytest.mark.slow

@@ -303,7 +303,7 @@ def test_a_lost_host_is_named_after_dead_after_and_a_spare_grows_the_world_back(
     after it), the survivors' watchdogs abandon the collectives they wait in, and they go on at world
     2. Continued, the stopped processes find themselves out of the job and end with that message. A
     spare started then joins as any joiner does, and the world is 3."""
-    from benchmarks.elastic_fit import STOP_KEY
+    from benchmarks.stop_in_store import STOP_KEY
 
     dead_after = 6.0
     with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.1, dead_after=dead_after,
@@ -351,7 +351,7 @@ def test_a_torchrun_worker_killed_takes_its_launch_down_in_one_change(tmp_path):
     torchrun's agent stops the whole launch (SIGTERM to the sibling, which does not leave, a second
     change the agent would cut short, but ends at once). The first launch recovers from both, once,
     from its replicas, and trains on at world 2."""
-    from benchmarks.elastic_fit import STOP_KEY
+    from benchmarks.stop_in_store import STOP_KEY
 
     with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.1, dead_after=10.0, suspect_after=2.0,
                     fit_args=("--stop-in-store",)) as job:

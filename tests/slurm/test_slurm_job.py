@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.elastic_fit import STOP_KEY
+from benchmarks.stop_in_store import STOP_KEY
 from benchmarks.elastic_job import SCRIPT, ElasticJob
 
 ROOT = Path(__file__).resolve().parents[2]
