@@ -43,7 +43,8 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
         "alone with --weights-only).",
     )
     p.add_argument("--model", required=True, help=f"model preset: {', '.join(preset_names())}")
-    p.add_argument("--src", required=True, help="source layout, e.g. dp16-tp8-pp8 or dp128-tp4-pp2-ep64-zero1")
+    p.add_argument("--src", required=True, help="source layout, e.g. dp16-tp8-pp8, dp128-tp4-pp2-ep64-zero1 or "
+                   "dp32-tp4-pp8-first7-last7 (an uneven pipeline: 7 layers on the first and the last stage)")
     p.add_argument("--dst", required=True, help="destination layout")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for locality (default 8)")
     p.add_argument("--rank", type=int, default=None, help="plan and report this one rank only")

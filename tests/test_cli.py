@@ -49,11 +49,15 @@ def test_weights_only_moves_the_bf16_params_alone():
     assert full["moved_bytes"] == pytest.approx(7 * weights["moved_bytes"], rel=0.01)
 
 
-def test_1024_rank_plan_runs_and_adds_up():
-    f = plan_json("--model", "llama2-70b", "--src", "dp16-tp8-pp8", "--dst", "dp32-tp4-pp8")
-    assert f["moved_bytes"] > 0 and f["inter_node_bytes"] >= 0
-    assert f["max_rank_recv_bytes"] <= f["moved_bytes"]
-    assert f["estimated_transfer_seconds"] > 0
+def test_1024_rank_plan_to_an_uneven_pipeline_moves_the_layers_that_change_stage():
+    """llama2-70b's 80 layers, 10 a stage -> 7 on each end stage and 11 on each of the 6 between: layers
+    7-9, 18-19, 29, 50, 60-61, 70-72 change stage (12), each a layer's fp32 state (param and Adam's two
+    moments, 12 bytes a parameter) to each of the 16 data-parallel replicas: its 855,654,400 parameters,
+    and its two norms' 16,384 (replicated over tp) to the 7 other tp ranks as well; nothing else moves."""
+    f = plan_json("--model", "llama2-70b", "--src", "dp16-tp8-pp8", "--dst", "dp16-tp8-pp8-first7-last7",
+                  "--precision", "fp32")
+    assert f["moved_bytes"] == 12 * (855_654_400 + 7 * 16_384) * 12 * 16
+    assert f["max_rank_recv_bytes"] <= f["moved_bytes"] and f["estimated_transfer_seconds"] > 0
 
 
 def test_single_rank_report_prints_its_plan():

@@ -1,4 +1,5 @@
-"""The demo, run as ``make demo`` runs it but short: a YAML config, 4 processes, two switches.
+"""The demo, run as ``make demo`` runs it but short: a YAML config, 4 processes, two switches (the
+second to an uneven pipeline: 1 of the model's 3 layers on the first stage), ``verify=True``.
 
 What a user sees is checked, not only what it computes:
 
@@ -38,11 +39,11 @@ warnings.filterwarnings("error", module=r"__main__$")
 
 CONFIG = {
     "seed_everything": 1234,
-    "schedule": {3: "dp2-tp2-pp1", 6: "dp1-tp2-pp2-zero1"},
+    "schedule": {3: "dp2-tp2-pp1", 6: "dp1-tp2-pp2-zero1-first1"},
     "trainer": {"accelerator": "cpu", "devices": 4, "max_steps": 8, "precision": "32-true",
                 "strategy": {"class_path": "lightning_dynatrain.DynaTrainStrategy",
-                             "init_args": {"layout": "dp4-tp1-pp1", "staging_budget": "64MiB"}}},
-    "model": {"family": "gpt", "hidden": 32, "layers": 2, "heads": 4, "ffn_hidden": 64, "seq_length": 32,
+                             "init_args": {"layout": "dp4-tp1-pp1", "staging_budget": "64MiB", "verify": True}}},
+    "model": {"family": "gpt", "hidden": 32, "layers": 3, "heads": 4, "ffn_hidden": 64, "seq_length": 32,
               "global_batch_size": 8, "micro_batch_size": 1, "lr": 0.003, "warmup_steps": 2},
     "data": {"max_bytes": 200_000},
 }
@@ -70,19 +71,20 @@ def test_demo_from_a_yaml_config_switches_twice_without_a_warning(tmp_path: Path
                 if re.search(r"Warning\b|warnings\.warn|^[WE]\d{4} \d|(?i:deprecated)", line)]
     assert not warnings, "\n".join(warnings[:20])
 
-    assert "layout=dp4-tp1-pp1" in text and "layout=dp1-tp2-pp2-zero1, switch=" in text, text[-3000:]
-    for step, src, dst in ((3, "dp4-tp1-pp1", "dp2-tp2-pp1"), (6, "dp2-tp2-pp1", "dp1-tp2-pp2-zero1")):
+    assert "layout=dp4-tp1-pp1" in text and "layout=dp1-tp2-pp2-zero1-first1, switch=" in text, text[-3000:]
+    for step, src, dst in ((3, "dp4-tp1-pp1", "dp2-tp2-pp1"), (6, "dp2-tp2-pp1", "dp1-tp2-pp2-zero1-first1")):
         assert text.count(f"[dynatrain] step {step}: {src} -> {dst} in ") == 1, text[-3000:]
     assert "[train_gpt] 8 steps in" in text
 
     with open(out / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [r["layout"] for r in rows] == ["dp4-tp1-pp1"] * 3 + ["dp2-tp2-pp1"] * 3 + ["dp1-tp2-pp2-zero1"] * 2
+    assert [r["layout"] for r in rows] == \
+        ["dp4-tp1-pp1"] * 3 + ["dp2-tp2-pp1"] * 3 + ["dp1-tp2-pp2-zero1-first1"] * 2
     seconds = [float(r["seconds"]) for r in rows]
     assert seconds == sorted(seconds) and seconds[0] > 0
     switches = [json.loads(line) for line in (out / "switches.jsonl").read_text().splitlines()]
     assert [(s["step"], s["src"], s["dst"]) for s in switches] == [(3, "dp4-tp1-pp1", "dp2-tp2-pp1"),
-                                                                   (6, "dp2-tp2-pp1", "dp1-tp2-pp2-zero1")]
+                                                                   (6, "dp2-tp2-pp1", "dp1-tp2-pp2-zero1-first1")]
     pictures = sorted(p.name for p in out.glob("*.png"))
     assert pictures == ["loss.png", "transfers_step3.png", "transfers_step6.png"]
     for name in pictures:

@@ -302,6 +302,8 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        num_layers_in_first_pipeline_stage=layout.first,
+        num_layers_in_last_pipeline_stage=layout.last,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,

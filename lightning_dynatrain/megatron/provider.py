@@ -50,6 +50,10 @@ from lightning_dynatrain.vps.validate import validate_layout
 _PARALLEL_FIELDS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                     "context_parallel_size": 1, "expert_model_parallel_size": 1,
                     "expert_tensor_parallel_size": None, "sequence_parallel": False}
+#: config fields that split the layers over pipeline stages (the layout's ``-firstN``/``-lastN`` do here)
+_PIPELINE_SPLIT_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                          "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                          "account_for_loss_in_pipeline_split")
 
 
 def padded_vocab_size(vocab_size: int, config: TransformerConfig, divisible_by: int = 128) -> int:
@@ -110,6 +114,12 @@ class ModelProvider:
                                  hint="leave parallel sizes out of the config: the strategy's layout sets them "
                                       "at every layout it runs (sequence parallelism, wherever tp > 1: "
                                       "MegatronLightningModule(sequence_parallel=True))")
+        split_here = [f"{k}={getattr(self.config, k)}" for k in _PIPELINE_SPLIT_FIELDS
+                      if getattr(self.config, k, None) not in (None, False)]
+        if split_here:
+            raise ModelSpecError(f"the model's TransformerConfig sets {', '.join(split_here)}",
+                                 hint="leave the pipeline split out of the config: the layout states it, evenly "
+                                      "or with the end stages' layers, e.g. 'dp1-tp1-pp4-first1-last1'")
 
     # ------------------------------------------------------------------------------ sizes
     @property
@@ -142,7 +152,8 @@ class ModelProvider:
     # ------------------------------------------------------------------------------ layouts
     def config_at(self, layout: ParallelConfig, *, params_dtype: torch.dtype, execution: ExecutionOptions,
                   initialize: bool = True, on_device: bool = False) -> TransformerConfig:
-        """The config at ``layout``: its parallel sizes, sequence parallelism and recompute, precision
+        """The config at ``layout``: its parallel sizes and pipeline split (the layout's ``first``/``last``
+        layers, in place of the config's own), sequence parallelism and recompute, precision
         (megatron's bf16 with fp32 main params, or fp32), CPU initialisation unless ``on_device``.
 
         Raises:
@@ -150,6 +161,7 @@ class ModelProvider:
         """
         changes: dict[str, Any] = dict(
             tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+            num_layers_in_first_pipeline_stage=layout.first, num_layers_in_last_pipeline_stage=layout.last,
             context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
             **execution.config_kwargs(layout.tp, is_moe=self.is_moe),
             params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
@@ -164,6 +176,7 @@ class ModelProvider:
 
     def validate(self, layout: ParallelConfig, execution: ExecutionOptions) -> None:
         """Megatron's config checks at ``layout``, the derived spec's split rules, and the options'."""
+        layout.stage_layers(self.config.num_layers)  # the pipeline split first: its error names splits that fit
         if layout.cp != 1:
             raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine attention",
                               hint="use cp1")

@@ -1,7 +1,8 @@
 """Where a logical tensor lives when its state is not flat-sharded: a grid of cells.
 
 Every split axis of a tensor (``layer`` by pp, ``expert`` by ep, ``tp``/``vocab`` by tp or etp) cuts it
-into equal contiguous ranges; a *cell* is one range per split axis. A rank holds exactly one cell of
+into contiguous ranges, equal but for the layers of an uneven pipeline (``ParallelConfig.stage_bounds``);
+a *cell* is one range per split axis. A rank holds exactly one cell of
 each tensor it holds, and a cell is held by every rank that agrees on the split coordinates (its
 replicas: data parallel, context parallel, tensor parallel for replicated tensors, and both end
 stages for a tied embedding).
@@ -17,6 +18,7 @@ rank 5 (tp1, dp0, pp1) holds cell ``(1, 1)`` = box ``[2:4, 0:8, 8:16]``, with re
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from functools import lru_cache
 from typing import Iterator
@@ -38,19 +40,19 @@ class GridPlacement:
         self.expert_mesh = tensor.group is Group.EXPERT
         tp_size = layout.etp if self.expert_mesh else layout.tp
         tp_dim = "etp" if self.expert_mesh else "tp"
-        # per split axis: (axis, mesh dimension, parts, cell width)
-        splits: list[tuple[int, str, int, int]] = []
+        # per split axis: (axis, mesh dimension, parts, cuts): part i is [cuts[i], cuts[i + 1])
+        splits: list[tuple[int, str, int, tuple[int, ...]]] = []
         # end of each axis in this layout (a vocabulary axis ends at this layout's padded size)
         self.limits = list(tensor.shape)
         for axis, role in enumerate(tensor.axes):
             if role == LAYER:
-                splits.append((axis, "pp", layout.pp, tensor.shape[axis] // layout.pp))
+                splits.append((axis, "pp", layout.pp, layout.stage_bounds(tensor.shape[axis])))
             elif role == EXPERT:
-                splits.append((axis, "ep", layout.ep, tensor.shape[axis] // layout.ep))
+                splits.append((axis, "ep", layout.ep, _even(tensor.shape[axis] // layout.ep, layout.ep)))
             elif role == TP:
-                splits.append((axis, tp_dim, tp_size, tensor.shape[axis] // tp_size))
+                splits.append((axis, tp_dim, tp_size, _even(tensor.shape[axis] // tp_size, tp_size)))
             elif role == VOCAB:
-                splits.append((axis, tp_dim, tp_size, spec.padded_vocab(tp_size) // tp_size))
+                splits.append((axis, tp_dim, tp_size, _even(spec.padded_vocab(tp_size) // tp_size, tp_size)))
                 self.limits[axis] = spec.padded_vocab(tp_size)
         self.splits = tuple(splits)
         self.split_dims = frozenset(d for _, d, _, _ in splits)
@@ -92,9 +94,9 @@ class GridPlacement:
     def _make_cell_box(self, cell: Cell) -> Box | None:
         lo = [0] * self.tensor.ndim
         hi = list(self.tensor.shape)
-        for (axis, _, _, width), index in zip(self.splits, cell):
-            lo[axis] = index * width
-            hi[axis] = min((index + 1) * width, self.limits[axis])
+        for (axis, _, _, cuts), index in zip(self.splits, cell):
+            lo[axis] = cuts[index]
+            hi[axis] = min(cuts[index + 1], self.limits[axis])
             if hi[axis] <= lo[axis]:
                 return None
         return Box(tuple(lo), tuple(hi))
@@ -102,15 +104,16 @@ class GridPlacement:
     def local_origin(self, cell: Cell) -> tuple[int, ...]:
         """Logical coordinates of element 0 of the local tensor (non-stack axes)."""
         origin = [0] * self.tensor.ndim
-        for (axis, _, _, width), index in zip(self.splits, cell):
-            origin[axis] = index * width
+        for (axis, _, _, cuts), index in zip(self.splits, cell):
+            origin[axis] = cuts[index]
         return tuple(origin[self.tensor.stack_axes:])
 
     def local_shape(self) -> tuple[int, ...]:
-        """Shape of one local tensor viewed on the logical axes (non-stack axes, padding included)."""
+        """Shape of one local tensor viewed on the logical axes (non-stack axes, padding included; the
+        split of a non-stack axis is even)."""
         shape = list(self.tensor.shape)
-        for axis, _, _, width in self.splits:
-            shape[axis] = width
+        for axis, _, _, cuts in self.splits:
+            shape[axis] = cuts[1] - cuts[0]
         return tuple(shape[self.tensor.stack_axes:])
 
     def local_stack(self, cell: Cell) -> tuple[range, ...]:
@@ -122,9 +125,9 @@ class GridPlacement:
     def cells_overlapping(self, box: Box) -> Iterator[Cell]:
         """Cells (with a valid part) that intersect ``box``."""
         ranges = []
-        for axis, _, parts, width in self.splits:
-            first = box.lo[axis] // width
-            last = min((box.hi[axis] - 1) // width, parts - 1)
+        for axis, _, parts, cuts in self.splits:
+            first = bisect.bisect_right(cuts, box.lo[axis]) - 1
+            last = min(bisect.bisect_right(cuts, box.hi[axis] - 1) - 1, parts - 1)
             ranges.append(range(first, last + 1))
         for cell in itertools.product(*ranges):
             if self.cell_box(cell) is not None:
@@ -166,6 +169,10 @@ class GridPlacement:
         cell = self.cell_of(rank)
         assert cell is not None
         return self.holders(cell).index(rank)
+
+
+def _even(width: int, parts: int) -> tuple[int, ...]:
+    return tuple(i * width for i in range(parts + 1))
 
 
 @lru_cache(maxsize=4096)

@@ -1,8 +1,11 @@
 """Parallel layouts: how many ways each parallel axis splits the job, and which rank sits where.
 
 A layout is written ``dp2-tp2-pp1`` with optional ``-cpN``, ``-epN``, ``-etpN`` (expert tensor
-parallel, defaults to ``tp``) and ``-zero1`` (optimizer state sharded over data-parallel ranks as
-Megatron's distributed optimizer does; ``zero0`` keeps it replicated).
+parallel, defaults to ``tp``), ``-zero1`` (optimizer state sharded over data-parallel ranks as
+Megatron's distributed optimizer does; ``zero0`` keeps it replicated) and, for an uneven pipeline,
+``-firstN`` / ``-lastN``: N transformer layers on the first / last stage, the rest split evenly over
+the stages between (megatron's ``num_layers_in_first_pipeline_stage`` / ``..._last_...``), e.g.
+``dp1-tp1-pp4-first1-last1`` puts 1, 3, 3, 1 of 8 layers on its stages.
 
 Rank coordinates follow Megatron-core's ``RankGenerator`` with order ``tp-cp-ep-dp-pp`` so that the
 groups built here are the groups ``parallel_state.initialize_model_parallel`` builds:
@@ -27,7 +30,7 @@ from typing import NamedTuple
 
 from lightning_dynatrain.vps.errors import LayoutError
 
-_TOKEN = re.compile(r"^(dp|tp|pp|cp|ep|etp|zero)(\d+)$")
+_TOKEN = re.compile(r"^(dp|tp|pp|cp|ep|etp|zero|first|last)(\d+)$")
 
 
 class DenseCoord(NamedTuple):
@@ -55,11 +58,13 @@ class ParallelConfig:
     Attributes:
         dp: data-parallel replicas (of the dense part).
         tp: tensor-parallel ranks (Megatron column/row/vocab parallel split).
-        pp: pipeline stages (contiguous, equal numbers of layers).
+        pp: pipeline stages (contiguous blocks of layers, equal unless ``first``/``last`` say otherwise).
         cp: context-parallel ranks (sequence split; parameters are replicated over cp).
         ep: expert-parallel ranks (experts split in contiguous ranges).
         etp: expert tensor-parallel ranks; ``None`` means "same as tp".
         zero: 0 = optimizer state replicated over data parallel, 1 = sharded (distributed optimizer).
+        first: transformer layers on the first pipeline stage; ``None``: an even share.
+        last: transformer layers on the last pipeline stage; ``None``: an even share.
     """
 
     dp: int = 1
@@ -69,6 +74,8 @@ class ParallelConfig:
     ep: int = 1
     etp: int | None = None
     zero: int = 0
+    first: int | None = None
+    last: int | None = None
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -85,6 +92,16 @@ class ParallelConfig:
                 f"zero={self.zero!r} is not supported",
                 hint="use zero0 (replicated optimizer state) or zero1 (sharded over data parallel)",
             )
+        for name in ("first", "last"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"{name}={value!r}: a stage holds at least one layer",
+                                  hint=f"write e.g. '{name}1', or leave {name} out for an even split")
+            if self.pp == 1:
+                raise LayoutError(f"{name}{value} needs a pipeline: pp is 1",
+                                  hint=f"use pp2 or more with {name}{value}, or leave {name} out")
         if self.ep == 1 and self.etp != self.tp:
             raise LayoutError(
                 f"etp={self.etp} differs from tp={self.tp} without expert parallelism",
@@ -108,6 +125,67 @@ class ParallelConfig:
     def edp(self) -> int:
         """Expert data-parallel size: replicas of each expert shard."""
         return (self.tp * self.cp * self.dp) // (self.etp * self.ep)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the first or the last pipeline stage has a layer count of its own."""
+        return self.first is not None or self.last is not None
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """How many of ``num_layers`` transformer layers each pipeline stage holds, as megatron builds
+        them (``get_num_layers_to_build``): ``first``/``last`` on the end stages, the rest evenly.
+
+        >>> ParallelConfig.parse("pp4-first1-last1").stage_layers(8)
+        (1, 3, 3, 1)
+
+        Raises:
+            LayoutError: the layers do not split so, with the nearest layouts that do.
+        """
+        problem = self.pipeline_problem(num_layers)
+        if problem is not None:
+            raise LayoutError(f"layout {self}: {problem}", hint=self._nearest_splits(num_layers))
+        middle_stages = self.pp - (self.first is not None) - (self.last is not None)
+        middle = num_layers - (self.first or 0) - (self.last or 0)
+        each = middle // middle_stages if middle_stages else 0
+        counts = [each] * self.pp
+        if self.first is not None:
+            counts[0] = self.first
+        if self.last is not None:
+            counts[-1] = self.last
+        return tuple(counts)
+
+    def pipeline_problem(self, num_layers: int) -> str | None:
+        """Why the stages cannot take ``num_layers`` layers as this layout splits them; ``None`` if they can."""
+        if not self.uneven:
+            return None if num_layers % self.pp == 0 else f"pp={self.pp} must divide the {num_layers} layers"
+        middle_stages = self.pp - (self.first is not None) - (self.last is not None)
+        middle = num_layers - (self.first or 0) - (self.last or 0)
+        if middle >= 0 and bool(middle) == bool(middle_stages) and not (middle_stages and middle % middle_stages):
+            return None
+        return (f"its end stages leave {middle} of the {num_layers} layers to {middle_stages} middle stage(s): "
+                f"that must be a positive multiple of them (none with no middle stage)")
+
+    def stage_bounds(self, num_layers: int) -> tuple[int, ...]:
+        """The first layer of each stage and the end: stage ``s`` holds ``[bounds[s], bounds[s + 1])``."""
+        bounds = [0]
+        for count in self.stage_layers(num_layers):
+            bounds.append(bounds[-1] + count)
+        return tuple(bounds)
+
+    def _nearest_splits(self, num_layers: int) -> str:
+        """Up to three layouts with this pp whose stages take ``num_layers`` layers, the closest first."""
+        even = self.replace(first=None, last=None)
+        options = [] if num_layers % self.pp else [(0, even)]
+        for first in range(1, num_layers + 1):
+            for last in range(1, num_layers + 1 - first):
+                middle, stages = num_layers - first - last, self.pp - 2
+                if bool(middle) == bool(stages) and (not stages or middle % stages == 0):
+                    far = abs(first - (self.first or 0)) + abs(last - (self.last or 0))
+                    options.append((far, even.replace(first=first, last=last)))
+        if not options:
+            return f"no split of {num_layers} layers over {self.pp} stages exists: choose another pp"
+        options.sort(key=lambda o: o[0])
+        return "e.g. " + ", ".join(str(layout) for _, layout in options[:3])
 
     @property
     def dp_cp(self) -> int:
@@ -157,11 +235,15 @@ class ParallelConfig:
             parts.append(f"etp{self.etp}")
         if self.zero:
             parts.append(f"zero{self.zero}")
+        if self.first is not None:
+            parts.append(f"first{self.first}")
+        if self.last is not None:
+            parts.append(f"last{self.last}")
         return "-".join(parts)
 
     @classmethod
     def parse(cls, text: "str | ParallelConfig") -> "ParallelConfig":
-        """Parse ``dp2-tp2-pp1[-cpN][-epN][-etpN][-zero1]``; omitted sizes are 1.
+        """Parse ``dp2-tp2-pp1[-cpN][-epN][-etpN][-zero1][-firstN][-lastN]``; omitted sizes are 1.
 
         >>> str(ParallelConfig.parse("tp2-dp2-zero1"))
         'dp2-tp2-pp1-zero1'
@@ -178,7 +260,8 @@ class ParallelConfig:
             if match is None:
                 raise LayoutError(
                     f"cannot parse layout {text!r}: unknown part {token!r}",
-                    hint="parts are dpN, tpN, ppN, cpN, epN, etpN, zero0/zero1 joined by '-', e.g. 'dp2-tp2-pp1'",
+                    hint="parts are dpN, tpN, ppN, cpN, epN, etpN, zero0/zero1, firstN, lastN joined by '-', "
+                    "e.g. 'dp2-tp2-pp1'",
                 )
             name, number = match.group(1), int(match.group(2))
             if name in values:
@@ -186,7 +269,7 @@ class ParallelConfig:
             values[name] = number
         return cls(**values)
 
-    def replace(self, **changes: int) -> "ParallelConfig":
+    def replace(self, **changes: int | None) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
 
 

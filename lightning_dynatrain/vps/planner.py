@@ -70,7 +70,7 @@ def _kind_groups(src: ParallelConfig, dst: ParallelConfig, kinds: tuple[tuple[St
 
 def _check_same_model(spec: ModelSpec, src: ParallelConfig, dst: ParallelConfig) -> None:
     for layout, side in ((src, "source"), (dst, "destination")):
-        if spec.num_layers % layout.pp or (spec.num_experts and spec.num_experts % layout.ep):
+        if layout.pipeline_problem(spec.num_layers) or (spec.num_experts and spec.num_experts % layout.ep):
             raise PlanError(
                 f"{side} layout {layout} does not fit model {spec.name}",
                 hint="validate layouts with lightning_dynatrain.vps.validate_layout before planning",

@@ -9,6 +9,7 @@ lightning_dynatrain.vps.errors.LayoutError: layout dp4-tp3-pp1 does not fit llam
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from lightning_dynatrain.vps.errors import LayoutError
@@ -38,8 +39,7 @@ def layout_problems(layout: ParallelConfig, spec: ModelSpec, world_size: int | N
             width = t.shape[-1]
             if width % layout.tp:
                 problems.append(f"tp={layout.tp} must divide the shared expert width {width}")
-    if spec.num_layers % layout.pp:
-        problems.append(f"pp={layout.pp} must divide the {spec.num_layers} layers")
+    problems += _pipeline_problems(layout, spec.num_layers)
     if spec.num_experts:
         if spec.num_experts % layout.ep:
             problems.append(f"ep={layout.ep} must divide the {spec.num_experts} experts")
@@ -50,6 +50,12 @@ def layout_problems(layout: ParallelConfig, spec: ModelSpec, world_size: int | N
     return problems
 
 
+def _pipeline_problems(layout: ParallelConfig, num_layers: int) -> list[str]:
+    """The pipeline's rule: its stages take the layers as the layout splits them (even or not)."""
+    problem = layout.pipeline_problem(num_layers)
+    return [] if problem is None else [problem]
+
+
 def _split_problems(layout: ParallelConfig, spec: ModelSpec) -> list[str]:
     """The rules of a spec read from a module (``vps.derive``): each split axis divides evenly."""
     from lightning_dynatrain.vps.spec import EXPERT, LAYER, TP, Group
@@ -57,6 +63,9 @@ def _split_problems(layout: ParallelConfig, spec: ModelSpec) -> list[str]:
     problems: dict[str, None] = {}
     for t in spec.tensors:
         for extent, role in zip(t.shape, t.axes):
+            if role == LAYER:
+                problems.update(dict.fromkeys(_pipeline_problems(layout, extent)))
+                continue
             size, what = {LAYER: (layout.pp, "pp"), EXPERT: (layout.ep, "ep"),
                           TP: (layout.etp if t.group is Group.EXPERT else layout.tp,
                                "etp" if t.group is Group.EXPERT else "tp")}.get(role, (1, ""))
@@ -100,9 +109,13 @@ def nearest_layouts(layout: ParallelConfig, spec: ModelSpec, world_size: int, co
             if rest % layout.cp:
                 continue
             dp = rest // layout.cp
-            for ep, etp in ((layout.ep, layout.etp), (layout.ep, tp), (1, tp)):
+            # the same uneven ends where this pp takes them, else an even split
+            ends = [(layout.first, layout.last)] if layout.uneven and pp > 1 else []
+            for (ep, etp), (first, last) in itertools.product(((layout.ep, layout.etp), (layout.ep, tp), (1, tp)),
+                                                               ends + [(None, None)]):
                 try:
-                    cand = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=layout.cp, ep=ep, etp=etp, zero=layout.zero)
+                    cand = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=layout.cp, ep=ep, etp=etp, zero=layout.zero,
+                                          first=first, last=last)
                 except LayoutError:
                     continue
                 if not layout_problems(cand, spec, world_size):

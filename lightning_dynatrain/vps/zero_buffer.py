@@ -95,7 +95,7 @@ def _registration_order(spec: ModelSpec, layout: ParallelConfig, stage: int) -> 
         out += [(t, ()) for t in spec.tensors if t.place in (Place.FIRST, Place.FIRST_AND_LAST)]
     layer_tensors = [t for t in spec.tensors if t.place is Place.LAYERS]
     local_experts = spec.num_experts // layout.ep if spec.num_experts else 0
-    for layer in range(spec.num_layers // layout.pp):
+    for layer in range(layout.stage_layers(spec.num_layers)[stage]):
         i = 0
         while i < len(layer_tensors):
             t = layer_tensors[i]

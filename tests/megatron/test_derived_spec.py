@@ -33,10 +33,10 @@ PRESETS = {
 }
 #: megatron 0.16 refuses expert tensor parallelism with biases: the probes then cut experts by ep beside tp
 MOE_BIASES = GPTShape(layers=2, **SMALL, num_experts=2, moe_ffn_hidden=32)
-#: switch pairs of 4 ranks (those of benchmarks/switch_vs_checkpoint.py and expert ones)
+#: switch pairs of 4 ranks (those of benchmarks/switch_vs_checkpoint.py, expert ones, uneven pipelines)
 PAIRS = [("dp4-tp1-pp1", "dp2-tp2-pp1"), ("dp2-tp2-pp1", "dp1-tp2-pp2-zero1"), ("dp1-tp1-pp4", "dp4-tp1-pp1-zero1"),
          ("dp2-tp1-pp2-zero1", "dp1-tp4-pp1"), ("dp4-tp1-pp1-ep2", "dp2-tp2-pp1-ep2-zero1"),
-         ("dp4-tp1-pp1-ep4-zero1", "dp2-tp1-pp2-ep2")]
+         ("dp4-tp1-pp1-ep4-zero1", "dp2-tp1-pp2-ep2"), ("dp2-tp1-pp2-zero1-first1", "dp1-tp2-pp2-last1")]
 
 
 def _faulty_providers() -> dict:
@@ -140,11 +140,12 @@ def test_the_zero1_buffers_are_laid_out_alike(derived) -> None:
     for name, shape in PRESETS.items():
         hand, read = logical_spec(shape), derived["derived"][name]
         names = {t.name: t.megatron_name for t in hand.tensors} | {t.name: t.megatron_name for t in read.tensors}
-        layout = ParallelConfig.parse("dp2-tp1-pp2-zero1")
-        for stage in (0, 1):
-            a, b = (shard_buffer(s, layout, stage, Group.DENSE) for s in (hand, read))
-            assert [(names[e.tensor], e.stack, e.start, e.stop) for e in a.entries] == \
-                   [(names[e.tensor], e.stack, e.start, e.stop) for e in b.entries] and a.buckets == b.buckets
+        for layout in ("dp2-tp1-pp2-zero1", "dp2-tp1-pp2-zero1-first1")[:1 + (shape.layers > 2)]:
+            layout = ParallelConfig.parse(layout)
+            for stage in (0, 1):
+                a, b = (shard_buffer(s, layout, stage, Group.DENSE) for s in (hand, read))
+                assert [(names[e.tensor], e.stack, e.start, e.stop) for e in a.entries] == \
+                       [(names[e.tensor], e.stack, e.start, e.stop) for e in b.entries] and a.buckets == b.buckets
 
 
 def test_an_moe_whose_experts_megatron_will_not_tp_split_switches_tp_beside_ep(derived) -> None:
@@ -184,4 +185,18 @@ def test_a_config_with_parallel_sizes_is_refused() -> None:
 
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2)
     with pytest.raises(ModelSpecError, match="sets tensor_model_parallel_size=2.*leave parallel sizes out"):
+        ModelProvider(config=config, model_provider=lambda **kw: None, forward_step=lambda it, model: None)
+
+
+def test_a_config_with_a_pipeline_split_is_refused() -> None:
+    """The layout states how layers split over stages (``-firstN``/``-lastN``); a config saying it too is
+    refused at once, before any layout could disagree with it."""
+    from megatron.core.transformer import TransformerConfig
+
+    from lightning_dynatrain import ModelProvider
+
+    config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4,
+                               account_for_embedding_in_pipeline_split=True)
+    with pytest.raises(ModelSpecError, match="sets account_for_embedding_in_pipeline_split=True.*"
+                                             "the layout states it.*'dp1-tp1-pp4-first1-last1'"):
         ModelProvider(config=config, model_provider=lambda **kw: None, forward_step=lambda it, model: None)

@@ -95,12 +95,12 @@ def gpt_forward_step(data_iterator, model):
     return output, partial(_lm_loss, torch.ones_like(tokens, dtype=torch.float))
 
 
-def split_mlp_gpt():
+def split_mlp_gpt(layers: int = 2):
     from megatron.core.transformer import TransformerConfig
 
     from lightning_dynatrain import ModelProvider
 
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+    config = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=64, gated_linear_unit=True, activation_func=F.silu,
                                normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
                                attention_dropout=0.0)
@@ -173,13 +173,13 @@ class MaskedBytes(torch.utils.data.Dataset):
 
 
 # ------------------------------------------------------------------------------- an MoE of the user's
-def sigmoid_moe():
+def sigmoid_moe(layers: int = 2):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     from lightning_dynatrain import ModelProvider
 
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+    config = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=64, gated_linear_unit=True, activation_func=F.silu,
                                normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
                                attention_dropout=0.0, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,

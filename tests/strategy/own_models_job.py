@@ -2,10 +2,12 @@
 trained by ``MegatronLightningModule`` under ``DynaTrainStrategy``, 4 CPU processes, real Trainer,
 real gloo, real megatron, one job for all of them (``run_own_models4``).
 
-Per model: a fit with scheduled switches over dp/tp/pp (and ep for the MoE), ``verify=True``, every
+Per model: a fit with scheduled switches over dp/tp/pp (and ep for the MoE; pipelines with uneven
+stages for the split-MLP GPT and the MoE), ``verify=True``, every
 rank's training state described by megatron itself (``tests/megatron_description.py``) right before
 and right after each switch; then the same steps at the first layout without switches. The split-MLP GPT (bf16, megatron's ``OptimizerParamScheduler``)
-also saves a checkpoint after one switch, and a second fit resumes from it. It and the MoE enter a
+also saves a checkpoint after one switch (at an uneven pipeline with ZeRO-1), and a second fit resumes
+from it at an even layout. It and the MoE enter a
 rollout phase (``ROLLOUTS``; the GPT's weights freed and optimizer parked, the MoE's experts at
 another ep): the state described before and after it, the rollout model's weights, what it
 generated, a switch asked for inside it. The BERT runs a torch ``LambdaLR``, the MoE a constant rate. Every rank returns the spec the strategy read from its model.
@@ -23,18 +25,22 @@ from tests.megatron_description import describe
 from tests.strategy.own_models import GLOBAL_BATCH, MICRO_BATCH, SEQ
 
 SEED, STEPS, EPS = 1234, 8, 1e-6
+#: per model: its layers, the first layout, the switches (uneven pipelines among them: the split-MLP
+#: GPT's 4 layers 1+3, then 3+1 with ZeRO-1, then 2+2; the MoE's 3 layers 2+1), the precision
 CASES = {
-    "split-mlp": dict(start="dp2-tp2-pp1", schedule={2: "dp1-tp2-pp2", 4: "dp4-tp1-pp1-zero1", 6: "dp2-tp1-pp2"},
+    "split-mlp": dict(layers=4, start="dp2-tp2-pp1",
+                      schedule={2: "dp1-tp2-pp2-first1", 4: "dp2-tp1-pp2-zero1-last1", 6: "dp2-tp1-pp2"},
                       precision="bf16-mixed"),
-    "bert": dict(start="dp4-tp1-pp1", schedule={2: "dp2-tp2-pp1", 4: "dp1-tp2-pp2", 6: "dp2-tp1-pp2"},
+    "bert": dict(layers=2, start="dp4-tp1-pp1", schedule={2: "dp2-tp2-pp1", 4: "dp1-tp2-pp2", 6: "dp2-tp1-pp2"},
                  precision="32-true"),
-    "sigmoid-moe": dict(start="dp4-tp1-pp1-ep2", schedule={2: "dp2-tp2-pp1-ep2", 4: "dp4-tp1-pp1-ep4-zero1",
-                                                           6: "dp2-tp1-pp2-ep2"}, precision="32-true"),
+    "sigmoid-moe": dict(layers=3, start="dp4-tp1-pp1-ep2",
+                        schedule={2: "dp2-tp2-pp1-ep2", 4: "dp4-tp1-pp1-ep4-zero1", 6: "dp2-tp1-pp2-ep2-last1"},
+                        precision="32-true"),
 }
 #: the split-MLP fit saves here (after the switch of that step); a second fit resumes from it
 RESUME_AT = 4
 #: fits that enter a rollout phase: after this step, at this layout, parked so, the weights kept or not
-#: (the split-MLP GPT from dp1-tp2-pp2, bf16, its weights freed; the MoE from dp2-tp2-pp1-ep2, ep 2 -> 4)
+#: (the split-MLP GPT from dp1-tp2-pp2-first1, bf16, its weights freed; the MoE from dp2-tp2-pp1-ep2, ep 2 -> 4)
 ROLLOUTS = {"split-mlp": (3, "dp4-tp1-pp1", "host", False), "sigmoid-moe": (3, "dp4-tp1-pp1-ep4", "in_place", True)}
 
 
@@ -62,11 +68,12 @@ def _module(name: str):
             return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** (step // 3))]
 
     batches = dict(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, seed=SEED)
+    layers = CASES[name]["layers"]
     if name == "split-mlp":
-        return SplitMLP(own_models.split_mlp_gpt(), **batches)
+        return SplitMLP(own_models.split_mlp_gpt(layers), **batches)
     if name == "bert":
         return Bert(own_models.bert(), **batches)
-    return MegatronLightningModule(own_models.sigmoid_moe(), **batches, optimizer=OptimizerConfig(
+    return MegatronLightningModule(own_models.sigmoid_moe(layers), **batches, optimizer=OptimizerConfig(
         optimizer="adam", lr=3e-3, weight_decay=0.01, adam_eps=EPS))
 
 

@@ -1,8 +1,9 @@
 """Models of the user's, described by nobody here (``own_models``): a GPT with the user's own MLP
 submodule (bf16, megatron's ``OptimizerParamScheduler``), megatron's BERT (SGD with momentum, a
-torch ``LambdaLR``), and an MoE with a sigmoid, group-limited router and shared experts; each through ``Trainer`` with
-switches over dp/tp/pp (and ep), ``verify=True`` on every switch (the fit would raise otherwise),
-against a run that never switched. One spawned job (``own_models_job``), 4 processes.
+torch ``LambdaLR``), and an MoE with a sigmoid, group-limited router and shared experts; each through
+``Trainer`` with switches over dp/tp/pp (and ep), pipelines with uneven stages among them
+(``-firstN``/``-lastN``), ``verify=True`` on every switch (the fit would raise otherwise), against a
+run that never switched. One spawned job (``own_models_job``), 4 processes.
 
 The state around each switch is read through megatron's own description of the model and optimizer
 (``tests/megatron_description.py``), not through the spec the library derived from it: a wrongly
@@ -69,9 +70,9 @@ def test_the_fit_switches_at_the_scheduled_steps_and_tracks_a_static_run(own4, n
 
 @pytest.mark.parametrize("name, bound", [("split-mlp", 0.05), ("sigmoid-moe", 1e-5)])
 def test_a_rollout_of_the_users_model_leaves_its_state_as_it_was(own4, name, bound) -> None:
-    """The split-MLP GPT (bf16, at dp1-tp2-pp2) enters a rollout at dp4-tp1-pp1 with its weights freed
-    and its optimizer parked on the host; the MoE of the user's (fp32, at dp2-tp2-pp1-ep2) one at
-    dp4-tp1-pp1-ep4, everything in place. Each generates and scores there, and leaves: megatron's
+    """The split-MLP GPT (bf16, at dp1-tp2-pp2-first1: 1 of its 4 layers on the first stage) enters a
+    rollout at dp4-tp1-pp1 with its weights freed and its optimizer parked on the host; the MoE of
+    the user's (fp32, at dp2-tp2-pp1-ep2) one at dp4-tp1-pp1-ep4, everything in place. Each generates and scores there, and leaves: megatron's
     description of the whole state is the same before and after (and the fit's ``verify=True``
     fingerprint too, or it would have raised); the rollout model held the training weights; a
     switch asked for inside was refused; every rank got every row, the same."""
@@ -127,9 +128,10 @@ def test_bert_reads_megatrons_globals_so_its_switches_are_built_on_demand(own4) 
 
 
 def test_a_resumed_fit_continues_the_schedule_exactly(own4) -> None:
-    """Saved after step 4 (megatron's scheduler: warmup, cosine decay, weight decay growing), resumed
-    in a new fit: each later step's rate and weight decay are the uninterrupted run's, and the steps
-    at the resumed layout give the losses the static run gave there."""
+    """Saved after step 4 at dp2-tp1-pp2-zero1-last1 (an uneven pipeline, ZeRO-1; megatron's scheduler:
+    warmup, cosine decay, weight decay growing), resumed in a new fit at dp2-tp2-pp1: each later
+    step's rate and weight decay are the uninterrupted run's, and the steps at the resumed layout give
+    the losses the static run gave there, bit for bit."""
     for r in own4:
         switched, resumed, static = (r["split-mlp"][k] for k in ("switched", "resumed", "static"))
         assert resumed["lr"] == switched["lr"][RESUME_AT:]
