@@ -49,14 +49,19 @@ def test_weights_only_moves_the_bf16_params_alone():
     assert full["moved_bytes"] == pytest.approx(7 * weights["moved_bytes"], rel=0.01)
 
 
-def test_1024_rank_plan_to_an_uneven_pipeline_moves_the_layers_that_change_stage():
-    """llama2-70b's 80 layers, 10 a stage -> 7 on each end stage and 11 on each of the 6 between: layers
-    7-9, 18-19, 29, 50, 60-61, 70-72 change stage (12), each a layer's fp32 state (param and Adam's two
-    moments, 12 bytes a parameter) to each of the 16 data-parallel replicas: its 855,654,400 parameters,
-    and its two norms' 16,384 (replicated over tp) to the 7 other tp ranks as well; nothing else moves."""
-    f = plan_json("--model", "llama2-70b", "--src", "dp16-tp8-pp8", "--dst", "dp16-tp8-pp8-first7-last7",
+def test_1024_rank_plan_from_virtual_stages_to_an_uneven_pipeline_moves_the_layers_that_change_rank():
+    """llama2-70b's 80 layers at pp8-vpp5 (megatron's interleaving: 2-layer chunks dealt round-robin over
+    the 8 pipeline ranks) -> pp8 with 7 layers on each end stage and 11 on each of the 6 between. Every
+    layer whose pipeline rank changes moves its fp32 state (param and Adam's two moments, 12 bytes a
+    parameter) to each of the 16 data-parallel replicas: its 855,654,400 parameters, and its two norms'
+    16,384 (replicated over tp) to the 7 other tp ranks as well; nothing else moves."""
+    interleaved = [(layer // 2) % 8 for layer in range(80)]
+    uneven = [0] * 7 + [stage for stage in range(1, 7) for _ in range(11)] + [7] * 7
+    moved_layers = sum(a != b for a, b in zip(interleaved, uneven))
+    f = plan_json("--model", "llama2-70b", "--src", "dp16-tp8-pp8-vpp5", "--dst", "dp16-tp8-pp8-first7-last7",
                   "--precision", "fp32")
-    assert f["moved_bytes"] == 12 * (855_654_400 + 7 * 16_384) * 12 * 16
+    assert moved_layers == 68
+    assert f["moved_bytes"] == moved_layers * (855_654_400 + 7 * 16_384) * 12 * 16
     assert f["max_rank_recv_bytes"] <= f["moved_bytes"] and f["estimated_transfer_seconds"] > 0
 
 

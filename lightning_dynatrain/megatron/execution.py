@@ -7,7 +7,7 @@ Sequence parallelism applies wherever ``tp > 1`` (a tp1 layout has no sequence t
 switch between tp1 and tp2 turns it off and on with the layout.
 
 Context parallelism is not an option here: megatron-core 0.16's attention without Transformer
-Engine asserts a context-parallel size of 1 (``validate_layout_for_shape`` refuses ``cp > 1``).
+Engine asserts a context-parallel size of 1 (``check_trainable`` refuses ``cp > 1``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_dynatrain.vps.errors import LayoutError
+from lightning_dynatrain.vps.layout import ParallelConfig
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_CHOICES: tuple[str, ...] = ("none", "selective", "full")
@@ -78,3 +79,20 @@ class ExecutionOptions:
 
 
 __all__ = ["RECOMPUTE_CHOICES", "ExecutionOptions", "Recompute"]
+
+
+def check_trainable(layout: ParallelConfig) -> None:
+    """Refuse what a layout can state and ``dynatrain plan`` can plan but training does not run:
+    context parallelism (megatron's attention without Transformer Engine has none) and virtual
+    pipeline stages (the training step, DDP and the state bridge hold one model chunk a rank).
+
+    Raises:
+        LayoutError: naming which, with the layout to use instead.
+    """
+    if layout.cp != 1:
+        raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine attention",
+                          hint=f"use cp1, e.g. {layout.replace(cp=1, dp=layout.dp * layout.cp)}")
+    if layout.vpp != 1:
+        raise LayoutError(f"layout {layout}: training with virtual pipeline stages (vpp{layout.vpp}) is not built: "
+                          f"switches to and from it are planned only (dynatrain plan)",
+                          hint=f"use vpp1, e.g. {layout.replace(vpp=1)}")

@@ -32,7 +32,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
 from lightning_dynatrain.devices import device_kind
-from lightning_dynatrain.megatron.execution import ExecutionOptions
+from lightning_dynatrain.megatron.execution import ExecutionOptions, check_trainable
 from lightning_dynatrain.megatron.init import init_layout_independent
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.megatron.tp_attributes import tag_tensor_parallel_weights
@@ -244,9 +244,7 @@ def validate_layout_for_shape(shape: GPTShape, layout: ParallelConfig,
         LayoutError: a size does not divide, or the layout needs a feature the local spec lacks.
     """
     validate_layout(layout, logical_spec(shape))
-    if layout.cp != 1:
-        raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine attention",
-                          hint="use cp1 with megatron's local layer spec")
+    check_trainable(layout)
     if shape.is_moe and layout.etp > 1 and shape.add_bias_linear:
         raise LayoutError(f"layout {layout}: expert tensor parallelism (etp>1) needs add_bias_linear=False "
                           "in megatron 0.16", hint="set add_bias_linear=False or etp1")

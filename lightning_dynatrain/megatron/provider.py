@@ -37,7 +37,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
 from lightning_dynatrain.devices import device_kind
-from lightning_dynatrain.megatron.execution import ExecutionOptions
+from lightning_dynatrain.megatron.execution import ExecutionOptions, check_trainable
 from lightning_dynatrain.megatron.tp_attributes import tag_tensor_parallel_weights
 from lightning_dynatrain.vps.description import DerivedSpec
 from lightning_dynatrain.vps.errors import LayoutError, ModelSpecError
@@ -177,9 +177,7 @@ class ModelProvider:
     def validate(self, layout: ParallelConfig, execution: ExecutionOptions) -> None:
         """Megatron's config checks at ``layout``, the derived spec's split rules, and the options'."""
         layout.stage_layers(self.config.num_layers)  # the pipeline split first: its error names splits that fit
-        if layout.cp != 1:
-            raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine attention",
-                              hint="use cp1")
+        check_trainable(layout)
         if self.seq_length is not None:
             execution.check(str(layout), tp=layout.tp, seq_length=self.seq_length, is_moe=self.is_moe)
         self.config_at(layout, params_dtype=self.config.params_dtype, execution=execution)

@@ -15,7 +15,7 @@ from lightning_dynatrain.vps.grid import grid_placement
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.mapping import state_placement
 from lightning_dynatrain.vps.plan import RankPlan
-from lightning_dynatrain.vps.planner import default_topology, plan_rank, union_world
+from lightning_dynatrain.vps.planner import choose_source, default_topology, plan_rank, union_world
 from lightning_dynatrain.vps.spec import ModelSpec, Precision
 from lightning_dynatrain.vps.topology import Topology
 from lightning_dynatrain.vps.validate import validate_layout
@@ -65,6 +65,7 @@ def clear_planner_caches() -> None:
     state_placement.cache_clear()
     grid_placement.cache_clear()
     shard_buffer.cache_clear()
+    choose_source.cache_clear()
 
 
 def _sample(ranks: list[int], count: int) -> list[int]:

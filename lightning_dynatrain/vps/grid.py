@@ -1,11 +1,13 @@
 """Where a logical tensor lives when its state is not flat-sharded: a grid of cells.
 
 Every split axis of a tensor (``layer`` by pp, ``expert`` by ep, ``tp``/``vocab`` by tp or etp) cuts it
-into contiguous ranges, equal but for the layers of an uneven pipeline (``ParallelConfig.stage_bounds``);
-a *cell* is one range per split axis. A rank holds exactly one cell of
-each tensor it holds, and a cell is held by every rank that agrees on the split coordinates (its
-replicas: data parallel, context parallel, tensor parallel for replicated tensors, and both end
-stages for a tied embedding).
+into contiguous ranges, equal but for the layers of an uneven pipeline (``ParallelConfig.layer_cuts``);
+a *cell* is one range per split axis. A rank holds one cell of each tensor it holds, and a cell is
+held by every rank that agrees on the split coordinates (its replicas: data parallel, context
+parallel, tensor parallel for replicated tensors, and both end stages for a tied embedding). The
+layer axis is cut into ``pp * vpp`` blocks, block ``k`` on pipeline rank ``k % pp`` in its model
+chunk ``k // pp``: with virtual stages a rank holds ``vpp`` cells of a layer tensor, one per chunk
+(``cells_of``; ``homes`` says a cell's rank and chunk).
 
 A vocabulary axis is split after Megatron pads it for this layout's tp: a vocabulary of 100 with
 ``make_vocab_size_divisible_by=64`` is 128 rows at tp=1 and tp=2 and 256 at tp=4, so at tp=2 the
@@ -46,7 +48,7 @@ class GridPlacement:
         self.limits = list(tensor.shape)
         for axis, role in enumerate(tensor.axes):
             if role == LAYER:
-                splits.append((axis, "pp", layout.pp, layout.stage_bounds(tensor.shape[axis])))
+                splits.append((axis, "pp", layout.pp * layout.vpp, layout.layer_cuts(tensor.shape[axis])))
             elif role == EXPERT:
                 splits.append((axis, "ep", layout.ep, _even(tensor.shape[axis] // layout.ep, layout.ep)))
             elif role == TP:
@@ -56,6 +58,8 @@ class GridPlacement:
                 self.limits[axis] = spec.padded_vocab(tp_size)
         self.splits = tuple(splits)
         self.split_dims = frozenset(d for _, d, _, _ in splits)
+        #: which split cuts the layer axis (its index in a cell), if any
+        self.layer_split = next((i for i, (_, d, _, _) in enumerate(splits) if d == "pp"), None)
         self.stages = self._stages()
         self._holders: dict[tuple, tuple[int, ...]] = {}
         self._cell_boxes: dict[Cell, Box | None] = {}
@@ -71,12 +75,36 @@ class GridPlacement:
         return (0,) if pp == 1 else (0, pp - 1)
 
     # ------------------------------------------------------------------ cells
-    def cell_of(self, rank: int) -> Cell | None:
-        """The cell ``rank`` holds, or ``None`` when its stage holds none of this tensor."""
+    def cells_of(self, rank: int) -> tuple[Cell, ...]:
+        """The cells ``rank`` holds: one, or one per model chunk of a layer tensor with virtual
+        stages (in chunk order); none when its stage holds none of this tensor."""
         c = self.coord(rank)
         if c.pp not in self.stages:
-            return None
-        return tuple(getattr(c, dim) for _, dim, _, _ in self.splits)
+            return ()
+        cell = [getattr(c, dim) for _, dim, _, _ in self.splits]
+        if self.layer_split is None:
+            return (tuple(cell),)
+        out = []
+        for chunk in range(self.layout.vpp):
+            cell[self.layer_split] = chunk * self.layout.pp + c.pp
+            out.append(tuple(cell))
+        return tuple(out)
+
+    def homes(self, cell: Cell) -> tuple[tuple[int, int], ...]:
+        """Where ``cell`` lives: its (pipeline rank, model chunk), two of them for an embedding tied
+        over the first stage's first chunk and the last stage's last chunk."""
+        pp, vpp = self.layout.pp, self.layout.vpp
+        if self.layer_split is not None:
+            block = cell[self.layer_split]
+            return ((block % pp, block // pp),)
+        place = self.tensor.place
+        if place is Place.FIRST:
+            return ((0, 0),)
+        if place is Place.LAST:
+            return ((pp - 1, vpp - 1),)
+        if place is Place.FIRST_AND_LAST:
+            return ((0, 0),) if pp == 1 else ((0, 0), (pp - 1, vpp - 1))
+        return tuple((stage, 0) for stage in self.stages)
 
     def coord(self, rank: int) -> DenseCoord | ExpertCoord:
         if self.expert_mesh:
@@ -144,6 +172,8 @@ class GridPlacement:
 
     def _enumerate_holders(self, cell: Cell, fixed: dict[str, int] | None) -> tuple[int, ...]:
         pinned = dict(zip((d for _, d, _, _ in self.splits), cell))
+        if "pp" in pinned:  # a layer block's pipeline rank (its chunk does not change who holds it)
+            pinned["pp"] %= self.layout.pp
         if fixed:
             pinned.update(fixed)
         layout = self.layout
@@ -163,12 +193,6 @@ class GridPlacement:
                 else:
                     ranks.append(layout.dense_rank(DenseCoord(a, b, c, pp)))
         return tuple(sorted(ranks))
-
-    def replica_index(self, rank: int) -> int:
-        """Position of ``rank`` among the holders of its cell (used to spread sources evenly)."""
-        cell = self.cell_of(rank)
-        assert cell is not None
-        return self.holders(cell).index(rank)
 
 
 def _even(width: int, parts: int) -> tuple[int, ...]:

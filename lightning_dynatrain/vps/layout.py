@@ -5,7 +5,10 @@ parallel, defaults to ``tp``), ``-zero1`` (optimizer state sharded over data-par
 Megatron's distributed optimizer does; ``zero0`` keeps it replicated) and, for an uneven pipeline,
 ``-firstN`` / ``-lastN``: N transformer layers on the first / last stage, the rest split evenly over
 the stages between (megatron's ``num_layers_in_first_pipeline_stage`` / ``..._last_...``), e.g.
-``dp1-tp1-pp4-first1-last1`` puts 1, 3, 3, 1 of 8 layers on its stages.
+``dp1-tp1-pp4-first1-last1`` puts 1, 3, 3, 1 of 8 layers on its stages; ``-vppN``: N virtual stages
+per pipeline rank (megatron's interleaved schedule, ``virtual_pipeline_model_parallel_size``): each
+stage's layers in N model chunks, dealt round-robin, so ``dp1-tp1-pp2-vpp2`` puts layers 0-1 and 4-5 of
+8 on rank 0 and 2-3 and 6-7 on rank 1 (``layer_cuts``).
 
 Rank coordinates follow Megatron-core's ``RankGenerator`` with order ``tp-cp-ep-dp-pp`` so that the
 groups built here are the groups ``parallel_state.initialize_model_parallel`` builds:
@@ -30,7 +33,7 @@ from typing import NamedTuple
 
 from lightning_dynatrain.vps.errors import LayoutError
 
-_TOKEN = re.compile(r"^(dp|tp|pp|cp|ep|etp|zero|first|last)(\d+)$")
+_TOKEN = re.compile(r"^(dp|tp|pp|vpp|cp|ep|etp|zero|first|last)(\d+)$")
 
 
 class DenseCoord(NamedTuple):
@@ -65,6 +68,7 @@ class ParallelConfig:
         zero: 0 = optimizer state replicated over data parallel, 1 = sharded (distributed optimizer).
         first: transformer layers on the first pipeline stage; ``None``: an even share.
         last: transformer layers on the last pipeline stage; ``None``: an even share.
+        vpp: virtual pipeline stages (model chunks) per pipeline rank; 1: no interleaving.
     """
 
     dp: int = 1
@@ -76,11 +80,12 @@ class ParallelConfig:
     zero: int = 0
     first: int | None = None
     last: int | None = None
+    vpp: int = 1
 
     def __post_init__(self) -> None:
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
-        for name in ("dp", "tp", "pp", "cp", "ep", "etp"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(
@@ -102,6 +107,9 @@ class ParallelConfig:
             if self.pp == 1:
                 raise LayoutError(f"{name}{value} needs a pipeline: pp is 1",
                                   hint=f"use pp2 or more with {name}{value}, or leave {name} out")
+        if self.vpp > 1 and self.pp == 1:
+            raise LayoutError(f"vpp{self.vpp} needs a pipeline: pp is 1",
+                              hint=f"use pp2 or more with vpp{self.vpp}, or leave vpp out")
         if self.ep == 1 and self.etp != self.tp:
             raise LayoutError(
                 f"etp={self.etp} differs from tp={self.tp} without expert parallelism",
@@ -157,35 +165,61 @@ class ParallelConfig:
     def pipeline_problem(self, num_layers: int) -> str | None:
         """Why the stages cannot take ``num_layers`` layers as this layout splits them; ``None`` if they can."""
         if not self.uneven:
-            return None if num_layers % self.pp == 0 else f"pp={self.pp} must divide the {num_layers} layers"
+            if num_layers % (self.pp * self.vpp) == 0:
+                return None
+            if self.vpp == 1:
+                return f"pp={self.pp} must divide the {num_layers} layers"
+            return f"pp*vpp = {self.pp}*{self.vpp} must divide the {num_layers} layers"
         middle_stages = self.pp - (self.first is not None) - (self.last is not None)
         middle = num_layers - (self.first or 0) - (self.last or 0)
-        if middle >= 0 and bool(middle) == bool(middle_stages) and not (middle_stages and middle % middle_stages):
-            return None
-        return (f"its end stages leave {middle} of the {num_layers} layers to {middle_stages} middle stage(s): "
-                f"that must be a positive multiple of them (none with no middle stage)")
+        if middle < 0 or bool(middle) != bool(middle_stages) or (middle_stages and middle % middle_stages):
+            return (f"its end stages leave {middle} of the {num_layers} layers to {middle_stages} middle stage(s): "
+                    f"that must be a positive multiple of them (none with no middle stage)")
+        if self.vpp > 1 and not middle_stages:
+            return (f"with vpp={self.vpp} megatron-core places no layers when both end stages are given and no "
+                    f"stage is between them (its layer offset divides by the middle stages): give first or last alone")
+        counts = {"first": self.first, "last": self.last, "each middle": middle // middle_stages if middle_stages else 0}
+        uneven_chunks = [f"{name} {n}" for name, n in counts.items() if n and n % self.vpp]
+        if uneven_chunks:
+            return f"vpp={self.vpp} must divide each stage's layers ({', '.join(uneven_chunks)})"
+        return None
 
-    def stage_bounds(self, num_layers: int) -> tuple[int, ...]:
-        """The first layer of each stage and the end: stage ``s`` holds ``[bounds[s], bounds[s + 1])``."""
-        bounds = [0]
-        for count in self.stage_layers(num_layers):
-            bounds.append(bounds[-1] + count)
-        return tuple(bounds)
+    def layer_cuts(self, num_layers: int) -> tuple[int, ...]:
+        """The layers cut into ``pp * vpp`` contiguous blocks, in order: block ``k`` is
+        ``[cuts[k], cuts[k + 1])``, model chunk ``k // pp`` of pipeline rank ``k % pp``, each a
+        ``vpp``-th of its stage's layers (megatron's ``get_transformer_layer_offset``). Without
+        virtual stages, the stages' own bounds.
+
+        >>> ParallelConfig.parse("pp2-vpp2").layer_cuts(8)
+        (0, 2, 4, 6, 8)
+        """
+        per_chunk = [count // self.vpp for count in self.stage_layers(num_layers)]
+        cuts = [0]
+        for _ in range(self.vpp):
+            for count in per_chunk:
+                cuts.append(cuts[-1] + count)
+        return tuple(cuts)
+
+    def chunk_layers(self, num_layers: int, stage: int) -> int:
+        """Layers in each model chunk of pipeline rank ``stage``."""
+        return self.stage_layers(num_layers)[stage] // self.vpp
 
     def _nearest_splits(self, num_layers: int) -> str:
-        """Up to three layouts with this pp whose stages take ``num_layers`` layers, the closest first."""
-        even = self.replace(first=None, last=None)
-        options = [] if num_layers % self.pp else [(0, even)]
-        for first in range(1, num_layers + 1):
-            for last in range(1, num_layers + 1 - first):
-                middle, stages = num_layers - first - last, self.pp - 2
-                if bool(middle) == bool(stages) and (not stages or middle % stages == 0):
-                    far = abs(first - (self.first or 0)) + abs(last - (self.last or 0))
-                    options.append((far, even.replace(first=first, last=last)))
+        """Up to three layouts with this pp (this vpp first) whose stages take ``num_layers`` layers,
+        the closest first."""
+        options = []
+        for vpp in dict.fromkeys((self.vpp, 1)):
+            even = self.replace(first=None, last=None, vpp=vpp)
+            ends = [(None, None)] + [(f, l) for f in range(1, num_layers + 1) for l in range(1, num_layers + 1 - f)]
+            for first, last in ends:
+                candidate = even.replace(first=first, last=last)
+                if candidate.pipeline_problem(num_layers) is None:
+                    far = abs((first or 0) - (self.first or 0)) + abs((last or 0) - (self.last or 0))
+                    options.append((vpp != self.vpp, first is not None, far, candidate))
         if not options:
             return f"no split of {num_layers} layers over {self.pp} stages exists: choose another pp"
-        options.sort(key=lambda o: o[0])
-        return "e.g. " + ", ".join(str(layout) for _, layout in options[:3])
+        options.sort(key=lambda o: o[:3])
+        return "e.g. " + ", ".join(str(o[-1]) for o in options[:3])
 
     @property
     def dp_cp(self) -> int:
@@ -227,6 +261,8 @@ class ParallelConfig:
     # ---------------------------------------------------------- string form
     def __str__(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.vpp != 1:
+            parts.append(f"vpp{self.vpp}")
         if self.cp != 1:
             parts.append(f"cp{self.cp}")
         if self.ep != 1:
@@ -243,7 +279,7 @@ class ParallelConfig:
 
     @classmethod
     def parse(cls, text: "str | ParallelConfig") -> "ParallelConfig":
-        """Parse ``dp2-tp2-pp1[-cpN][-epN][-etpN][-zero1][-firstN][-lastN]``; omitted sizes are 1.
+        """Parse ``dp2-tp2-pp1[-vppN][-cpN][-epN][-etpN][-zero1][-firstN][-lastN]``; omitted sizes are 1.
 
         >>> str(ParallelConfig.parse("tp2-dp2-zero1"))
         'dp2-tp2-pp1-zero1'
@@ -260,7 +296,7 @@ class ParallelConfig:
             if match is None:
                 raise LayoutError(
                     f"cannot parse layout {text!r}: unknown part {token!r}",
-                    hint="parts are dpN, tpN, ppN, cpN, epN, etpN, zero0/zero1, firstN, lastN joined by '-', "
+                    hint="parts are dpN, tpN, ppN, vppN, cpN, epN, etpN, zero0/zero1, firstN, lastN joined by '-', "
                     "e.g. 'dp2-tp2-pp1'",
                 )
             name, number = match.group(1), int(match.group(2))

@@ -3,7 +3,8 @@
 Two ways a piece of state is distributed:
 
 - ``GridState``: params always, optimizer state with ``zero0``. A rank holds one grid cell (see
-  ``grid.py``) of every tensor its stage holds, as whole local tensors.
+  ``grid.py``) of every tensor its stage holds (one per model chunk with virtual stages), as whole
+  local tensors.
 - ``ZeroState``: optimizer state (fp32 main params, Adam moments) with ``zero1``. A rank holds the
   flat ranges its data-parallel shard covers in Megatron's buffer (see ``zero_buffer.py``); each
   range of one local tensor is cut by ``decompose_flat`` into boxes that are contiguous in it.
@@ -63,20 +64,19 @@ class Region(NamedTuple):
 
 
 class GridState:
-    """State distributed as whole local tensors (one grid cell per rank)."""
+    """State distributed as whole local tensors (a grid cell per rank and model chunk)."""
 
     def __init__(self, grid: GridPlacement) -> None:
         self.grid = grid
 
     def regions(self, rank: int) -> list[Region]:
-        cell = self.grid.cell_of(rank)
-        if cell is None:
-            return []
-        box = self.grid.cell_box(cell)
-        if box is None:
-            return []
+        out = []
         stack = self.grid.tensor.stack_axes
-        return [Region(box, box.lo[:stack] + self.grid.local_origin(cell), self.grid.local_shape(), None)]
+        for cell in self.grid.cells_of(rank):
+            box = self.grid.cell_box(cell)
+            if box is not None:
+                out.append(Region(box, box.lo[:stack] + self.grid.local_origin(cell), self.grid.local_shape(), None))
+        return out
 
     def pieces(self, box: Box) -> Iterator[Piece]:
         for cell in self.grid.cells_overlapping(box):
@@ -111,19 +111,17 @@ class ZeroState:
             return layout.expert_coord(rank).edp
         return layout.dp_cp_index(rank)
 
-    def _buffer(self, stage: int) -> ShardBuffer:
+    def _buffer(self, home: tuple[int, int]) -> ShardBuffer:
+        """The buffer of the model chunk ``home`` = (pipeline rank, chunk): megatron's DDP wraps each
+        chunk alone, and the distributed optimizer shards each chunk's buffers."""
+        stage, chunk = home
         return shard_buffer(self.spec, self.grid.layout, stage, self.group, self.precision,
-                            param_dtype_of(self.tensor, self.precision))
+                            param_dtype_of(self.tensor, self.precision), chunk=chunk)
 
-    def _stage_of_cell(self, cell: Cell) -> tuple[int, ...]:
-        for (_, dim, _, _), index in zip(self.grid.splits, cell):
-            if dim == "pp":
-                return (index,)
-        return self.grid.stages
-
-    def _atoms_of(self, cell: Cell, stage: int, stack: tuple[int, ...]) -> list[tuple[Box, int, tuple[int, int]]]:
+    def _atoms_of(self, cell: Cell, home: tuple[int, int], stack: tuple[int, ...]
+                  ) -> list[tuple[Box, int, tuple[int, int]]]:
         """Atoms of one local tensor: (valid box, owning shard, flat range of the tensor that shard covers)."""
-        key = (cell, stage, stack)
+        key = (cell, home, stack)
         found = self._atoms.get(key)
         if found is not None:
             return found  # type: ignore[return-value]
@@ -132,7 +130,7 @@ class ZeroState:
         assert cell_box is not None
         n_stack = self.tensor.stack_axes
         local_stack = tuple(s - l for s, l in zip(stack, cell_box.lo[:n_stack]))
-        buf = self._buffer(stage)
+        buf = self._buffer(home)
         entry = buf.index[(self.tensor.name, local_stack)]
         view = grid.local_shape()
         shift = stack + grid.local_origin(cell)
@@ -148,15 +146,17 @@ class ZeroState:
         return out
 
     def regions(self, rank: int) -> list[Region]:
-        cell = self.grid.cell_of(rank)
-        if cell is None:
-            return []
-        cell_box = self.grid.cell_box(cell)
-        if cell_box is None:
-            return []
         stage = self.grid.coord(rank).pp
-        shard = self._shard_index(rank)
-        buf = self._buffer(stage)
+        out = []
+        for cell in self.grid.cells_of(rank):
+            cell_box = self.grid.cell_box(cell)
+            if cell_box is not None:
+                home = next(h for h in self.grid.homes(cell) if h[0] == stage)
+                out += self._cell_regions(cell, cell_box, home, self._shard_index(rank))
+        return out
+
+    def _cell_regions(self, cell: Cell, cell_box: Box, home: tuple[int, int], shard: int) -> list[Region]:
+        buf = self._buffer(home)
         n_stack = self.tensor.stack_axes
         origin_tail = self.grid.local_origin(cell)
         view = self.grid.local_shape()
@@ -166,7 +166,7 @@ class ZeroState:
             lo, hi = buf.shard_range(bucket, shard)
             for entry in buf.entries_in(self.tensor.name, lo, hi):
                 stack = tuple(s + l for s, l in zip(entry.stack, cell_box.lo[:n_stack]))
-                for box, owner, flat in self._atoms_of(cell, stage, stack):
+                for box, owner, flat in self._atoms_of(cell, home, stack):
                     if owner == shard:
                         out.append(Region(box, stack + origin_tail, view, flat))
         return out
@@ -178,14 +178,14 @@ class ZeroState:
             part = box.intersect(cell_box)  # type: ignore[arg-type]
             if part is None:
                 continue
-            stages = self._stage_of_cell(cell)
+            homes = self.grid.homes(cell)
             for stack in _stack_indices(part, n_stack):
-                atoms = self._atoms_of(cell, stages[0], stack)
-                if len(stages) > 1:
+                atoms = self._atoms_of(cell, homes[0], stack)
+                if len(homes) > 1:
                     # tied embedding: Megatron gives it its own bucket so both stages shard it alike
                     assert all(
-                        [(b, s) for b, s, _ in self._atoms_of(cell, st, stack)] == [(b, s) for b, s, _ in atoms]
-                        for st in stages[1:]
+                        [(b, s) for b, s, _ in self._atoms_of(cell, home, stack)] == [(b, s) for b, s, _ in atoms]
+                        for home in homes[1:]
                     ), f"{self.tensor.name}: end stages shard the tied embedding differently"
                 for atom, shard, _ in atoms:
                     inter = atom.intersect(part)

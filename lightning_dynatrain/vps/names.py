@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from lightning_dynatrain.vps.box import iter_cells
+from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.grid import grid_placement
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Place
@@ -33,12 +34,16 @@ class LocalParameter(NamedTuple):
 
 def local_parameters(spec: ModelSpec, layout: ParallelConfig, rank: int) -> dict[str, LocalParameter]:
     """Megatron ``named_parameters()`` name -> ``LocalParameter`` for every parameter ``rank`` builds."""
+    if layout.vpp > 1:  # (the names would need the model chunk each parameter is in)
+        raise LayoutError(f"layout {layout}: megatron's parameter names of model chunks (vpp > 1) are not mapped",
+                          hint="training with virtual pipeline stages is not built yet; use vpp1")
     out: dict[str, LocalParameter] = {}
     for tensor in spec.tensors:
         grid = grid_placement(spec, tensor.name, layout)
-        cell = grid.cell_of(rank)
-        if cell is None:
+        cells = grid.cells_of(rank)
+        if not cells:
             continue
+        (cell,) = cells
         stage = grid.coord(rank).pp
         name = tensor.megatron_name
         if tensor.place is Place.FIRST_AND_LAST and layout.pp > 1 and stage == layout.pp - 1:

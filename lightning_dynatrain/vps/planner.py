@@ -41,6 +41,7 @@ from lightning_dynatrain.vps.spec import VOCAB, ModelSpec, Precision, StateKind
 from lightning_dynatrain.vps.topology import Topology
 
 
+@lru_cache(maxsize=65536)
 def choose_source(holders: tuple[int, ...], dest: int, topology: Topology) -> int:
     """The holder ``dest`` reads an atom from: same node first, then the nearest in XOR distance.
 

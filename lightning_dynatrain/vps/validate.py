@@ -100,7 +100,8 @@ def _divisors(n: int) -> list[int]:
 def nearest_layouts(layout: ParallelConfig, spec: ModelSpec, world_size: int, count: int = 3) -> list[ParallelConfig]:
     """Valid layouts of ``world_size`` ranks closest to ``layout`` (log-distance over the sizes).
 
-    ``cp``, ``zero`` and (where it still fits) ``ep``/``etp`` are kept; ``dp``, ``tp`` and ``pp`` move.
+    ``cp``, ``zero`` and (where they still fit) ``ep``/``etp`` and the pipeline's uneven ends are
+    kept; ``dp``, ``tp``, ``pp`` and ``vpp`` move.
     """
     candidates = []
     for tp in _divisors(world_size):
@@ -109,21 +110,22 @@ def nearest_layouts(layout: ParallelConfig, spec: ModelSpec, world_size: int, co
             if rest % layout.cp:
                 continue
             dp = rest // layout.cp
-            # the same uneven ends where this pp takes them, else an even split
+            # the same uneven ends where this pp takes them, else an even split; each vpp up to twice this one
             ends = [(layout.first, layout.last)] if layout.uneven and pp > 1 else []
-            for (ep, etp), (first, last) in itertools.product(((layout.ep, layout.etp), (layout.ep, tp), (1, tp)),
-                                                               ends + [(None, None)]):
-                try:
-                    cand = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=layout.cp, ep=ep, etp=etp, zero=layout.zero,
-                                          first=first, last=last)
-                except LayoutError:
-                    continue
-                if not layout_problems(cand, spec, world_size):
-                    candidates.append(cand)
-                    break
+            for vpp in (range(1, 2 * layout.vpp + 1) if pp > 1 else (1,)):
+                for (ep, etp), (first, last) in itertools.product(((layout.ep, layout.etp), (layout.ep, tp), (1, tp)),
+                                                                   ends + [(None, None)]):
+                    try:
+                        cand = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=layout.cp, ep=ep, etp=etp, zero=layout.zero,
+                                              first=first, last=last, vpp=vpp)
+                    except LayoutError:
+                        continue
+                    if not layout_problems(cand, spec, world_size):
+                        candidates.append(cand)
+                        break
 
     def distance(c: ParallelConfig) -> tuple[float, str]:
-        d = sum(abs(math.log2(getattr(c, a) / getattr(layout, a))) for a in ("dp", "tp", "pp", "ep", "etp"))
+        d = sum(abs(math.log2(getattr(c, a) / getattr(layout, a))) for a in ("dp", "tp", "pp", "ep", "etp", "vpp"))
         return (d, str(c))
 
     return sorted(set(candidates), key=distance)[:count]

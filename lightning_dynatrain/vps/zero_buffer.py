@@ -16,7 +16,9 @@ another: ``LogicalTensor.always_fp32``):
   then); with ``ep == 1`` they sit in the dense buffer.
 
 The buffer is the same for every rank of a stage (local shapes do not depend on the tp/ep rank),
-so one is computed per (layout, stage, group) and cached.
+so one is computed per (layout, stage, group) and cached. With virtual stages each model chunk of a
+stage has buffers of its own (megatron's DDP wraps each chunk alone): the embedding in the first
+stage's first chunk, the output layer in the last stage's last chunk, each chunk's own layers.
 """
 
 from __future__ import annotations
@@ -87,15 +89,17 @@ def shard_group_size(group: Group, layout: ParallelConfig) -> int:
     return layout.edp if group is Group.EXPERT else layout.dp_cp
 
 
-def _registration_order(spec: ModelSpec, layout: ParallelConfig, stage: int) -> list[tuple[LogicalTensor, tuple[int, ...]]]:
-    """Local parameters of a stage in Megatron's ``named_parameters()`` order."""
+def _registration_order(spec: ModelSpec, layout: ParallelConfig, stage: int, chunk: int = 0
+                        ) -> list[tuple[LogicalTensor, tuple[int, ...]]]:
+    """Local parameters of a stage's model chunk in Megatron's ``named_parameters()`` order."""
     last = layout.pp - 1
+    first_chunk, last_chunk = chunk == 0, chunk == layout.vpp - 1
     out: list[tuple[LogicalTensor, tuple[int, ...]]] = []
-    if stage == 0:
+    if stage == 0 and first_chunk:
         out += [(t, ()) for t in spec.tensors if t.place in (Place.FIRST, Place.FIRST_AND_LAST)]
     layer_tensors = [t for t in spec.tensors if t.place is Place.LAYERS]
     local_experts = spec.num_experts // layout.ep if spec.num_experts else 0
-    for layer in range(layout.stage_layers(spec.num_layers)[stage]):
+    for layer in range(layout.chunk_layers(spec.num_layers, stage)):
         i = 0
         while i < len(layer_tensors):
             t = layer_tensors[i]
@@ -110,7 +114,7 @@ def _registration_order(spec: ModelSpec, layout: ParallelConfig, stage: int) -> 
                 i += 1
             for expert in range(local_experts):
                 out += [(e, (layer, expert)) for e in run]
-    if stage == last:
+    if stage == last and last_chunk:
         out += [(t, ()) for t in spec.tensors if t.place is Place.LAST]
         if layout.pp > 1:
             out += [(t, ()) for t in spec.tensors if t.place is Place.FIRST_AND_LAST]
@@ -124,10 +128,11 @@ def param_dtype_of(tensor: LogicalTensor, precision: Precision) -> str:
 
 @lru_cache(maxsize=1024)
 def shard_buffer(spec: ModelSpec, layout: ParallelConfig, stage: int, group: Group,
-                 precision: Precision = Precision.FP32, param_dtype: str = "float32") -> ShardBuffer:
-    """The distributed-optimizer buffer of ``group`` and ``param_dtype`` on pipeline ``stage``, laid
-    out as Megatron does (``param_dtype_of`` says which tensors are in it at ``precision``)."""
-    params = [(t, s) for t, s in _registration_order(spec, layout, stage)
+                 precision: Precision = Precision.FP32, param_dtype: str = "float32", *, chunk: int = 0) -> ShardBuffer:
+    """The distributed-optimizer buffer of ``group`` and ``param_dtype`` on pipeline ``stage`` (its
+    model ``chunk``), laid out as Megatron does (``param_dtype_of`` says which tensors are in it at
+    ``precision``)."""
+    params = [(t, s) for t, s in _registration_order(spec, layout, stage, chunk)
               if buffer_group(t, layout) is group and param_dtype_of(t, precision) == param_dtype]
     D = shard_group_size(group, layout)
     bucket_divisor = math.lcm(D, BUCKET_ALIGN)

@@ -14,13 +14,13 @@ from lightning_dynatrain.vps.validate import layout_problems
 
 @st.composite
 def small_specs(draw, *, moe: bool | None = None):
-    """A tiny GPT whose sizes are divisible by 1, 2 and 4 (and sometimes not by 4; 3 and 6 layers
-    split over 2 or 4 stages only unevenly)."""
+    """A tiny GPT whose sizes are divisible by 1, 2 and 4 (and sometimes not by 4; 3 layers
+    split over 2 stages only unevenly; 4 layers into virtual stages too)."""
     is_moe = draw(st.booleans()) if moe is None else moe
     groups = draw(st.sampled_from([1, 2, 4]))
     heads = groups * draw(st.sampled_from([1, 2]))
     dims = GPTDims(
-        num_layers=draw(st.sampled_from([1, 2, 3, 4, 6])),
+        num_layers=draw(st.sampled_from([1, 2, 3, 4])),
         hidden=draw(st.sampled_from([4, 8])),
         num_heads=heads,
         num_query_groups=groups,
@@ -51,7 +51,7 @@ def _divisors(n):
 @st.composite
 def layouts(draw, spec, *, world_size: int | None = None, max_world: int = 64):
     """A valid layout of ``spec`` (of ``world_size`` ranks if given), tp/pp/cp/ep often above 1, and
-    at pp > 1 often an uneven pipeline (``first``/``last``)."""
+    at pp > 1 often an uneven pipeline (``first``/``last``) or virtual stages (``vpp``), or both."""
     for _ in range(50):
         if world_size is None:
             tp = draw(st.sampled_from([1, 2, 4]))
@@ -68,12 +68,13 @@ def layouts(draw, spec, *, world_size: int | None = None, max_world: int = 64):
             ep = draw(st.sampled_from(_divisors(tp * cp * dp)))
             etp = tp if ep == 1 else draw(st.sampled_from(_divisors(tp * cp * dp // ep)))
         first = last = None
+        vpp = draw(st.sampled_from([1, 1, 2])) if pp > 1 else 1
         if pp > 1 and draw(st.booleans()):
             ends = st.none() | st.integers(1, max(1, spec.num_layers - 1))
             first, last = draw(ends), draw(ends)
         try:
             layout = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, zero=draw(st.sampled_from([0, 1])),
-                                    first=first, last=last)
+                                    first=first, last=last, vpp=vpp)
         except LayoutError:
             continue
         if not layout_problems(layout, spec, layout.world_size):

@@ -100,7 +100,7 @@ def test_uneven_pipelines_say_where_each_layer_goes():
     """``-firstN``/``-lastN``: N layers on that end stage, the rest evenly over the stages between."""
     layout = ParallelConfig.parse("last3-pp4-dp2-first1")
     assert str(layout) == "dp2-tp1-pp4-first1-last3" and layout.uneven
-    assert layout.stage_layers(10) == (1, 3, 3, 3) and layout.stage_bounds(10) == (0, 1, 4, 7, 10)
+    assert layout.stage_layers(10) == (1, 3, 3, 3) and layout.layer_cuts(10) == (0, 1, 4, 7, 10)
     assert ParallelConfig.parse("pp2-first3").stage_layers(8) == (3, 5)
     assert ParallelConfig.parse("pp3-last1").stage_layers(5) == (2, 2, 1)
     assert ParallelConfig.parse("pp2-first1-last1").stage_layers(2) == (1, 1)
