@@ -2,8 +2,9 @@
 layout twice and validating at every layout, against the Lightning demo of the same model, data and
 seed; resumed from its own ``fabric.save`` under Fabric's own launcher (``python ... --devices N``:
 ``Fabric.launch()`` starts the other processes), at the layout that wrote it (the same losses,
-exactly) and on 2 processes; in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with fp32 main params), saved
-and resumed; with a scheduled switch refused (training goes on, or the error leaves the loop); and
+exactly) and on 2 processes; in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with
+fp32 main params), saved and resumed, with a scheduled switch refused in the resumed run (training
+goes on; or, in a run of its own, the error leaves the loop); and
 with a rank killed in a switch (every survivor fails naming it and the checkpoint to resume from); the
 straight run enters a rollout phase after its save (the resumed run, without it, must match it).
 
@@ -118,28 +119,37 @@ def test_fabric_load_resumes_on_another_number_of_processes(runs: dict) -> None:
     assert (step, layout) == (3, "dp1-tp2-pp1") and val == pytest.approx(straight_val[3], rel=1e-5)
 
 
-def test_bf16_true_trains_megatron_bf16_params_switches_and_resumes(tmp_path: Path) -> None:
-    bf16 = ["--precision", "bf16-true", "--max-steps", "4", "--schedule", "2:dp1-tp2-pp1", *MODEL]
-    first = run_job([*own_launcher(2), *bf16, "--layout", "dp2-tp1-pp1", "--save-at", "2", "--out",
-                     str(tmp_path / "first")], tmp_path)
-    rows = metrics(tmp_path / "first")
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory) -> dict:
+    """Two processes at ``bf16-true``: 4 steps switching at step 2, saved after it; then resumed from
+    that save with a switch at step 3 that the memory limit refuses (``DYNATRAIN_SWITCH_MEMORY_LIMIT``)."""
+    tmp = tmp_path_factory.mktemp("fabric_bf16")
+    args = ["--precision", "bf16-true", "--max-steps", "4", *MODEL]
+    first = run_job([*own_launcher(2), *args, "--schedule", "2:dp1-tp2-pp1", "--layout", "dp2-tp1-pp1",
+                     "--save-at", "2", "--out", str(tmp / "first")], tmp)
+    resumed = run_job([*own_launcher(2), *args, "--schedule", "3:dp2-tp1-pp1", "--layout", "dp1-tp2-pp1",
+                       "--resume", str(tmp / "first" / "state"), "--out", str(tmp / "resumed")], tmp,
+                      DYNATRAIN_SWITCH_MEMORY_LIMIT="1KiB")
+    return dict(tmp=tmp, first=first, resumed=resumed)
+
+
+def test_bf16_true_trains_megatron_bf16_params_switches_and_resumes(bf16: dict) -> None:
+    rows = metrics(bf16["tmp"] / "first")
     assert [layout for _, _, layout in rows] == ["dp2-tp1-pp1"] * 2 + ["dp1-tp2-pp1"] * 2
     assert all(4.0 < loss < 6.0 for _, loss, _ in rows), rows
-    assert "[dynatrain] step 2: dp2-tp1-pp1 -> dp1-tp2-pp1" in first.stdout
-    assert "params bfloat16" in first.stdout
-    resumed = run_job([*own_launcher(2), *bf16, "--layout", "dp1-tp2-pp1", "--resume", str(tmp_path / "first" / "state"),
-                       "--out", str(tmp_path / "resumed")], tmp_path)
-    assert "written at dp1-tp2-pp1 on 2 processes) into dp1-tp2-pp1 on 2" in resumed.stdout
-    assert metrics(tmp_path / "resumed") == rows[2:]  # bf16 params, fp32 main params and moments: bit for bit
+    assert "[dynatrain] step 2: dp2-tp1-pp1 -> dp1-tp2-pp1" in bf16["first"].stdout
+    assert "params bfloat16" in bf16["first"].stdout
+    assert "written at dp1-tp2-pp1 on 2 processes) into dp1-tp2-pp1 on 2" in bf16["resumed"].stdout
+    # bf16 params, fp32 main params and moments: bit for bit (the refused switch changed nothing)
+    assert metrics(bf16["tmp"] / "resumed") == rows[2:]
 
 
-def test_a_refused_scheduled_switch_goes_by_and_training_goes_on(tmp_path: Path) -> None:
-    args = [*own_launcher(2), "--max-steps", "4", "--layout", "dp2-tp1-pp1", "--schedule", "2:dp1-tp2-pp1", *MODEL]
-    proc = run_job([*args, "--out", str(tmp_path / "continue")], tmp_path, DYNATRAIN_SWITCH_MEMORY_LIMIT="1KiB")
-    assert "[dynatrain] the switch to dp1-tp2-pp1 at step 2 was refused before anything moved (SwitchMemoryError: " \
-           in proc.stdout
-    assert "the old state is whole and training goes on at dp2-tp1-pp1" in proc.stdout
-    assert [layout for _, _, layout in metrics(tmp_path / "continue")] == ["dp2-tp1-pp1"] * 4
+def test_a_refused_scheduled_switch_goes_by_and_training_goes_on(bf16: dict, tmp_path: Path) -> None:
+    assert "[dynatrain] the switch to dp2-tp1-pp1 at step 3 was refused before anything moved (SwitchMemoryError: " \
+           in bf16["resumed"].stdout
+    assert "the old state is whole and training goes on at dp1-tp2-pp1" in bf16["resumed"].stdout
+    assert [layout for _, _, layout in metrics(bf16["tmp"] / "resumed")] == ["dp1-tp2-pp1"] * 2
+    args = [*own_launcher(2), "--max-steps", "3", "--layout", "dp2-tp1-pp1", "--schedule", "2:dp1-tp2-pp1", *MODEL]
     with pytest.raises(AssertionError, match="SwitchMemoryError"):  # run_job asserts exit 0
         run_job([*args, "--out", str(tmp_path / "raise")], tmp_path, DYNATRAIN_SWITCH_MEMORY_LIMIT="1KiB",
                 DYNATRAIN_ON_REFUSED="raise")
