@@ -90,8 +90,8 @@ def _from_yaml(path: Path) -> dict[int, ParallelConfig]:
 def parse_schedule(schedule: ScheduleLike) -> dict[int, ParallelConfig]:
     """Read a schedule (dict, ``"STEP:LAYOUT,..."``, or a YAML path) into ``{step: layout}``, sorted by step.
 
-    >>> parse_schedule("400:dp4, 200:dp1-tp2-pp2")
-    {200: ParallelConfig(dp=1, tp=2, pp=2, cp=1, ep=1, etp=2, zero=0), 400: ParallelConfig(dp=4, tp=1, pp=1, cp=1, ep=1, etp=1, zero=0)}
+    >>> {step: str(layout) for step, layout in parse_schedule("400:dp4, 200:dp1-tp2-pp2").items()}
+    {200: 'dp1-tp2-pp2', 400: 'dp4-tp1-pp1'}
 
     Raises:
         ScheduleError: unreadable file, malformed entry, negative or repeated step, unparsable layout.
