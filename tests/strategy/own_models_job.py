@@ -7,7 +7,7 @@ stages for the split-MLP GPT and the MoE), ``verify=True``, every
 rank's training state described by megatron itself (``tests/megatron_description.py``) right before
 and right after each switch; then the same steps at the first layout without switches. The split-MLP GPT (bf16, megatron's ``OptimizerParamScheduler``)
 also saves a checkpoint after one switch (at an uneven pipeline with ZeRO-1), and a second fit resumes
-from it at an even layout. It and the MoE enter a
+from it at an even layout (the state described at the save and as the second fit starts). It and the MoE enter a
 rollout phase (``ROLLOUTS``; the GPT's weights freed and optimizer parked, the MoE's experts at
 another ep): the state described before and after it, the rollout model's weights, what it
 generated, a switch asked for inside it. The BERT runs a torch ``LambdaLR``, the MoE a constant rate. Every rank returns the spec the strategy read from its model.
@@ -97,8 +97,10 @@ def _trainer(layout: str, steps: int, precision: str, callbacks: list, **kwargs)
                    precision=precision, callbacks=callbacks, **defaults)
 
 
-def _callbacks(schedule: dict, save: Path | None = None, rollout_at: tuple | None = None) -> tuple[list, dict]:
-    """``[state before, ScheduledReconfig, state after (and a save and a rollout)]`` and what they record."""
+def _callbacks(schedule: dict, save: Path | None = None, rollout_at: tuple | None = None,
+               describe_start: bool = False) -> tuple[list, dict]:
+    """``[state before, ScheduledReconfig, state after (and a save and a rollout)]`` and what they
+    record (with ``describe_start``, also the state training starts from: a resumed checkpoint's)."""
     from lightning.pytorch.callbacks import Callback
 
     from lightning_dynatrain.callbacks import ScheduledReconfig
@@ -129,6 +131,10 @@ def _callbacks(schedule: dict, save: Path | None = None, rollout_at: tuple | Non
         def __init__(self, side: str):
             self.side = side
 
+        def on_train_start(self, trainer, pl_module):
+            if describe_start and self.side == "after":
+                record["start"] = describe(trainer.strategy.megatron)
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             step = trainer.global_step
             if step in schedule:
@@ -137,6 +143,7 @@ def _callbacks(schedule: dict, save: Path | None = None, rollout_at: tuple | Non
                 record["lr"].append(tuple(trainer.strategy.optimizer_handle.scheduled))
                 if save is not None and step == RESUME_AT:
                     trainer.save_checkpoint(save)
+                    record["saved"] = describe(trainer.strategy.megatron)
                 if rollout_at is not None and step == rollout_at[0]:
                     record["rollout"] = rollout(trainer.strategy)
 
@@ -162,11 +169,11 @@ def _fits(name: str, tmp: Path) -> dict:
     out["static"] = dict(losses=[loss for _, loss in static.losses])
     if save is not None:
         resumed = _module(name)
-        callbacks, resumed_record = _callbacks(case["schedule"])
+        callbacks, resumed_record = _callbacks(case["schedule"], describe_start=True)
         trainer = _trainer(case["start"], STEPS, case["precision"], callbacks)
         trainer.fit(resumed, datamodule=_data(name), ckpt_path=save)
         out["resumed"] = dict(losses=[loss for _, loss in resumed.losses], lr=resumed_record["lr"],
-                              layouts=[str(trainer.strategy.layout)])
+                              layouts=[str(trainer.strategy.layout)], start=resumed_record["start"])
     return out
 
 
