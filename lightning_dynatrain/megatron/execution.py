@@ -78,9 +78,6 @@ class ExecutionOptions:
         return kwargs
 
 
-__all__ = ["RECOMPUTE_CHOICES", "ExecutionOptions", "Recompute"]
-
-
 def check_trainable(layout: ParallelConfig) -> None:
     """Refuse what a layout can state and ``dynatrain plan`` can plan but training does not run:
     context parallelism (megatron's attention without Transformer Engine has none) and virtual
@@ -96,3 +93,7 @@ def check_trainable(layout: ParallelConfig) -> None:
         raise LayoutError(f"layout {layout}: training with virtual pipeline stages (vpp{layout.vpp}) is not built: "
                           f"switches to and from it are planned only (dynatrain plan)",
                           hint=f"use vpp1, e.g. {layout.replace(vpp=1)}")
+
+
+__all__ = ["RECOMPUTE_CHOICES", "ExecutionOptions", "Recompute", "check_trainable"]
+
