@@ -43,8 +43,8 @@ import argparse
 import hashlib
 import json
 import os
-import time
 import sys
+import time
 from pathlib import Path
 
 STARTED_AT = time.time()
