@@ -66,7 +66,7 @@ def _split_problems(layout: ParallelConfig, spec: ModelSpec) -> list[str]:
             if role == LAYER:
                 problems.update(dict.fromkeys(_pipeline_problems(layout, extent)))
                 continue
-            size, what = {LAYER: (layout.pp, "pp"), EXPERT: (layout.ep, "ep"),
+            size, what = {EXPERT: (layout.ep, "ep"),
                           TP: (layout.etp if t.group is Group.EXPERT else layout.tp,
                                "etp" if t.group is Group.EXPERT else "tp")}.get(role, (1, ""))
             if extent % size:
