@@ -44,6 +44,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -322,7 +323,10 @@ def main() -> None:
               "recoveries": node_change.recoveries if node_change else [], "started_at": STARTED_AT,
               "ready_at": record.ready_at, "rollouts": getattr(module, "rollouts", []),
               "switch_while_building": next((c.answer for c in callbacks if isinstance(c, SwitchWhileBuilding)), None),
-              "death_path": next((c.result for c in callbacks if isinstance(c, TraceDeath)), None)}
+              "death_path": next((c.result for c in callbacks if isinstance(c, TraceDeath)), None),
+              # the library's background threads still running once the fit returned (each must end before
+              # the interpreter does: lightning_dynatrain/thread_end.py)
+              "threads_after_fit": sorted(t.name for t in threading.enumerate() if t.name.startswith("dynatrain-"))}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{os.getpid()}.json").write_text(json.dumps(result))
 

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dynatrain"
 #: the layers, bottom first: (what the layer is, its rooms)
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("utilities, and every private name of torch, megatron-core and Lightning",
-     ("compat", "warning_filters", "gc_pause", "progress_line")),
+     ("compat", "warning_filters", "gc_pause", "progress_line", "thread_end")),
     ("the Virtual Parameter Space: layouts, boxes, the planner (pure, no torch)", ("vps",)),
     ("the state transition engine: switch programs compiled and walked", ("transition",)),
     ("the elastic protocol: the job's store, sessions, worlds", ("elastic",)),

@@ -33,9 +33,13 @@ def megatron_groups() -> list[Any]:
 
 
 def forget_megatron_groups() -> None:
-    """``parallel_state`` holds no list of its groups any more (after ``destroy_model_parallel``,
-    which leaves it): the groups themselves are the caller's to keep or destroy."""
+    """``parallel_state`` holds no group any more (after ``destroy_model_parallel``, which leaves its
+    list of groups, and in 0.16 the intra-partial data-parallel groups and the hierarchical
+    context-parallel ones, set): the groups themselves are the caller's to keep or destroy."""
     parallel_state._global_process_group_list = None
+    for name in _LEFT_BY_DESTROY:
+        if getattr(parallel_state, name) is not None:
+            setattr(parallel_state, name, None)
 
 
 #: megatron's globals that hold a group, and the ``ProcessGroupCollection`` field each holds
@@ -49,6 +53,9 @@ _GROUP_GLOBALS = {
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "intra_expt_dp", "_EMBEDDING_GROUP": "embd",
     "_POSITION_EMBEDDING_GROUP": "pos_embd",
 }
+#: megatron's group globals ``destroy_model_parallel`` leaves set (0.16)
+_LEFT_BY_DESTROY = ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+                    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS")
 #: megatron's rank and size overrides (its ``set_*_rank`` / ``set_*_world_size``), and the field whose
 #: group's rank and size each holds
 _RANK_GLOBALS = {

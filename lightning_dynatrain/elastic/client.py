@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from lightning_dynatrain.elastic.liveness import LIVENESS_KEY, LivenessLink, read_port
 from lightning_dynatrain.elastic.records import AdmissionError, JoinRequest, LeaveRequest, Membership, Signer
+from lightning_dynatrain.thread_end import join_before_exit
 
 PREFIX = "dynatrain/"
 STORE_ENV, TOKEN_ENV = "DYNATRAIN_STORE", "DYNATRAIN_TOKEN"
@@ -76,6 +77,12 @@ class JobStore:
     def port(self) -> int:
         """The store's port (its connections are not a world's: ``abandon.abandon_world`` keeps them)."""
         return int(getattr(self.raw, "port", 0))
+
+    @property
+    def call_seconds(self) -> float:
+        """How long one store call may wait before it fails (the client's timeout): what bounds the
+        wait for a thread of this client to end."""
+        return self.raw.timeout.total_seconds()
 
     @property
     def liveness_port(self) -> int:
@@ -210,9 +217,8 @@ class JobStore:
         if self._link is not None:
             self._link.close(bye=finished)
             self._link = None
-        if self._alive is not None:
-            self._alive.join(timeout=5)
-            self._alive = None
+        join_before_exit(self._alive, timeout=self.call_seconds + 1.0, what="the heartbeat")
+        self._alive = None
 
 
 __all__ = ["JobStore", "PREFIX", "STORE_ENV", "TOKEN_ENV", "parse_address"]

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from lightning_dynatrain.elastic.client import JobStore
 from lightning_dynatrain.elastic.records import Membership
+from lightning_dynatrain.thread_end import join_before_exit
 from lightning_dynatrain.vps.errors import DynaTrainError
 
 if TYPE_CHECKING:
@@ -266,8 +267,11 @@ class FailureWatch:
         os._exit(EXIT_MEMBER_FAILED)
 
     def close(self) -> None:
+        """Stop the watchdog and wait for it (a store call it is in ends within the store's timeout):
+        it must not outlive the interpreter (``thread_end``)."""
         self._closed.set()
         self._wake.set()
+        join_before_exit(self._thread, timeout=self.store.call_seconds + 1.0, what="the failure watchdog")
 
 
 __all__ = ["EXIT_MEMBER_FAILED", "FailureWatch", "MemberFailedError", "MemberLostError", "is_communication_failure"]

@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable
 
 from lightning_dynatrain.elastic.records import Signer
+from lightning_dynatrain.thread_end import join_before_exit
 
 #: the store key of the listener's port (signed)
 LIVENESS_KEY = "liveness"
@@ -206,7 +207,7 @@ class LivenessLink:
         except OSError:
             pass
         self.sock.close()
-        self._thread.join(timeout=5)
+        join_before_exit(self._thread, timeout=5.0, what="the liveness link")
 
 
 def read_port(signer: Signer, blob: bytes) -> int | None:

@@ -50,6 +50,7 @@ from lightning_dynatrain.elastic.failure_watch import (
 from lightning_dynatrain.elastic.records import AdmissionError, JoinRequest, LeaveRequest, Membership
 from lightning_dynatrain.elastic.world import BorrowedWorld, NextWorld, install, retire
 from lightning_dynatrain.elastic.world_cache import KeptWorld, WorldCache, WorldGroups
+from lightning_dynatrain.thread_end import BUILD_END_WAIT
 from lightning_dynatrain.vps.members import Members
 
 #: test hook: ``DYNATRAIN_JOIN_FAULT=STOP`` stops a joiner (SIGSTOP) right after it is admitted, before
@@ -400,9 +401,14 @@ class ElasticSession:
         return old
 
     def close(self, *, finished: bool = True) -> None:
-        """Stop the heartbeat and the watchdog: at the end of the fit, after leaving (``finished``),
-        or on an error this process stops on (the store then records it failed at once)."""
+        """Stop the heartbeat and the watchdog, and wait for a next world's build still running: at the
+        end of the fit, after leaving (``finished``), or on an error this process stops on (the store
+        then records it failed at once; nothing is waited for). The kept worlds' groups go."""
         self.failures.close()
+        if self._next is not None and finished:
+            self._next.end(BUILD_END_WAIT)
+        self._next = None
+        retire(self.kept.prune(()))
         self.store.stop_alive(finished=finished)
 
 

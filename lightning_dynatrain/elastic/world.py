@@ -55,6 +55,7 @@ from lightning_dynatrain.compat.torch_internals import (
 )
 from lightning_dynatrain.elastic.records import AdmissionError
 from lightning_dynatrain.elastic.world_cache import WorldGroups
+from lightning_dynatrain.thread_end import join_before_exit
 
 #: ``group_count`` of generation ``g``'s world: identical on every member, far from the counts any
 #: earlier generation's ``new_group`` calls reach
@@ -92,8 +93,10 @@ class NextWorld:
         self.seconds = 0.0
         """How long the build took (the members' rendezvous included)."""
         self._args = dict(generation=generation, rank=rank, size=size, backend=backend, timeout=timeout, device=device)
+        self._thread: threading.Thread | None = None
         if background:
-            threading.Thread(target=self._build, name=f"dynatrain-world-gen{generation}", daemon=True).start()
+            self._thread = threading.Thread(target=self._build, name=f"dynatrain-world-gen{generation}", daemon=True)
+            self._thread.start()
         else:
             self._build()
 
@@ -112,7 +115,7 @@ class NextWorld:
         """A next world that needs no build: a kept world's group (``world_cache``)."""
         world = cls.__new__(cls)
         world.generation, world.rank, world.size, world.backend = generation, rank, pg.size(), backend_name(pg)
-        world._result, world._error, world.seconds = pg, None, 0.0
+        world._result, world._error, world.seconds, world._thread = pg, None, 0.0, None
         world._done = threading.Event()
         world._done.set()
         return world
@@ -124,6 +127,11 @@ class NextWorld:
     def wait(self, timeout: float) -> bool:
         """Whether the build ended (built or failed) within ``timeout`` seconds."""
         return self._done.wait(timeout)
+
+    def end(self, timeout: float) -> bool:
+        """The process closes with this world not installed: wait up to ``timeout`` seconds for a
+        background build to end (it is in torch's rendezvous: ``thread_end``); whether it did."""
+        return join_before_exit(self._thread, timeout=timeout, what=f"the build of generation {self.generation}'s world")
 
     def group(self, timeout: float | None = None) -> dist.ProcessGroup:
         """The built group (waits for the build).

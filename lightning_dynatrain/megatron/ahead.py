@@ -65,6 +65,7 @@ from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.planner import default_topology
 from lightning_dynatrain.vps.spec import Precision
+from lightning_dynatrain.thread_end import join_before_exit
 
 _log = logging.getLogger(__name__)
 #: the builds' own group's timeout: how far apart the ranks' builds may reach megatron's all-gather
@@ -132,8 +133,10 @@ class PendingSwitch:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._abandoned = False
+        self._thread: threading.Thread | None = None
         if background:
-            threading.Thread(target=self._run, name="dynatrain-prepare-switch", daemon=True).start()
+            self._thread = threading.Thread(target=self._run, name="dynatrain-prepare-switch", daemon=True)
+            self._thread.start()
         else:
             self._run()
 
@@ -157,6 +160,12 @@ class PendingSwitch:
     def abandon(self) -> None:
         """The switch will not come (its groups are being destroyed): an error of the build is expected."""
         self._abandoned = True
+
+    def end(self, timeout: float) -> bool:
+        """The process closes with this switch not run: wait up to ``timeout`` seconds for the build
+        to end (``thread_end``); whether it did."""
+        self._abandoned = True
+        return join_before_exit(self._thread, timeout=timeout, what="a switch's build ahead")
 
     @property
     def failed(self) -> bool:

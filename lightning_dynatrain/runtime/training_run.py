@@ -87,7 +87,7 @@ class TrainingRun:
         self._on_install = on_install
         self._switcher: LayoutSwitcher | None = None
         self._layout: ParallelConfig | None = None
-        self._groups: ProcessGroupCollection | None = None  # the starting layout's, for the model shard
+        self._groups: ProcessGroupCollection | None = None  # the current layout's (``start``'s until a state is installed)
         self._recipe: MegatronRecipe | None = None
         self._optimizer: AdamSettings | OptimizerConfig | None = None
         self._model: torch.nn.Module | None = None
@@ -241,7 +241,7 @@ class TrainingRun:
         the front end's ``on_install`` points its library at it, then the state it replaces is taken
         apart (``release_state``: nothing may use it afterwards)."""
         old, self._state = self._state, state
-        self._model, self._layout = state.model, state.layout
+        self._model, self._layout, self._groups = state.model, state.layout, state.groups  # the old layout's go
         self._on_install(state)
         if old is not None and old is not state:
             from lightning_dynatrain.megatron.state import release_state
@@ -389,13 +389,14 @@ class TrainingRun:
 
     # ------------------------------------------------------------------------------ the end
     def close(self) -> None:
-        """Megatron's groups and the switcher's go (while the world is up); the state is dropped."""
+        """Megatron's groups and the switcher's go (while the world is up); the state and the groups
+        are dropped (the model shard stays: the LightningModule holds it too)."""
         if self._switcher is not None and dist.is_available() and dist.is_initialized():
             from lightning_dynatrain.runtime.training_state import teardown_state
 
             teardown_state()
             self._switcher.close()
-        self._state = None
+        self._state, self._groups = None, None
 
 
 __all__ = ["TrainingRun"]

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from lightning_dynatrain.compat.torch_internals import (backend_name, default_store, is_registered, registered_groups,
                                                        set_group_timeout)
+from lightning_dynatrain.thread_end import join_before_exit
 from lightning_dynatrain.transition.abandon import connection_inodes, shut_connections, store_ports
 from lightning_dynatrain.transition.collectives import LinkCosts
 from lightning_dynatrain.transition.deadline import DEFAULT_FLOOR_S, SwitchDeadline
@@ -263,7 +264,7 @@ class SwitchWatch:
         """Stop the heartbeat and destroy the switch's group (local)."""
         self._stop.set()
         self._active.set()  # wake the thread to end it
-        self._thread.join(timeout=5)
+        join_before_exit(self._thread, timeout=5.0, what="the switch heartbeat")
         if is_registered(self.group):
             dist.destroy_process_group(self.group)
         self.group = None

@@ -68,6 +68,8 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
         results = job.results()
         log = job.text()
     assert codes == [0, 0, 0, 0], log
+    # the watchdog, heartbeat and builds ended with the fit (none may run into the interpreter's exit)
+    assert {r["pid"]: r["threads_after_fit"] for r in results.values()} == {r["pid"]: [] for r in results.values()}
     left = [r for r in results.values() if r["left"]]
     survivors = [r for r in results.values() if not r["left"]]
     assert sorted(r["pid"] for r in left) == sorted([rank0, again.pid]) and len(survivors) == 3, log

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.thread_end import BUILD_END_WAIT
 from lightning_dynatrain.vps.errors import DynaTrainError
 
 if TYPE_CHECKING:
@@ -124,6 +125,13 @@ class AheadChange:
     def prepared(self) -> "PreparedSwitch | None":
         """The prepared switch (after ``built_everywhere``); ``None`` for a leaver."""
         return self.pending.result() if self.pending is not None else None
+
+    def close(self) -> None:
+        """The process closes with this change pending: what it made goes (``drop``: a build still in
+        a collective on those groups fails), then the build's thread ends (``thread_end``)."""
+        self.drop()
+        if self.pending is not None:
+            self.pending.end(BUILD_END_WAIT)
 
     def drop(self) -> None:
         """The change will not come: destroy what was made on the next world. A build still waiting

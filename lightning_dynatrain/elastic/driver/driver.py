@@ -298,6 +298,9 @@ class ElasticDriver:
         on an error and the job's store records it failed at once)."""
         if self.snapshots is not None:
             self.snapshots.close()
+        if self._ahead is not None and finished:  # a change pending at the end: its build ends before the process
+            self._ahead.close()
+            self._ahead = None
         if self.session is not None:
             self.session.close(finished=finished)
 
