@@ -3,7 +3,8 @@ layout twice and validating at every layout, against the Lightning demo of the s
 seed; resumed from its own ``fabric.save`` under Fabric's own launcher (``python ... --devices N``:
 ``Fabric.launch()`` starts the other processes), at the layout that wrote it (the same losses,
 exactly) and on 2 processes; in bf16 (``Fabric(precision="bf16-true")``: megatron's bf16 params with
-fp32 main params), saved and resumed, with a scheduled switch refused in the resumed run (training
+fp32 main params), saved, sampled at another layout in a rollout phase and resumed (the resumed
+run, without the phase, must match it), with a scheduled switch refused in the resumed run (training
 goes on; or, in a run of its own, the error leaves the loop); and
 with a rank killed in a switch (every survivor fails naming it and the checkpoint to resume from); the
 straight run enters a rollout phase after its save (the resumed run, without it, must match it).
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.slow
 
 FABRIC_RUN = [fabric_executable(), "run", "--accelerator", "cpu", "--devices", "4"]
 ROLLOUT = "dp4-tp1-pp1"  # the straight run's rollout layout, after step SAVE_AT
+BF16_ROLLOUT = "dp1-tp1-pp2"  # the bf16 run's, after step 2 (its training layouts are dp2-tp1-pp1 and dp1-tp2-pp1)
 
 
 def own_launcher(devices: int) -> list[str]:
@@ -121,12 +123,13 @@ def test_fabric_load_resumes_on_another_number_of_processes(runs: dict) -> None:
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory) -> dict:
-    """Two processes at ``bf16-true``: 4 steps switching at step 2, saved after it; then resumed from
-    that save with a switch at step 3 that the memory limit refuses (``DYNATRAIN_SWITCH_MEMORY_LIMIT``)."""
+    """Two processes at ``bf16-true``: 4 steps switching at step 2, saved after it and sampling in a
+    rollout phase at ``BF16_ROLLOUT`` then; resumed from that save with a switch at step 3 that the memory
+    limit refuses (``DYNATRAIN_SWITCH_MEMORY_LIMIT``)."""
     tmp = tmp_path_factory.mktemp("fabric_bf16")
     args = ["--precision", "bf16-true", "--max-steps", "4", *MODEL]
     first = run_job([*own_launcher(2), *args, "--schedule", "2:dp1-tp2-pp1", "--layout", "dp2-tp1-pp1",
-                     "--save-at", "2", "--out", str(tmp / "first")], tmp)
+                     "--save-at", "2", "--rollout", f"2:{BF16_ROLLOUT}", "--out", str(tmp / "first")], tmp)
     resumed = run_job([*own_launcher(2), *args, "--schedule", "3:dp2-tp1-pp1", "--layout", "dp1-tp2-pp1",
                        "--resume", str(tmp / "first" / "state"), "--out", str(tmp / "resumed")], tmp,
                       DYNATRAIN_SWITCH_MEMORY_LIMIT="1KiB")
@@ -140,7 +143,11 @@ def test_bf16_true_trains_megatron_bf16_params_switches_and_resumes(bf16: dict) 
     assert "[dynatrain] step 2: dp2-tp1-pp1 -> dp1-tp2-pp1" in bf16["first"].stdout
     assert "params bfloat16" in bf16["first"].stdout
     assert "written at dp1-tp2-pp1 on 2 processes) into dp1-tp2-pp1 on 2" in bf16["resumed"].stdout
-    # bf16 params, fp32 main params and moments: bit for bit (the refused switch changed nothing)
+    # a rollout of the bf16 weights at another layout (bf16 there too), weights only, and back
+    line = next(x for x in bf16["first"].stdout.splitlines() if x.startswith("[fabric_gpt] rollout at "))
+    assert line.startswith(f"[fabric_gpt] rollout at {BF16_ROLLOUT} after step 2: ") and "mean log-prob -" in line, line
+    # bf16 params, fp32 main params and moments: bit for bit (neither the rollout nor the refused switch
+    # changed anything: the resumed run had no rollout)
     assert metrics(bf16["tmp"] / "resumed") == rows[2:]
 
 
