@@ -15,7 +15,7 @@ its own timeout ends every call it makes) and says so when it is still running a
 Example::
 
     self._stop.set()
-    join_before_exit(self._thread, timeout=store_timeout + 5, what="the failure watchdog")
+    join_before_exit(self._thread, timeout=store_timeout + 1, what="the failure watchdog")
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ class NextWorld:
     def end(self, timeout: float) -> bool:
         """The process closes with this world not installed: wait up to ``timeout`` seconds for a
         background build to end (it is in torch's rendezvous: ``thread_end``); whether it did."""
-        return join_before_exit(self._thread, timeout=timeout, what=f"the build of generation {self.generation}'s world")
+        return join_before_exit(self._thread, timeout=timeout,
+                                what=f"the build of generation {self.generation}'s world")
 
     def group(self, timeout: float | None = None) -> dist.ProcessGroup:
         """The built group (waits for the build).

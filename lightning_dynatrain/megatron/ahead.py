@@ -60,12 +60,12 @@ from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, opti
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, prepare_groups
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import precision_of
+from lightning_dynatrain.thread_end import join_before_exit
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.planner import default_topology
 from lightning_dynatrain.vps.spec import Precision
-from lightning_dynatrain.thread_end import join_before_exit
 
 _log = logging.getLogger(__name__)
 #: the builds' own group's timeout: how far apart the ranks' builds may reach megatron's all-gather

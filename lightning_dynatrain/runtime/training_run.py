@@ -87,7 +87,7 @@ class TrainingRun:
         self._on_install = on_install
         self._switcher: LayoutSwitcher | None = None
         self._layout: ParallelConfig | None = None
-        self._groups: ProcessGroupCollection | None = None  # the current layout's (``start``'s until a state is installed)
+        self._groups: ProcessGroupCollection | None = None  # the current layout's (``start``'s before a state)
         self._recipe: MegatronRecipe | None = None
         self._optimizer: AdamSettings | OptimizerConfig | None = None
         self._model: torch.nn.Module | None = None

@@ -65,7 +65,7 @@ def test_a_thread_inside_a_store_call_at_exit_aborts_the_process_unless_joined(e
     if ending == "join":
         assert codes == [0, 0], run.stderr
     else:
-        assert codes[-1] == -signal.SIGABRT, f"no try aborted ({codes}): the hazard thread_end.py guards against did not show"
+        assert codes[-1] == -signal.SIGABRT, f"no try aborted ({codes}): the hazard thread_end.py guards did not show"
         assert "terminate called without an active exception" in run.stderr
 
 
