@@ -162,9 +162,8 @@ class PendingSwitch:
         self._abandoned = True
 
     def end(self, timeout: float) -> bool:
-        """The process closes with this switch not run: wait up to ``timeout`` seconds for the build
-        to end (``thread_end``); whether it did."""
-        self._abandoned = True
+        """The process closes with this switch not run (``abandon`` first): wait up to ``timeout``
+        seconds for the build to end (``thread_end``); whether it did."""
         return join_before_exit(self._thread, timeout=timeout, what="a switch's build ahead")
 
     @property

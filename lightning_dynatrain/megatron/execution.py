@@ -96,4 +96,3 @@ def check_trainable(layout: ParallelConfig) -> None:
 
 
 __all__ = ["RECOMPUTE_CHOICES", "ExecutionOptions", "Recompute", "check_trainable"]
-
