@@ -75,10 +75,11 @@ def layer_spec(te: bool):
     return spec
 
 
-def model_provider(config, pg_collection, pre_process, post_process, *, te=False, seq=SEQ):
+def model_provider(config, pg_collection, pre_process, post_process, vp_stage=None, *, te=False, seq=SEQ):
+    # vp_stage: the model chunk at a layout with virtual pipeline stages (-vppN), as megatron's builders take it
     return GPTModel(config=config, transformer_layer_spec=layer_spec(te), vocab_size=padded_vocab_size(VOCAB, config),
                     max_sequence_length=seq, pre_process=pre_process, post_process=post_process,
-                    position_embedding_type="rope", pg_collection=pg_collection)
+                    position_embedding_type="rope", pg_collection=pg_collection, vp_stage=vp_stage)
 
 
 def loss_func(output):

@@ -37,10 +37,11 @@ _BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 def describe(state: Any) -> dict:
     """This rank's pieces of the whole state, as megatron describes them (see the module docstring).
 
-    ``state``: a ``MegatronState`` (its ``ddp`` and ``optimizer``). Collective: megatron gathers the
-    distributed optimizer's shards over each data-parallel group. Returns ``{"pieces": [...],
-    "steps": [...], "groups": [...]}``: each piece ``(key, global_shape, global_offset, prepend_axes, main, bits,
-    dtype)`` with the local data's bits (an integer view: bf16 and NaN compare exactly); the
+    ``state``: a ``MegatronState`` (its ``chunks`` and ``optimizer``: with virtual pipeline stages
+    each chunk's description, under ``model0``, ``model1``, ... as Megatron-LM saves them).
+    Collective: megatron gathers the distributed optimizer's shards over each data-parallel group.
+    Returns ``{"pieces": [...], "steps": [...], "groups": [...]}``: each piece ``(key, global_shape,
+    global_offset, prepend_axes, main, bits, dtype)`` with the local data's bits (an integer view: bf16 and NaN compare exactly); the
     optimizer's step and param groups' settings (``optimizer_settings``).
     """
     from megatron.core.dist_checkpointing.mapping import apply_factories
@@ -50,8 +51,12 @@ def describe(state: Any) -> dict:
     for sub in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
         if getattr(sub, "data_parallel_group_gloo", "") is None:  # its gather runs over this group; on CPU
             sub.data_parallel_group_gloo = sub.data_parallel_group  # the DP group is a gloo group already
-    with device_kind(next(state.ddp.module.parameters()).device).megatron_context():
-        model = state.ddp.module.sharded_state_dict(metadata=dict(METADATA))
+    chunks = [ddp.module for ddp in state.chunks]
+    with device_kind(next(chunks[0].parameters()).device).megatron_context():
+        if len(chunks) == 1:
+            model = chunks[0].sharded_state_dict(metadata=dict(METADATA))
+        else:  # virtual pipeline stages: each chunk describes its own layers, as Megatron-LM saves them
+            model = {f"model{i}": chunk.sharded_state_dict(metadata=dict(METADATA)) for i, chunk in enumerate(chunks)}
         optimizer = _optimizer_description(state.optimizer, model)
         described = {"model": model, "optimizer": optimizer}
         apply_factories(described)

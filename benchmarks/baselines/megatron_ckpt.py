@@ -67,7 +67,7 @@ def _sharded_state_dict(state: MegatronState, *, is_loading: bool) -> dict:
     metadata = _metadata(mem_efficient=not is_loading)
     if not is_loading:
         _use_dp_group_as_gloo_group(state.optimizer)
-    model = state.ddp.module.sharded_state_dict(metadata=metadata)
+    model = state.model.sharded_state_dict(metadata=metadata)  # model chunks: each under its index
     optimizer = state.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
     return {"model": model, "optimizer": optimizer}
 
@@ -118,7 +118,9 @@ def load(state: MegatronState, path: str) -> MegatronCkptTimes:
         t1 = time.perf_counter()
         loaded = dist_checkpointing.load(sharded, path)
         t2 = time.perf_counter()
-        state.ddp.module.load_state_dict(loaded["model"])
+        chunks = [chunk.module for chunk in state.chunks]
+        for index, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded["model"][str(index)] if len(chunks) > 1 else loaded["model"])
         state.optimizer.load_state_dict(loaded["optimizer"])
         del loaded, sharded
     dist.barrier()

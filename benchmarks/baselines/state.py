@@ -22,7 +22,7 @@ import torch
 
 from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model, gpt_provider, logical_spec
 from lightning_dynatrain.megatron.hot_switch import SwitchSetup
-from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
+from lightning_dynatrain.megatron.optimizer import adam_config, build_ddp_chunks_and_optimizer
 from lightning_dynatrain.megatron.train_step import run_train_step
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
@@ -40,7 +40,7 @@ class BenchSetup:
     seed: int = 1234
     """Weight-init seed (layout-independent init) and data seed."""
     optimizer: dict = field(default_factory=lambda: dict(lr=1e-3, weight_decay=0.1))
-    """``build_ddp_and_optimizer`` keyword arguments; every rebuilt optimizer gets the same."""
+    """``adam_config`` keyword arguments; every rebuilt optimizer gets the same."""
     global_batch: int = 4
     """Sequences in the one training step that gives Adam its state (split over data parallel)."""
     train_seq: int = 32
@@ -86,10 +86,11 @@ def build_trained_state(setup: BenchSetup, layout: ParallelConfig, rank: int,
         raise ValueError(f"global_batch={setup.global_batch} is not a multiple of dp={layout.dp}")
     pgs = initialize_for_layout(layout, seed=setup.seed, groups=groups)
     model = build_gpt_model(setup.shape, layout, seed=setup.seed, pg_collection=pgs)
-    ddp, optimizer = build_ddp_and_optimizer(model, layout, pg_collection=pgs, **setup.optimizer)
+    chunks, optimizer = build_ddp_chunks_and_optimizer(model, layout, config=adam_config(**setup.optimizer),
+                                                       pg_collection=pgs)
     batch = _batch(setup, layout, rank)
-    run_train_step(ddp, optimizer, batch, layout, num_microbatches=batch["tokens"].shape[0])
-    return MegatronState(layout=layout, groups=pgs, ddp=ddp, optimizer=optimizer)
+    run_train_step(chunks, optimizer, batch, layout, num_microbatches=batch["tokens"].shape[0])
+    return MegatronState(layout=layout, groups=pgs, chunks=chunks, optimizer=optimizer)
 
 
 def build_empty_state(setup: BenchSetup, layout: ParallelConfig, step: int,
@@ -102,11 +103,12 @@ def build_empty_state(setup: BenchSetup, layout: ParallelConfig, step: int,
     seconds["groups"], t0 = time.perf_counter() - t0, time.perf_counter()
     model = build_gpt_model(setup.shape, layout, seed=setup.seed, initialize=False, pg_collection=pgs)
     seconds["model"], t0 = time.perf_counter() - t0, time.perf_counter()
-    ddp, optimizer = build_ddp_and_optimizer(model, layout, pg_collection=pgs, **setup.optimizer)
+    chunks, optimizer = build_ddp_chunks_and_optimizer(model, layout, config=adam_config(**setup.optimizer),
+                                                       pg_collection=pgs)
     seconds["ddp_optimizer"], t0 = time.perf_counter() - t0, time.perf_counter()
     materialize_optimizer_state(optimizer, step)
     seconds["optimizer_state"] = time.perf_counter() - t0
-    return MegatronState(layout=layout, groups=pgs, ddp=ddp, optimizer=optimizer), seconds
+    return MegatronState(layout=layout, groups=pgs, chunks=chunks, optimizer=optimizer), seconds
 
 
 def step_of(state: MegatronState) -> int:
@@ -115,7 +117,7 @@ def step_of(state: MegatronState) -> int:
 
 def store_of(state: MegatronState, spec: ModelSpec, rank: int) -> dict:
     """Every local tensor of the state keyed ``(tensor, kind, stack)`` (live views, no copies)."""
-    return megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
+    return megatron_store(state.chunks, state.optimizer, spec, state.layout, rank)
 
 
 __all__ = ["BenchSetup", "build_empty_state", "build_trained_state", "step_of", "store_of"]

@@ -40,6 +40,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 
 from lightning_dynatrain.checkpoint.identity import CheckpointError, CheckpointMismatchError
 from lightning_dynatrain.devices import device_kind
+from lightning_dynatrain.megatron.model_chunks import chunk_list
 
 if TYPE_CHECKING:
     from lightning_dynatrain.megatron.state import MegatronState
@@ -141,7 +142,7 @@ def _fill_optimizer(state: "MegatronState", loaded: dict[str, dict[str, torch.Te
     """Copy each parameter's full local tensors into what this rank's optimizer holds of them."""
     from lightning_dynatrain.megatron.optimizer import optimizer_state_views
 
-    for name, view in optimizer_state_views(state.ddp, state.optimizer).items():
+    for name, view in optimizer_state_views(state.chunks, state.optimizer).items():
         if view.state is None or view.shard_range is None or name not in loaded:
             continue
         start, end = view.shard_range
@@ -160,7 +161,8 @@ def load_megatron_checkpoint(path: str | Path, *, model: torch.nn.Module, state:
 
     Raises:
         CheckpointError: ``path`` is no megatron checkpoint, or its optimizer state is in a format
-            this reader does not take (``dp_reshardable``), or has no Adam step.
+            this reader does not take (``dp_reshardable``), or has no Adam step; or ``model`` is
+            model chunks (a layout with virtual pipeline stages).
         CheckpointMismatchError: it holds another model (keys, shapes or dtypes differ).
     """
     from lightning_dynatrain.megatron.optimizer import set_group_settings
@@ -168,6 +170,9 @@ def load_megatron_checkpoint(path: str | Path, *, model: torch.nn.Module, state:
 
     path = str(path)
     saved = _check_is_megatron(path)
+    if len(chunk_list(model)) > 1:
+        raise CheckpointError(f"{path}: importing a megatron checkpoint into model chunks (virtual pipeline stages) "
+                              "is not built", hint="start the run at vpp1 and switch to the virtual stages after")
     kind = device_kind(next(model.parameters()).device)
     with kind.megatron_context():
         sharded = model.sharded_state_dict(metadata=dict(_METADATA))

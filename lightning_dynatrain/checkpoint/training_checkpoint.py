@@ -108,7 +108,7 @@ def save(checkpoint: dict[str, Any], path: str | Path, *, writer: CheckpointWrit
     if state is not None and "optimizer_states" in checkpoint:
         if adam_step(state.optimizer) is None:  # before the first step: zero moments at step 0
             materialize_optimizer_state(state.optimizer, 0)
-        store = megatron_store(state.ddp, state.optimizer, spec, layout, rank)
+        store = megatron_store(state.chunks, state.optimizer, spec, layout, rank)
         kinds = tuple(k for k, _ in precision.kinds)
     else:
         store = param_store(model, spec, layout, rank)
@@ -195,7 +195,7 @@ def load_optimizer(checkpoint: Mapping[str, Any], state: "MegatronState", spec: 
             hint="resume with the optimizer the checkpoint was trained with, or load its weights only")
     materialize_optimizer_state(state.optimizer, int(scalars["adam_step"]))
     set_group_settings(state.optimizer, list(scalars["groups"]))
-    load_logical(megatron_store(state.ddp, state.optimizer, spec, state.layout, rank), spec, state.layout, rank,
+    load_logical(megatron_store(state.chunks, state.optimizer, spec, state.layout, rank), spec, state.layout, rank,
                  source.path, precision=precision, kinds=kinds)
 
 

@@ -56,7 +56,7 @@ from lightning_dynatrain.transition.compiler import switch_program
 from lightning_dynatrain.transition.program import SwitchProgram
 from lightning_dynatrain.megatron.build_collectives import build_collectives
 from lightning_dynatrain.megatron.model_source import build_unfilled
-from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer, optimizer_state_views
+from lightning_dynatrain.megatron.optimizer import build_ddp_chunks_and_optimizer, optimizer_state_views
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, prepare_groups
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import precision_of
@@ -263,9 +263,9 @@ def build_unfilled_state(setup, target: ParallelConfig, pgs, *, params_dtype: to
     construction-time collective but megatron optimizer's all-gather (``model_source.build_unfilled``)."""
     model = build_unfilled(setup.model, target, seed=setup.seed, params_dtype=params_dtype, pg_collection=pgs,
                                  execution=setup.execution, device=device)
-    ddp, optimizer = build_ddp_and_optimizer(model, target, config=setup.optimizer, pg_collection=pgs,
-                                             torch_function_mode=device_kind(device).unfilled_buffer_mode())
-    return MegatronState(layout=target, groups=pgs, ddp=ddp, optimizer=optimizer)
+    chunks, optimizer = build_ddp_chunks_and_optimizer(model, target, config=setup.optimizer, pg_collection=pgs,
+                                                       torch_function_mode=device_kind(device).unfilled_buffer_mode())
+    return MegatronState(layout=target, groups=pgs, chunks=chunks, optimizer=optimizer)
 
 
 _Buffers = tuple[tuple[torch.Tensor, bool], ...]
@@ -276,12 +276,12 @@ def _release(state: MegatronState) -> tuple[_Buffers, _Released]:
     """Give back the memory of every param, fp32 main param and DDP buffer of ``state`` (storages
     resized to nothing; tensors and views kept). DDP's buffers, and the storages released."""
     buffers = []
-    for buf in [*state.ddp.buffers, *state.ddp.expert_parallel_buffers]:
+    for buf in state.buffers:
         if buf.param_data is not None:
             buffers.append((buf.param_data, True))  # zero1: the engine writes every param into it
         buffers.append((buf.grad_data, False))
     tensors = [b for b, _ in buffers] + [p.data for p in state.model.parameters()]
-    tensors += [v.main_param for v in optimizer_state_views(state.ddp, state.optimizer).values()
+    tensors += [v.main_param for v in optimizer_state_views(state.chunks, state.optimizer).values()
                 if v.main_param is not None]
     storages: dict[int, torch.UntypedStorage] = {}
     for tensor in tensors:

@@ -80,19 +80,14 @@ class ExecutionOptions:
 
 def check_trainable(layout: ParallelConfig) -> None:
     """Refuse what a layout can state and ``dynatrain plan`` can plan but training does not run:
-    context parallelism (megatron's attention without Transformer Engine has none) and virtual
-    pipeline stages (the training step, DDP and the state bridge hold one model chunk a rank).
+    context parallelism (megatron's attention without Transformer Engine has none).
 
     Raises:
-        LayoutError: naming which, with the layout to use instead.
+        LayoutError: naming it, with the layout to use instead.
     """
     if layout.cp != 1:
         raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine attention",
                           hint=f"use cp1, e.g. {layout.replace(cp=1, dp=layout.dp * layout.cp)}")
-    if layout.vpp != 1:
-        raise LayoutError(f"layout {layout}: training with virtual pipeline stages (vpp{layout.vpp}) is not built: "
-                          f"switches to and from it are planned only (dynatrain plan)",
-                          hint=f"use vpp1, e.g. {layout.replace(vpp=1)}")
 
 
 __all__ = ["RECOMPUTE_CHOICES", "ExecutionOptions", "Recompute", "check_trainable"]

@@ -34,6 +34,7 @@ from megatron.core.transformer import TransformerConfig
 from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.execution import ExecutionOptions, check_trainable
 from lightning_dynatrain.megatron.init import init_layout_independent
+from lightning_dynatrain.megatron.model_chunks import ChunkStage, build_chunks, pipeline_config_kwargs
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.megatron.tp_attributes import tag_tensor_parallel_weights
 from lightning_dynatrain.vps.errors import LayoutError, ModelSpecError
@@ -302,6 +303,7 @@ def transformer_config(
         pipeline_model_parallel_size=layout.pp,
         num_layers_in_first_pipeline_stage=layout.first,
         num_layers_in_last_pipeline_stage=layout.last,
+        **pipeline_config_kwargs(layout),
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
@@ -337,8 +339,9 @@ def build_gpt_model(
     execution: ExecutionOptions = ExecutionOptions(),
     device: torch.device | None = None,
     reseed: bool = True,
-) -> GPTModel:
-    """Build this rank's part of the GPT: its pipeline stage, its TP/EP shards.
+) -> torch.nn.Module:
+    """Build this rank's part of the GPT: its pipeline stage, its TP/EP shards: a ``GPTModel``, or with
+    virtual stages its model chunks (``model_chunks.ModelChunks`` of ``GPTModel``, one per ``vp_stage``).
 
     Needs ``initialize_for_layout(layout, ...)`` first. Every weight is then re-initialised from a
     generator keyed by ``seed`` and the weight's layout-free name (``init.init_layout_independent``),
@@ -366,27 +369,32 @@ def build_gpt_model(
     on_device = device is not None and device.type == "cuda" and not initialize
     config = transformer_config(shape, layout, params_dtype=params_dtype, moe_token_dispatcher=moe_token_dispatcher,
                                 initialize=initialize, execution=execution, on_device=on_device)
-    pp_rank = pgs.pp.rank()
     if reseed or initialize:
         torch.manual_seed(seed)
-    with device_kind(device if device is not None else "cpu").megatron_context():
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec(shape),
-            vocab_size=padded_vocab_size(shape, layout.tp),
-            max_sequence_length=shape.seq_length,
-            pre_process=pp_rank == 0,
-            post_process=pp_rank == layout.pp - 1,
-            share_embeddings_and_output_weights=shape.tied_embeddings,
-            position_embedding_type=shape.position_embedding,
-            parallel_output=True,
-            pg_collection=pgs,
-        )
-    if initialize:
-        init_layout_independent(model, shape, layout, seed=seed, pg_collection=pgs)
-    else:
-        gated = shape.gated_mlp  # megatron's mlp.py cuts a gated linear_fc1 with stride 2
-        tag_tensor_parallel_weights(model, lambda name: 2 if gated and name.endswith("linear_fc1") else 1)
+
+    def build_one(stage: ChunkStage) -> GPTModel:
+        with device_kind(device if device is not None else "cpu").megatron_context():
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec(shape),
+                vocab_size=padded_vocab_size(shape, layout.tp),
+                max_sequence_length=shape.seq_length,
+                pre_process=stage.pre_process,
+                post_process=stage.post_process,
+                share_embeddings_and_output_weights=shape.tied_embeddings,
+                position_embedding_type=shape.position_embedding,
+                parallel_output=True,
+                pg_collection=pgs,
+                vp_stage=stage.vp_stage,
+            )
+        if initialize:
+            init_layout_independent(chunk, shape, layout, seed=seed, pg_collection=pgs)
+        else:
+            gated = shape.gated_mlp  # megatron's mlp.py cuts a gated linear_fc1 with stride 2
+            tag_tensor_parallel_weights(chunk, lambda name: 2 if gated and name.endswith("linear_fc1") else 1)
+        return chunk
+
+    model = build_chunks(layout, pgs.pp.rank(), build_one)
     if device is not None and device.type != "cpu":  # what megatron keeps on the host (its torch norms)
         model = model.to(device)
     return model

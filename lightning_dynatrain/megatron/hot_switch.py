@@ -57,7 +57,7 @@ from lightning_dynatrain.megatron.execution import ExecutionOptions
 from lightning_dynatrain.megatron.gpt import release_rope_caches
 from lightning_dynatrain.megatron.model_source import ModelSource
 from lightning_dynatrain.megatron.memory_check import SwitchMemoryError, check_switch_memory, switch_need_bytes
-from lightning_dynatrain.megatron.optimizer import adam_config, build_ddp_and_optimizer, copy_group_settings
+from lightning_dynatrain.megatron.optimizer import adam_config, build_ddp_chunks_and_optimizer, copy_group_settings
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.state_bridge import (
@@ -214,7 +214,7 @@ def hot_switch(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
             step = adam_step(current.optimizer) or 0
             if step == 0:
                 materialize_optimizer_state(current.optimizer, 0)
-            source = megatron_store(current.ddp, current.optimizer, spec, src, members.src_rank(process))
+            source = megatron_store(current.chunks, current.optimizer, spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
     memory = device_kind(device).switch_memory(recycle=setup.recycle, idle_cap=setup.staging_budget,
                                                keep_old=setup.keep_old and held is None)
@@ -332,7 +332,7 @@ def send_state(current: MegatronState, target: ParallelConfig, setup: SwitchSetu
     program = process_program(setup, src, target, process, precision_of(current.model, current.optimizer), members)
     if adam_step(current.optimizer) is None:
         materialize_optimizer_state(current.optimizer, 0)
-    source = megatron_store(current.ddp, current.optimizer, setup.spec, src, members.src_rank(process))
+    source = megatron_store(current.chunks, current.optimizer, setup.spec, src, members.src_rank(process))
     device = next(current.model.parameters()).device
     attempt = watch.begin(program, setup.link_costs, f"leaving {src}", holders=members.holders) \
         if watch is not None else None
@@ -436,13 +436,13 @@ def _rebuild(current: MegatronState, target: ParallelConfig, setup: SwitchSetup,
                                   initialize=False, pg_collection=pgs, execution=setup.execution,
                                   device=next(current.model.parameters()).device)  # where the old model trains
     with phase("ddp_optimizer"):
-        ddp, optimizer = build_ddp_and_optimizer(model, target, config=setup.optimizer, pg_collection=pgs,
-                                                 torch_function_mode=memory.buffer_mode())
+        chunks, optimizer = build_ddp_chunks_and_optimizer(model, target, config=setup.optimizer, pg_collection=pgs,
+                                                           torch_function_mode=memory.buffer_mode())
         memory.buffers_built()
     with phase("optimizer_state"):
         copy_group_settings(current.optimizer, optimizer)
         materialize_optimizer_state(optimizer, step, zero=False)
-    return MegatronState(layout=target, groups=pgs, ddp=ddp, optimizer=optimizer)
+    return MegatronState(layout=target, groups=pgs, chunks=chunks, optimizer=optimizer)
 
 
 __all__ = ["HotSwitchResult", "SwitchSetup", "hot_switch", "receive_state", "send_state"]

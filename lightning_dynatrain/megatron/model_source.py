@@ -17,6 +17,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.megatron.execution import ExecutionOptions
+from lightning_dynatrain.megatron.model_chunks import chunk_list
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec
 
@@ -79,8 +80,9 @@ def build_unfilled(source: ModelSource, layout: ParallelConfig, *, seed: int, pa
     quiet.embd = None
     model = source.build(layout, seed=seed, params_dtype=params_dtype, initialize=False, pg_collection=quiet,
                          execution=execution, device=device, reseed=False)
-    if hasattr(model, "embd_group"):
-        model.embd_group = pg_collection.embd  # as megatron's own build leaves it
+    for chunk in chunk_list(model):
+        if hasattr(chunk, "embd_group"):
+            chunk.embd_group = pg_collection.embd  # as megatron's own build leaves it
     return model
 
 

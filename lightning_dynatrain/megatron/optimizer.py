@@ -19,6 +19,7 @@ Example (2 ranks, ``dp2-tp1-pp1-zero1``)::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_dynatrain.compat.megatron_internals import shard_range
 from lightning_dynatrain.compat.megatron_versions import ddp_layout_kwargs
 from lightning_dynatrain.devices import device_kind
+from lightning_dynatrain.megatron.model_chunks import chunk_list
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -71,14 +73,38 @@ def build_ddp_and_optimizer(
     Returns:
         ``(ddp_model, optimizer)``; the optimizer is megatron's ``ChainedOptimizer`` (one for the
         dense params, one more for expert params when expert params are not all-reduced, ep > 1).
+
+    Raises:
+        TypeError: ``model`` is model chunks (virtual pipeline stages): use ``build_ddp_chunks_and_optimizer``.
     """
-    pgs = pg_collection if pg_collection is not None else current_process_groups()
     if config is None:
         if lr is None:
             raise ValueError("build_ddp_and_optimizer needs an OptimizerConfig or lr=")
         config = adam_config(lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
                              adam_eps=adam_eps, clip_grad=clip_grad)
-    opt_config = optimizer_config_at(config, layout, model.config.params_dtype)
+    if len(chunk_list(model)) != 1:
+        raise TypeError("build_ddp_and_optimizer wraps one module; model chunks (virtual pipeline stages) "
+                        "are wrapped by build_ddp_chunks_and_optimizer")
+    (ddp_model,), optimizer = build_ddp_chunks_and_optimizer(model, layout, config=config,
+                                                             pg_collection=pg_collection,
+                                                             torch_function_mode=torch_function_mode)
+    return ddp_model, optimizer
+
+
+def build_ddp_chunks_and_optimizer(
+    model: torch.nn.Module,
+    layout: ParallelConfig,
+    *,
+    config: OptimizerConfig,
+    pg_collection: ProcessGroupCollection | None = None,
+    torch_function_mode: TorchFunctionMode | None = None,
+) -> tuple[tuple[DistributedDataParallel, ...], MegatronOptimizer]:
+    """``build_ddp_and_optimizer`` of a rank's model chunks (``model_chunks``): one DDP per chunk (its
+    own buffers, as Megatron-LM wraps chunks), one optimizer over all of them. A model of one
+    module gives one DDP."""
+    pgs = pg_collection if pg_collection is not None else current_process_groups()
+    chunks = chunk_list(model)
+    opt_config = optimizer_config_at(config, layout, chunks[0].config.params_dtype)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -87,12 +113,13 @@ def build_ddp_and_optimizer(
         bucket_size=None,
     )
     with device_kind(next(model.parameters()).device).megatron_context(inner=torch_function_mode):
-        ddp_model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
-                                            pg_collection=pgs, **ddp_layout_kwargs(model, ddp_config, pgs))
+        ddp_chunks = tuple(DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                                   pg_collection=pgs, **ddp_layout_kwargs(chunk, ddp_config, pgs))
+                           for chunk in chunks)
         optimizer = get_megatron_optimizer(
-            opt_config, [ddp_model], use_gloo_process_groups=False, pg_collection=pgs
+            opt_config, list(ddp_chunks), use_gloo_process_groups=False, pg_collection=pgs
         )
-    return ddp_model, optimizer
+    return ddp_chunks, optimizer
 
 
 def adam_config(*, lr: float, weight_decay: float = 0.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999,
@@ -298,34 +325,40 @@ def _model_to_optimizer_param(optimizer: MegatronOptimizer) -> dict:
 
 
 def optimizer_state_views(
-    ddp_model: DistributedDataParallel, optimizer: MegatronOptimizer
+    ddp_model: DistributedDataParallel | Sequence[DistributedDataParallel], optimizer: MegatronOptimizer
 ) -> dict[str, ParamStateView]:
     """Per parameter of the unwrapped model (in ``named_parameters()`` order): its state on this rank.
+    Model chunks (a sequence of DDP, virtual pipeline stages) name their parameters as a
+    ``ModelChunks`` does: ``"{chunk}.{name}"``; a sequence of one, as its one DDP.
 
     Under zero1 a parameter whose elements all fall in other ranks' shards has
     ``shard_range=None`` and no moments here. Reads only; touches no process group.
     """
-    where = _buffers(ddp_model)
+    chunks = chunk_list(ddp_model)
     owned = _model_to_optimizer_param(optimizer)
     views: dict[str, ParamStateView] = {}
-    for name, param in ddp_model.module.named_parameters():
-        buffer, buffer_range = where[param]
-        inner, updated, main, shard_range = owned.get(param, (None, None, None, None))
-        held = inner.state.get(updated) if inner is not None else None
-        state = held if held is not None else {}
-        step = state.get("step")
-        views[name] = ParamStateView(
-            name=name,
-            param=param,
-            main_param=main,
-            exp_avg=state.get("exp_avg"),
-            exp_avg_sq=state.get("exp_avg_sq"),
-            step=float(step) if step is not None else None,
-            state=held,
-            shard_range=shard_range,
-            buffer_range=buffer_range,
-            buffer=buffer,
-        )
+    for index, chunk in enumerate(chunks):
+        where = _buffers(chunk)
+        prefix = f"{index}." if len(chunks) > 1 else ""
+        for local_name, param in chunk.module.named_parameters():
+            name = prefix + local_name
+            buffer, buffer_range = where[param]
+            inner, updated, main, shard_range = owned.get(param, (None, None, None, None))
+            held = inner.state.get(updated) if inner is not None else None
+            state = held if held is not None else {}
+            step = state.get("step")
+            views[name] = ParamStateView(
+                name=name,
+                param=param,
+                main_param=main,
+                exp_avg=state.get("exp_avg"),
+                exp_avg_sq=state.get("exp_avg_sq"),
+                step=float(step) if step is not None else None,
+                state=held,
+                shard_range=shard_range,
+                buffer_range=buffer_range,
+                buffer=buffer,
+            )
     return views
 
 
@@ -334,6 +367,7 @@ __all__ = [
     "ParamStateView",
     "adam_config",
     "build_ddp_and_optimizer",
+    "build_ddp_chunks_and_optimizer",
     "copy_group_settings",
     "group_settings",
     "optimizer_state_views",

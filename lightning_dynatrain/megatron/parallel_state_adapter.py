@@ -107,7 +107,7 @@ def initialize_for_layout(layout: ParallelConfig, *, seed: int, groups: ProcessG
     """(Re)build megatron's process groups for ``layout`` on the current WORLD and seed its RNGs.
 
     Runs ``destroy()`` first if groups exist, then ``initialize_model_parallel`` with the layout's
-    tp/pp/cp/ep/etp sizes (data parallel is what remains) in order ``tp-cp-ep-dp-pp``, then
+    tp/pp/vpp/cp/ep/etp sizes (data parallel is what remains) in order ``tp-cp-ep-dp-pp``, then
     ``model_parallel_cuda_manual_seed(seed)``, in the megatron context of the device kind WORLD's
     collectives run on (``transition.comm.default_device``; on CPU the host's megatron patches, with their
     CPU RNG tracker). Collective: every rank of WORLD must call it with the same arguments.
@@ -138,6 +138,7 @@ def initialize_for_layout(layout: ParallelConfig, *, seed: int, groups: ProcessG
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
             context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.etp,

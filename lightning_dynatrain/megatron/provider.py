@@ -38,6 +38,7 @@ from megatron.core.transformer import TransformerConfig
 
 from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.execution import ExecutionOptions, check_trainable
+from lightning_dynatrain.megatron.model_chunks import ChunkStage, build_chunks, pipeline_config_kwargs
 from lightning_dynatrain.megatron.tp_attributes import tag_tensor_parallel_weights
 from lightning_dynatrain.vps.description import DerivedSpec
 from lightning_dynatrain.vps.errors import LayoutError, ModelSpecError
@@ -162,7 +163,7 @@ class ModelProvider:
         changes: dict[str, Any] = dict(
             tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
             num_layers_in_first_pipeline_stage=layout.first, num_layers_in_last_pipeline_stage=layout.last,
-            context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+            **pipeline_config_kwargs(layout), context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
             **execution.config_kwargs(layout.tp, is_moe=self.is_moe),
             params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
             fp16=False, use_cpu_initialization=not on_device, perform_initialization=initialize)
@@ -195,22 +196,34 @@ class ModelProvider:
                                 on_device=on_device)
         if reseed or initialize:
             torch.manual_seed(seed)
-        with device_kind(device if device is not None else "cpu").megatron_context():
-            model = self._call(config, pg_collection)
-        if not initialize:
-            strides = self._strides()
-            tag_tensor_parallel_weights(model, lambda name: strides.get(name, 1))
+        strides = None if initialize else self._strides()
+
+        def build_one(stage: ChunkStage) -> torch.nn.Module:
+            with device_kind(device if device is not None else "cpu").megatron_context():
+                chunk = self._call(config, pg_collection, stage)
+            if strides is not None:
+                tag_tensor_parallel_weights(chunk, lambda name: strides.get(name, 1))
+            return chunk
+
+        model = build_chunks(layout, pg_collection.pp.rank(), build_one)
         if device is not None and device.type != "cpu":
             model = model.to(device)
         return model
 
-    def _call(self, config: TransformerConfig, pg_collection: ProcessGroupCollection) -> torch.nn.Module:
+    def _call(self, config: TransformerConfig, pg_collection: ProcessGroupCollection,
+              stage: ChunkStage | None = None) -> torch.nn.Module:
         pp = pg_collection.pp
-        kwargs = dict(config=config, pg_collection=pg_collection, pre_process=pp.rank() == 0,
-                      post_process=pp.rank() == pp.size() - 1)
+        stage = stage or ChunkStage(None, pp.rank() == 0, pp.rank() == pp.size() - 1)
+        kwargs = dict(config=config, pg_collection=pg_collection, pre_process=stage.pre_process,
+                      post_process=stage.post_process)
         accepted = inspect.signature(self.model_provider).parameters
         if "vp_stage" in accepted:
-            kwargs["vp_stage"] = None
+            kwargs["vp_stage"] = stage.vp_stage
+        elif stage.vp_stage is not None:
+            raise LayoutError(f"{self.name}: its model_provider takes no vp_stage, so it cannot build the model "
+                              f"chunks of virtual pipeline stages",
+                              hint="add a vp_stage argument passed on to megatron's module (GPTModel(vp_stage=...)), "
+                                   "or use vpp1")
         return self.model_provider(**kwargs)
 
     def _strides(self) -> dict[str, int]:

@@ -167,7 +167,7 @@ class Snapshots:
             raise RuntimeError("the last in-memory snapshot failed: "
                                f"{type(self._error).__name__}: {self._error}") from self._error
         assert self._spec is not None and state.layout == self.layout, "prepare the snapshots of this layout first"
-        live = megatron_store(state.ddp, state.optimizer, self._spec, state.layout, self._rank)
+        live = megatron_store(state.chunks, state.optimizer, self._spec, state.layout, self._rank)
         self._storage_bytes = {key: tensor.untyped_storage().nbytes() for key, tensor in live.items()}
         if self._copier is None and live:
             self._copier = device_kind(next(iter(live.values())).device).host_copier()
@@ -259,7 +259,7 @@ class Snapshots:
         (resized to nothing): each gets its memory back first, as large as it was when taken."""
         assert self._spec is not None and state.layout == self.layout
         held = self._buffer(step, own=True)
-        live = megatron_store(state.ddp, state.optimizer, self._spec, state.layout, self._rank)
+        live = megatron_store(state.chunks, state.optimizer, self._spec, state.layout, self._rank)
         for key, tensor in live.items():
             storage = tensor.untyped_storage()
             if storage.nbytes() < self._storage_bytes[key] and storage.resizable():

@@ -30,7 +30,7 @@ def fill_from_kept(state: MegatronState, spec: ModelSpec, precision: Precision, 
                    group: dist.ProcessGroup | None = None) -> int:
     """Run ``plan`` on process ``rank`` of ``group`` (default the world), writing into ``state``
     (at the new layout); the bytes this process received or copied."""
-    live = megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)
+    live = megatron_store(state.chunks, state.optimizer, spec, state.layout, rank)
     regions = RegionIndex(rank_regions(spec, state.layout, rank, precision))
     ops, writes = [], []
     for p in plan:

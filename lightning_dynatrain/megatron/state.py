@@ -9,18 +9,19 @@ Example::
     groups = initialize_for_layout(layout, seed=0)
     model = build_gpt_model(shape, layout, seed=0, pg_collection=groups)
     ddp, optimizer = build_ddp_and_optimizer(model, layout, lr=1e-3, pg_collection=groups)
-    state = MegatronState(layout=layout, groups=groups, ddp=ddp, optimizer=optimizer)
+    state = MegatronState(layout=layout, groups=groups, chunks=(ddp,), optimizer=optimizer)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from lightning_dynatrain.megatron.model_chunks import ModelChunks
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 
@@ -32,15 +33,33 @@ class MegatronState:
     """The layout these objects were built for."""
     groups: ProcessGroupCollection
     """This rank's megatron groups for ``layout`` (``initialize_for_layout``'s result)."""
-    ddp: DistributedDataParallel
-    """Megatron DDP around the model shard (contiguous param and grad buffers)."""
+    chunks: tuple[DistributedDataParallel, ...]
+    """Megatron DDP around each model chunk of this rank (contiguous param and grad buffers): one
+    chunk, or one per virtual pipeline stage (``model_chunks``)."""
     optimizer: MegatronOptimizer
-    """Megatron's optimizer (distributed when ``layout.zero == 1``)."""
+    """Megatron's optimizer over every chunk (distributed when ``layout.zero == 1``)."""
+    model: torch.nn.Module = field(init=False)
+    """This rank's model shard: its ``GPTModel`` (the user's module), or ``ModelChunks`` of them."""
+
+    def __post_init__(self) -> None:
+        modules = [chunk.module for chunk in self.chunks]
+        object.__setattr__(self, "model", modules[0] if len(modules) == 1 else ModelChunks(modules))
 
     @property
-    def model(self) -> torch.nn.Module:
-        """This rank's ``GPTModel`` shard."""
-        return self.ddp.module
+    def ddp(self) -> DistributedDataParallel:
+        """The DDP of a state of one model chunk.
+
+        Raises:
+            TypeError: the state has several (virtual pipeline stages): use ``chunks``.
+        """
+        if len(self.chunks) != 1:
+            raise TypeError(f"the state at {self.layout} has {len(self.chunks)} model chunks: use .chunks")
+        return self.chunks[0]
+
+    @property
+    def buffers(self) -> list:
+        """DDP's param-and-grad buffers of every chunk (dense, then expert, chunk by chunk)."""
+        return [buf for chunk in self.chunks for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
 
     @property
     def dp_rank(self) -> int:
@@ -53,7 +72,7 @@ class MegatronState:
     def gradient_buffers(self) -> list[torch.Tensor]:
         """DDP's gradient buffers (dense, then expert): between two optimizer steps they hold
         nothing the next step needs (megatron zeroes them first)."""
-        return [buf.grad_data for buf in [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]]
+        return [buf.grad_data for buf in self.buffers]
 
 
 def optimizer_tensors(state: MegatronState) -> list[torch.Tensor]:
@@ -73,8 +92,8 @@ def free_memory(state: MegatronState) -> int:
     whose successor is built from elsewhere (a recovery that goes back to a snapshot): its memory is
     free before the successor takes its own. The state must not be trained on afterwards."""
     tensors = [*state.model.parameters(), *state.gradient_buffers(),
-               *(b.param_data for b in [*state.ddp.buffers, *state.ddp.expert_parallel_buffers]
-                 if getattr(b, "param_data", None) is not None), *optimizer_tensors(state)]
+               *(b.param_data for b in state.buffers if getattr(b, "param_data", None) is not None),
+               *optimizer_tensors(state)]
     freed, seen = 0, set()
     for tensor in tensors:
         storage = tensor.untyped_storage()
@@ -99,9 +118,8 @@ def release_state(state: MegatronState) -> None:
     under it, of its buffers, buckets and bucket groups, and of the optimizer: the state must not
     be used afterwards.
     """
-    ddp = state.ddp
-    groups = [*ddp.bucket_groups, *ddp.expert_parallel_bucket_groups]
-    parts = [*ddp.modules(), *ddp.buffers, *ddp.expert_parallel_buffers, *groups,
+    groups = [g for ddp in state.chunks for g in [*ddp.bucket_groups, *ddp.expert_parallel_bucket_groups]]
+    parts = [*(m for ddp in state.chunks for m in ddp.modules()), *state.buffers, *groups,
              *(b for g in groups for b in g.buckets), state.optimizer]
     for part in parts:
         vars(part).clear()

@@ -12,11 +12,14 @@ Adam's ``step`` is scalar state: identical on every rank, carried whole (``set_a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 
 from lightning_dynatrain.transition.adoption import owns_storage
+from lightning_dynatrain.megatron.model_chunks import chunk_list
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.transition.local_state import RegionIndex, StoreKey
 from lightning_dynatrain.megatron.optimizer import optimizer_state_views
@@ -88,12 +91,12 @@ def set_adam_step(optimizer: MegatronOptimizer, step: int) -> None:
             state["step"] = torch.tensor(float(step))
 
 
-def _local_views(ddp_model: torch.nn.Module, optimizer: MegatronOptimizer, spec: ModelSpec,
-                 layout: ParallelConfig, rank: int):
+def _local_views(ddp_model: "torch.nn.Module | Sequence[torch.nn.Module]", optimizer: MegatronOptimizer,
+                 spec: ModelSpec, layout: ParallelConfig, rank: int):
     """The local tensors of ``rank`` at ``layout`` (the store's keys), and for those megatron has a
     parameter of: ``key -> (the parameter's state view, state kind)``."""
     views = optimizer_state_views(ddp_model, optimizer)
-    precision = precision_of(ddp_model.module, optimizer)
+    precision = precision_of(chunk_list(ddp_model)[0].module, optimizer)
     wanted = set(RegionIndex(rank_regions(spec, layout, rank, precision)).local_tensors())
     found = {}
     for name, local in local_parameters(spec, layout, rank).items():
@@ -105,13 +108,14 @@ def _local_views(ddp_model: torch.nn.Module, optimizer: MegatronOptimizer, spec:
 
 
 def megatron_store(
-    ddp_model: torch.nn.Module,
+    ddp_model: "torch.nn.Module | Sequence[torch.nn.Module]",
     optimizer: MegatronOptimizer,
     spec: ModelSpec,
     layout: ParallelConfig,
     rank: int,
 ) -> dict[StoreKey, torch.Tensor]:
     """Every local tensor of this rank's training state, keyed as the engine keys it (live views).
+    ``ddp_model``: megatron's DDP, or one per model chunk (``MegatronState.chunks``).
 
     Raises:
         KeyError: the model does not have the parameters the VPS says ``rank`` holds at ``layout``
@@ -172,7 +176,7 @@ class MegatronTarget:
     """
 
     def __init__(self, state: MegatronState, spec: ModelSpec, rank: int) -> None:
-        wanted, found = _local_views(state.ddp, state.optimizer, spec, state.layout, rank)
+        wanted, found = _local_views(state.chunks, state.optimizer, spec, state.layout, rank)
         self.store = _store(wanted, found, state.layout, rank)
         self._targets = found
         self._rebindable: dict[StoreKey, bool] = {}  # decided on the model as built, before any rebinding

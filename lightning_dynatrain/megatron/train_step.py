@@ -15,7 +15,7 @@ Example (2 ranks, ``dp2-tp1-pp1``)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.devices import device_kind
+from lightning_dynatrain.megatron.model_chunks import chunk_list
 from lightning_dynatrain.megatron.step_progress import StepProgress
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.vps.errors import LayoutError
@@ -47,7 +48,7 @@ def _microbatches(batch: Mapping[str, torch.Tensor], num_microbatches: int) -> l
 
 
 def run_train_step(
-    ddp_model: DistributedDataParallel,
+    ddp_model: DistributedDataParallel | Sequence[DistributedDataParallel],
     optimizer: MegatronOptimizer,
     batch: Mapping[str, torch.Tensor],
     layout: ParallelConfig,
@@ -61,6 +62,8 @@ def run_train_step(
     """One optimizer step over this data-parallel rank's ``batch``; returns the global mean loss.
 
     Args:
+        ddp_model: megatron's DDP around the model, or one per model chunk with virtual pipeline
+            stages (megatron's interleaved schedule then runs over them).
         batch: tensors cut along dim 0 into micro-batches (the GPT preset's: ``tokens`` and ``labels``
             ``[local_batch, seq]``, optional ``loss_mask``). Every TP/PP rank of a data-parallel
             replica passes the same batch.
@@ -74,15 +77,18 @@ def run_train_step(
         reported ``[sum, count]`` pairs' sums divided by their counts (the GPT preset: masked token
         losses over tokens); the same float on every rank.
     """
-    pgs, device, micro = _micro_batches(ddp_model, batch, layout, num_microbatches, pg_collection)
-    ddp_model.train()
+    chunks = chunk_list(ddp_model)
+    pgs, device, micro = _micro_batches(chunks, batch, layout, num_microbatches, pg_collection)
+    for chunk in chunks:
+        chunk.train()
     with device_kind(device).megatron_context():
-        ddp_model.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = pipeline_schedule(ddp_model, micro, forward_step, seq_length, forward_only=False)
+        reports = pipeline_schedule(chunks, micro, forward_step, seq_length, forward_only=False)
         if progress is not None:
             progress.reached("forward_backward")
-        finalize_model_grads([ddp_model], pg_collection=pgs)
+        finalize_model_grads(chunks, pg_collection=pgs)
         optimizer.step()
         if progress is not None:
             progress.reached("optimizer")
@@ -93,7 +99,7 @@ def run_train_step(
 
 
 def run_eval_step(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     batch: Mapping[str, torch.Tensor],
     layout: ParallelConfig,
     num_microbatches: int,
@@ -103,23 +109,27 @@ def run_eval_step(
     pg_collection: ProcessGroupCollection | None = None,
 ) -> float:
     """``run_train_step``'s forward passes only (megatron's forward-only schedule across pipeline
-    stages, no gradients, nothing updated); ``model`` is megatron's DDP or the bare model shard.
+    stages, no gradients, nothing updated); ``model`` is megatron's DDP or the bare model shard (or
+    their model chunks).
 
     Returns:
         The global mean loss over this batch, the same float on every rank.
     """
-    pgs, device, micro = _micro_batches(model, batch, layout, num_microbatches, pg_collection)
-    was_training = model.training
-    model.eval()
+    chunks = chunk_list(model)
+    pgs, device, micro = _micro_batches(chunks, batch, layout, num_microbatches, pg_collection)
+    was_training = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
     try:
         with device_kind(device).megatron_context(), torch.no_grad():
-            reports = pipeline_schedule(model, micro, forward_step, seq_length, forward_only=True)
+            reports = pipeline_schedule(chunks, micro, forward_step, seq_length, forward_only=True)
     finally:
-        model.train(was_training)
+        for chunk, training in zip(chunks, was_training):
+            chunk.train(training)
     return _global_mean_loss(reports, pgs, device)
 
 
-def _micro_batches(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], layout: ParallelConfig,
+def _micro_batches(chunks: list[torch.nn.Module], batch: Mapping[str, torch.Tensor], layout: ParallelConfig,
                    num_microbatches: int, pg_collection: ProcessGroupCollection | None
                    ) -> tuple[ProcessGroupCollection, torch.device, list[dict[str, torch.Tensor]]]:
     """The groups (checked against ``layout``), the model's device and ``batch`` cut into micro-batches there."""
@@ -127,16 +137,21 @@ def _micro_batches(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], la
     if pgs.pp.size() != layout.pp:
         raise LayoutError(f"pipeline group of size {pgs.pp.size()} does not match layout {layout}",
                           hint="build the model (and DDP, optimizer) after initialize_for_layout(layout, ...)")
-    device = next(model.parameters()).device
+    if len(chunks) != layout.vpp:
+        raise LayoutError(f"{len(chunks)} model chunk(s) for layout {layout}, which has {layout.vpp} virtual stage(s)",
+                          hint="build the model at the layout it trains at")
+    device = next(chunks[0].parameters()).device
     moved = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
     return pgs, device, _microbatches(moved, num_microbatches)
 
 
-def pipeline_schedule(model: torch.nn.Module, micro: list[dict[str, torch.Tensor]], forward_step: Callable | None,
-                      seq_length: int | None, *, forward_only: bool) -> list:
-    """Megatron's schedule for the current pipeline (1F1B, or no pipelining) over ``micro``: what the
-    last stage's ``loss_func`` reports per micro-batch (its raw output where ``forward_step`` returns
-    ``(output, None)``), ``[]`` on the other stages."""
+def pipeline_schedule(chunks: list[torch.nn.Module], micro: list[dict[str, torch.Tensor]],
+                      forward_step: Callable | None, seq_length: int | None, *, forward_only: bool) -> list:
+    """Megatron's schedule for the current pipeline (interleaved 1F1B over several model chunks,
+    1F1B, or no pipelining) over ``micro``: what the last stage's ``loss_func`` reports per
+    micro-batch (its raw output where ``forward_step`` returns ``(output, None)``), ``[]`` on the
+    other stages. Each chunk reads the micro-batches from an iterator of its own, as megatron's
+    interleaved schedule asks."""
     if forward_step is None:
         from lightning_dynatrain.megatron.gpt import gpt_forward_step as forward_step
     first = micro[0]
@@ -146,7 +161,8 @@ def pipeline_schedule(model: torch.nn.Module, micro: list[dict[str, torch.Tensor
             raise ValueError("the pipeline needs the sequence length: the batch has no `tokens` [batch, seq]. "
                              "HINT: give the model's seq_length (ModelProvider(seq_length=...))")
         seq_length = first["tokens"].shape[1]
-    return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
+    data = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
+    return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=chunks,
                                        num_microbatches=len(micro), seq_length=seq_length,
                                        micro_batch_size=micro_batch_size, forward_only=forward_only)
 

@@ -53,6 +53,28 @@ def num_microbatches(global_batch_size: int, dp: int, micro_batch_size: int) -> 
     return global_batch_size // per_step
 
 
+def layout_microbatches(global_batch_size: int, micro_batch_size: int, layout: ParallelConfig) -> int:
+    """Micro-batches per optimizer step at ``layout`` (``num_microbatches`` over its dp), a multiple of
+    pp where the layout interleaves (megatron's interleaved schedule runs them in groups of pp).
+
+    >>> layout_microbatches(6, 1, ParallelConfig.parse("dp1-tp1-pp2-vpp2"))
+    6
+    >>> layout_microbatches(3, 1, ParallelConfig.parse("dp1-tp1-pp2-vpp2"))
+    Traceback (most recent call last):
+    ...
+    lightning_dynatrain.runtime.layout_checks.BatchSizeError: layout dp1-tp1-pp2-vpp2 interleaves its pipeline: megatron runs micro-batches in groups of pp = 2, and a step has 3. HINT: use a global batch of 2 or 4 (a multiple of dp * micro_batch_size * pp = 2), or vpp1
+    """
+    count = num_microbatches(global_batch_size, layout.dp * layout.cp, micro_batch_size)
+    if layout.vpp > 1 and count % layout.pp:
+        unit = layout.dp * layout.cp * micro_batch_size * layout.pp
+        below, above = max(unit, global_batch_size // unit * unit), -(-global_batch_size // unit) * unit
+        raise BatchSizeError(f"layout {layout} interleaves its pipeline: megatron runs micro-batches in groups of "
+                             f"pp = {layout.pp}, and a step has {count}",
+                             hint=f"use a global batch of {below} or {above} (a multiple of dp * micro_batch_size * "
+                                  f"pp = {unit}), or vpp1")
+    return count
+
+
 def validate_target(
     target: "str | ParallelConfig",
     *,
@@ -89,7 +111,7 @@ def validate_target(
     if model is not None:
         model.validate(layout, execution or ExecutionOptions())
     if global_batch_size is not None and micro_batch_size is not None:
-        num_microbatches(global_batch_size, layout.dp * layout.cp, micro_batch_size)
+        layout_microbatches(global_batch_size, micro_batch_size, layout)
     return layout
 
 
@@ -133,6 +155,5 @@ def vocab_divisor_for(vocab_size: int, tp_sizes: list[int]) -> int:
     return divisor
 
 
-__all__ = ["BatchSizeError", "WorldSizeError", "num_microbatches", "padded_vocab_sizes", "validate_optimizer",
-           "validate_target",
-           "vocab_divisor_for"]
+__all__ = ["BatchSizeError", "WorldSizeError", "layout_microbatches", "num_microbatches", "padded_vocab_sizes",
+           "validate_optimizer", "validate_target", "vocab_divisor_for"]

@@ -181,7 +181,7 @@ class RolloutPolicy:
                 return self.model(**kwargs)
             from lightning_dynatrain.megatron.train_step import pipeline_schedule
 
-            outputs = pipeline_schedule(self.model, [{"tokens": tokens, "kwargs": kwargs}], _stage_forward,
+            outputs = pipeline_schedule([self.model], [{"tokens": tokens, "kwargs": kwargs}], _stage_forward,
                                         tokens.shape[1], forward_only=True)
         return outputs[0] if outputs else None
 

@@ -20,14 +20,14 @@ from lightning_dynatrain.data.sampler import dp_share_bounds
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.megatron.step_progress import StepProgress
 from lightning_dynatrain.megatron.train_step import run_eval_step, run_train_step
-from lightning_dynatrain.runtime.layout_checks import BatchSizeError, num_microbatches
+from lightning_dynatrain.runtime.layout_checks import BatchSizeError, layout_microbatches
 from lightning_dynatrain.runtime.recipe import MegatronRecipe
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 
 def microbatches(recipe: MegatronRecipe, layout: ParallelConfig) -> int:
-    """Micro-batches per optimizer step at ``layout``: global // (dp * micro)."""
-    return num_microbatches(recipe.global_batch_size, layout.dp * layout.cp, recipe.micro_batch_size)
+    """Micro-batches per optimizer step at ``layout``: global // (dp * micro) (``layout_microbatches``)."""
+    return layout_microbatches(recipe.global_batch_size, recipe.micro_batch_size, layout)
 
 
 def set_lr_and_wd(optimizer: MegatronOptimizer, *, lr: float, weight_decay: float) -> None:
@@ -65,7 +65,7 @@ def train_step(state: MegatronState, batch: Mapping[str, torch.Tensor], recipe: 
     local = local_share(batch, dp_rank=state.dp_rank, dp_size=state.dp_size,
                         global_batch_size=recipe.global_batch_size)
     set_lr_and_wd(state.optimizer, lr=lr, weight_decay=weight_decay)
-    return run_train_step(state.ddp, state.optimizer, local, state.layout, microbatches(recipe, state.layout),
+    return run_train_step(state.chunks, state.optimizer, local, state.layout, microbatches(recipe, state.layout),
                           forward_step=forward_step or recipe.model.forward_step, seq_length=recipe.model.seq_length,
                           pg_collection=state.groups, progress=progress)
 

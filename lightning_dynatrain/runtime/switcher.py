@@ -337,7 +337,7 @@ def fingerprint(state: "MegatronState", setup: "SwitchSetup") -> dict:
     if adam_step(state.optimizer) is None:  # before the first step: zero moments, as hot_switch makes them
         materialize_optimizer_state(state.optimizer, 0)
     rank = dist.get_rank()
-    store = megatron_store(state.ddp, state.optimizer, setup.spec, state.layout, rank)
+    store = megatron_store(state.chunks, state.optimizer, setup.spec, state.layout, rank)
     return logical_fingerprint(store, setup.spec, state.layout, rank, precision_of(state.model, state.optimizer))
 
 

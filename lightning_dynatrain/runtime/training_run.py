@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.distributed as dist
 
-from lightning_dynatrain.runtime.layout_checks import num_microbatches, validate_optimizer, validate_target
+from lightning_dynatrain.runtime.layout_checks import layout_microbatches, validate_optimizer, validate_target
 from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
 from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe, optimizer_config
 from lightning_dynatrain.runtime.rollout import RolloutError, RolloutFigures, RolloutPolicy
@@ -177,8 +177,7 @@ class TrainingRun:
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per optimizer step at the current layout: global // (dp * micro)."""
-        return num_microbatches(self.recipe.global_batch_size, self.layout.dp * self.layout.cp,
-                                self.recipe.micro_batch_size)
+        return layout_microbatches(self.recipe.global_batch_size, self.recipe.micro_batch_size, self.layout)
 
     # ------------------------------------------------------------------------------ set-up
     def start(self, layout: ParallelConfig | Literal["auto"], *, world_size: int, node_rank: int) -> "Topology":
@@ -317,7 +316,7 @@ class TrainingRun:
         from lightning_dynatrain.runtime.steps import eval_step
 
         if self._state is not None:
-            return eval_step(self._state.ddp, self._state.groups, self._state.layout, batch, self.recipe)
+            return eval_step(self._state.chunks, self._state.groups, self._state.layout, batch, self.recipe)
         return eval_step(self.model_shard, self.groups, self.layout, batch, self.recipe)
 
     # ----------------------------------------------------------------------------- rollouts
@@ -341,7 +340,8 @@ class TrainingRun:
         A switch being built ahead (``prepare``) finishes its build first and stays built.
 
         Raises (before anything moved, every rank):
-            RolloutError: inside a step, in a rollout already, or bad ``park``/``keep_weights``.
+            RolloutError: inside a step, in a rollout already, bad ``park``/``keep_weights``, or a
+                ``layout`` with virtual pipeline stages.
             LayoutError, WorldSizeError: ``layout`` does not fit the model or the world.
         """
         from lightning_dynatrain.megatron.execution import ExecutionOptions
@@ -358,6 +358,9 @@ class TrainingRun:
                                    hint=f"park is one of {', '.join(PARKS)}; keep_weights True or False")
             target = validate_target(layout, world_size=self.layout.world_size,
                                      current=self.layout, model=self.recipe.model, execution=ExecutionOptions())
+            if target.vpp > 1:  # megatron's interleaved schedule runs at least pp micro-batches at once
+                raise RolloutError(f"layout {target}: generation at virtual pipeline stages is not built",
+                                   hint=f"roll out at {target.replace(vpp=1)}: it holds the same stages")
         except DynaTrainError as err:
             raise mark_refused(err)
         switcher, state = self.switcher, self.state

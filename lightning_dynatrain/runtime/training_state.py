@@ -23,7 +23,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.megatron.model_source import build_unfilled
-from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
+from lightning_dynatrain.megatron.optimizer import build_ddp_chunks_and_optimizer
 from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, destroy, initialize_for_layout
 from lightning_dynatrain.megatron.state import MegatronState
 from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe, optimizer_config
@@ -111,8 +111,9 @@ def attach_optimizer(model: torch.nn.Module, recipe: MegatronRecipe, layout: Par
                      optimizer: "AdamSettings | OptimizerConfig", groups: ProcessGroupCollection) -> MegatronState:
     """Wrap ``model`` in megatron DDP and build its optimizer (``optimizer``'s settings), on ``groups``."""
     microbatches(recipe, layout)  # fail early
-    ddp, built = build_ddp_and_optimizer(model, layout, config=optimizer_config(optimizer), pg_collection=groups)
-    return MegatronState(layout=layout, groups=groups, ddp=ddp, optimizer=built)
+    chunks, built = build_ddp_chunks_and_optimizer(model, layout, config=optimizer_config(optimizer),
+                                                   pg_collection=groups)
+    return MegatronState(layout=layout, groups=groups, chunks=chunks, optimizer=built)
 
 
 def teardown_state(groups: ProcessGroupCache | None = None) -> None:

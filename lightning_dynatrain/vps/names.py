@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from lightning_dynatrain.vps.box import iter_cells
-from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.grid import grid_placement
 from lightning_dynatrain.vps.layout import ParallelConfig
 from lightning_dynatrain.vps.spec import ModelSpec, Place
@@ -33,28 +32,30 @@ class LocalParameter(NamedTuple):
 
 
 def local_parameters(spec: ModelSpec, layout: ParallelConfig, rank: int) -> dict[str, LocalParameter]:
-    """Megatron ``named_parameters()`` name -> ``LocalParameter`` for every parameter ``rank`` builds."""
-    if layout.vpp > 1:  # (the names would need the model chunk each parameter is in)
-        raise LayoutError(f"layout {layout}: megatron's parameter names of model chunks (vpp > 1) are not mapped",
-                          hint="training with virtual pipeline stages is not built yet; use vpp1")
+    """Megatron ``named_parameters()`` name -> ``LocalParameter`` for every parameter ``rank`` builds.
+
+    With virtual pipeline stages a rank's model is its chunks in a ``torch.nn.ModuleList``, so each
+    name starts with its chunk: ``"1.decoder.layers.0.mlp.linear_fc1.weight"`` is the first layer of
+    chunk 1 (``megatron.model_chunks``).
+    """
     out: dict[str, LocalParameter] = {}
     for tensor in spec.tensors:
         grid = grid_placement(spec, tensor.name, layout)
-        cells = grid.cells_of(rank)
-        if not cells:
-            continue
-        (cell,) = cells
         stage = grid.coord(rank).pp
-        name = tensor.megatron_name
-        if tensor.place is Place.FIRST_AND_LAST and layout.pp > 1 and stage == layout.pp - 1:
-            name = tensor.last_stage_name or name
-        origin = grid.local_origin(cell)
-        stacks = grid.local_stack(cell) if grid.cell_box(cell) is not None else tuple(
-            range(0) for _ in range(tensor.stack_axes))
-        for stack in iter_cells(stacks):
-            local = tuple(s - r.start for s, r in zip(stack, stacks))
-            fields = {"layer": local[0]} if local else {}
-            if len(local) > 1:
-                fields["expert"] = local[1]
-            out[name.format(**fields)] = LocalParameter(tensor.name, stack, grid.local_shape(), origin)
+        for cell in grid.cells_of(rank):
+            chunk = next(c for s, c in grid.homes(cell) if s == stage)
+            name = tensor.megatron_name
+            if tensor.place is Place.FIRST_AND_LAST and layout.pp > 1 and stage == layout.pp - 1:
+                name = tensor.last_stage_name or name
+            if layout.vpp > 1:
+                name = f"{chunk}.{name}"
+            origin = grid.local_origin(cell)
+            stacks = grid.local_stack(cell) if grid.cell_box(cell) is not None else tuple(
+                range(0) for _ in range(tensor.stack_axes))
+            for stack in iter_cells(stacks):
+                local = tuple(s - r.start for s, r in zip(stack, stacks))
+                fields = {"layer": local[0]} if local else {}
+                if len(local) > 1:
+                    fields["expert"] = local[1]
+                out[name.format(**fields)] = LocalParameter(tensor.name, stack, grid.local_shape(), origin)
     return out

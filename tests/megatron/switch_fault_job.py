@@ -59,8 +59,8 @@ def main() -> None:
     groups = ProcessGroupCache()
     pgs = initialize_for_layout(src, seed=1, groups=groups)
     model = build_gpt_model(shape, src, seed=1)
-    state = MegatronState(layout=src, groups=pgs, **dict(zip(("ddp", "optimizer"),
-                          build_ddp_and_optimizer(model, src, pg_collection=pgs, **optimizer))))
+    ddp, built = build_ddp_and_optimizer(model, src, pg_collection=pgs, **optimizer)
+    state = MegatronState(layout=src, groups=pgs, chunks=(ddp,), optimizer=built)
     setup = SwitchSetup(model=shape, seed=1, optimizer=optimizer, staging_budget=4096,
                         topology=Topology.uniform(dist.get_world_size(), 2), keep_old=args.keep_old)
     materialize_optimizer_state(state.optimizer, 0)  # as hot_switch does before the first step

@@ -61,8 +61,8 @@ def _ahead_chain(rank: int, world_size: int, shape_kwargs: dict, params_dtype: s
     def fresh(layout, groups):
         pgs = initialize_for_layout(layout, seed=SEED, groups=groups)
         model = build_gpt_model(shape, layout, seed=SEED, params_dtype=dtype)
-        return MegatronState(layout=layout, groups=pgs, **dict(zip(("ddp", "optimizer"),
-                             build_ddp_and_optimizer(model, layout, **OPTIMIZER))))
+        ddp, optimizer = build_ddp_and_optimizer(model, layout, **OPTIMIZER)
+        return MegatronState(layout=layout, groups=pgs, chunks=(ddp,), optimizer=optimizer)
 
     cache = ProcessGroupCache()
     setup = SwitchSetup(model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=64 * 1024,

@@ -85,8 +85,8 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     first = ParallelConfig.parse(chain[0])
     pgs = initialize_for_layout(first, seed=SEED)
     model = build_gpt_model(shape, first, seed=SEED, params_dtype=dtype)
-    state = MegatronState(layout=first, groups=pgs, **dict(zip(("ddp", "optimizer"),
-                          build_ddp_and_optimizer(model, first, **OPTIMIZER))))
+    ddp, optimizer = build_ddp_and_optimizer(model, first, **OPTIMIZER)
+    state = MegatronState(layout=first, groups=pgs, chunks=(ddp,), optimizer=optimizer)
     topology = Topology.uniform(4, 2)
 
     def setup(budget: int) -> SwitchSetup:
@@ -131,7 +131,7 @@ def _chain(rank: int, world_size: int, shape_kwargs: dict, chain: list[str], sta
     # the same training without any switch, in the same processes
     pgs = initialize_for_layout(first, seed=SEED)
     fresh = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=SEED, params_dtype=dtype), first, **OPTIMIZER)
-    out["reference"] = train(MegatronState(layout=first, groups=pgs, ddp=fresh[0], optimizer=fresh[1]),
+    out["reference"] = train(MegatronState(layout=first, groups=pgs, chunks=(fresh[0],), optimizer=fresh[1]),
                              len(out["losses"]))
     # what a failed switch does to the cache: the groups made since a mark go, the earlier ones stay
     sizes = {(x.tp, x.pp, x.ep, x.etp) for x in (home, away)}

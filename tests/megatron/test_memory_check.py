@@ -132,7 +132,7 @@ def _measured_switch(rank: int, world_size: int) -> dict:
     src, dst = ParallelConfig.parse("dp1-tp2-pp1"), ParallelConfig.parse("dp2-tp1-pp1")
     pgs = initialize_for_layout(src, seed=SEED)
     ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, src, seed=SEED), src, **OPTIMIZER)
-    state = MegatronState(layout=src, groups=pgs, ddp=ddp, optimizer=optimizer)
+    state = MegatronState(layout=src, groups=pgs, chunks=(ddp,), optimizer=optimizer)
     setup = SwitchSetup(model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=16 * 2**20)
     tokens = torch.randint(0, shape.vocab_size, (2, shape.seq_length + 1), generator=torch.Generator().manual_seed(3))
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}

@@ -69,7 +69,7 @@ def _member(name: str, address: str, rank: int, source: str) -> dict:
 
     pgs = initialize_for_layout(src, seed=SEED)
     ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, src, seed=SEED), src, **OPTIMIZER)
-    state = MegatronState(layout=src, groups=pgs, ddp=ddp, optimizer=optimizer)
+    state = MegatronState(layout=src, groups=pgs, chunks=(ddp,), optimizer=optimizer)
     losses = train(state, rank, 2)
     before = describe(state)
     dist.barrier()  # every rank has its state of step 2

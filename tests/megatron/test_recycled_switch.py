@@ -52,7 +52,7 @@ def _walk(rank: int, world_size: int) -> dict:
     first = ParallelConfig.parse(CHAIN[0])
     pgs = initialize_for_layout(first, seed=SEED, groups=groups)
     ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=SEED), first, **OPTIMIZER)
-    state = MegatronState(layout=first, groups=pgs, ddp=ddp, optimizer=optimizer)
+    state = MegatronState(layout=first, groups=pgs, chunks=(ddp,), optimizer=optimizer)
     run_train_step(ddp, optimizer, batch_for(first), first, 1)
     start, fingerprint = snapshot(state)
     out = {"fingerprints_equal": [], "recycled": [], "in_place": [], "skipped_copies": [], "param_bytes": [],
@@ -128,7 +128,7 @@ def _into_zero1_and_back(rank: int, world_size: int) -> dict:
     ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, dp2, seed=SEED), dp2, **OPTIMIZER)
     tokens = torch.randint(0, shape.vocab_size, (2, shape.seq_length + 1), generator=torch.Generator().manual_seed(5))
     run_train_step(ddp, optimizer, {"tokens": tokens[rank:rank + 1, :-1], "labels": tokens[rank:rank + 1, 1:]}, dp2, 1)
-    state = MegatronState(layout=dp2, groups=pgs, ddp=ddp, optimizer=optimizer)
+    state = MegatronState(layout=dp2, groups=pgs, chunks=(ddp,), optimizer=optimizer)
 
     def store():
         return megatron_store(state.ddp, state.optimizer, spec, state.layout, rank)

@@ -54,7 +54,7 @@ def _build(shape, layout, dtype, cache):
     groups = initialize_for_layout(layout, seed=SEED, groups=cache)
     model = build_gpt_model(GPTShape(**shape), layout, seed=SEED, params_dtype=getattr(torch, dtype))
     ddp, optimizer = build_ddp_and_optimizer(model, layout, lr=1e-2)
-    return MegatronState(layout=layout, groups=groups, ddp=ddp, optimizer=optimizer)
+    return MegatronState(layout=layout, groups=groups, chunks=(ddp,), optimizer=optimizer)
 
 
 def _step(state, shape, seed):

@@ -69,7 +69,7 @@ def split_mlp_layer_spec():
     return spec
 
 
-def gpt_provider(config, pg_collection, pre_process, post_process, *, layer_spec, tied=False):
+def gpt_provider(config, pg_collection, pre_process, post_process, vp_stage=None, *, layer_spec, tied=False):
     from megatron.core.models.gpt import GPTModel
 
     from lightning_dynatrain import padded_vocab_size
@@ -77,7 +77,7 @@ def gpt_provider(config, pg_collection, pre_process, post_process, *, layer_spec
     return GPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab_size(VOCAB, config),
                     max_sequence_length=SEQ, pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=tied, position_embedding_type="rope",
-                    pg_collection=pg_collection)
+                    pg_collection=pg_collection, vp_stage=vp_stage)
 
 
 def _lm_loss(loss_mask, output):

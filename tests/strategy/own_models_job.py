@@ -3,14 +3,17 @@ trained by ``MegatronLightningModule`` under ``DynaTrainStrategy``, 4 CPU proces
 real gloo, real megatron, one job for all of them (``run_own_models4``).
 
 Per model: a fit with scheduled switches over dp/tp/pp (and ep for the MoE; pipelines with uneven
-stages for the split-MLP GPT and the MoE), ``verify=True``, every
-rank's training state described by megatron itself (``tests/megatron_description.py``) right before
-and right after each switch; then the same steps at the first layout without switches. The split-MLP GPT (bf16, megatron's ``OptimizerParamScheduler``)
-also saves a checkpoint after one switch (at an uneven pipeline with ZeRO-1), and a second fit resumes
-from it at an even layout (the state described at the save and as the second fit starts). It and the MoE enter a
-rollout phase (``ROLLOUTS``; the GPT's weights freed and optimizer parked, the MoE's experts at
-another ep): the state described before and after it, the rollout model's weights, what it
-generated, a switch asked for inside it. The BERT runs a torch ``LambdaLR``, the MoE a constant rate. Every rank returns the spec the strategy read from its model.
+stages for the split-MLP GPT and the MoE, virtual stages with ZeRO-1 for the GPT), ``verify=True``,
+every rank's training state described by megatron itself (``tests/megatron_description.py``) right
+before and right after each switch; then the same steps at the first layout without switches. The
+split-MLP GPT (bf16, megatron's ``OptimizerParamScheduler``) also saves a checkpoint after one
+switch (at virtual stages with ZeRO-1), and a second fit resumes from it at the plain first layout;
+its static run saves too, and a third fit resumes that at virtual stages (each time the state
+described at the save and as the new fit starts). It and the MoE enter a rollout phase
+(``ROLLOUTS``; the GPT's weights freed and optimizer parked, the MoE's experts at another ep): the
+state described before and after it, the rollout model's weights, what it generated, a switch
+asked for inside it. The BERT runs a torch ``LambdaLR``, the MoE a constant rate. Every rank
+returns the spec the strategy read from its model.
 
 Lightning sees ``LOCAL_RANK`` (so it launches nothing) and finds ``torch.distributed`` initialised.
 """
@@ -26,10 +29,11 @@ from tests.strategy.own_models import GLOBAL_BATCH, MICRO_BATCH, SEQ
 
 SEED, STEPS, EPS = 1234, 8, 1e-6
 #: per model: its layers, the first layout, the switches (uneven pipelines among them: the split-MLP
-#: GPT's 4 layers 1+3, then 3+1 with ZeRO-1, then 2+2; the MoE's 3 layers 2+1), the precision
+#: GPT's 4 layers 1+3, then one layer in each of two chunks per stage with ZeRO-1, then 2+2; the
+#: MoE's 3 layers 2+1), the precision
 CASES = {
     "split-mlp": dict(layers=4, start="dp2-tp2-pp1",
-                      schedule={2: "dp1-tp2-pp2-first1", 4: "dp2-tp1-pp2-zero1-last1", 6: "dp2-tp1-pp2"},
+                      schedule={2: "dp1-tp2-pp2-first1", 4: "dp2-tp1-pp2-vpp2-zero1", 6: "dp2-tp1-pp2"},
                       precision="bf16-mixed"),
     "bert": dict(layers=2, start="dp4-tp1-pp1", schedule={2: "dp2-tp2-pp1", 4: "dp1-tp2-pp2", 6: "dp2-tp1-pp2"},
                  precision="32-true"),
@@ -37,11 +41,12 @@ CASES = {
                         schedule={2: "dp2-tp2-pp1-ep2", 4: "dp4-tp1-pp1-ep4-zero1", 6: "dp2-tp1-pp2-ep2-last1"},
                         precision="32-true"),
 }
-#: the split-MLP fit saves here (after the switch of that step); a second fit resumes from it
-RESUME_AT = 4
+#: the split-MLP fit saves here (after the switch of that step: at virtual stages); a second fit resumes
+#: from it at the first layout; the static run saves here too, and a third fit resumes that at virtual stages
+RESUME_AT, RESUME_AT_VPP = 4, "dp1-tp2-pp2-vpp2"
 #: fits that enter a rollout phase: after this step, at this layout, parked so, the weights kept or not
-#: (the split-MLP GPT from dp1-tp2-pp2-first1, bf16, its weights freed; the MoE from dp2-tp2-pp1-ep2, ep 2 -> 4)
-ROLLOUTS = {"split-mlp": (3, "dp4-tp1-pp1", "host", False), "sigmoid-moe": (3, "dp4-tp1-pp1-ep4", "in_place", True)}
+#: (the split-MLP GPT from dp2-tp1-pp2-vpp2-zero1, bf16, its weights freed; the MoE from dp2-tp2-pp1-ep2, ep 2 -> 4)
+ROLLOUTS = {"split-mlp": (5, "dp4-tp1-pp1", "host", False), "sigmoid-moe": (3, "dp4-tp1-pp1-ep4", "in_place", True)}
 
 
 def _module(name: str):
@@ -165,15 +170,24 @@ def _fits(name: str, tmp: Path) -> dict:
                            refusals=list(callbacks[1].refusals),
                            dtypes=sorted({str(p.dtype) for p in module.model.parameters()}))
     static = _module(name)
-    _trainer(case["start"], STEPS, case["precision"], []).fit(static, datamodule=_data(name))
-    out["static"] = dict(losses=[loss for _, loss in static.losses])
-    if save is not None:
+    static_save = tmp / f"{name}-static.ckpt" if save is not None else None
+    callbacks, static_record = _callbacks({}, static_save) if save is not None else ([], {})
+    _trainer(case["start"], STEPS, case["precision"], callbacks).fit(static, datamodule=_data(name))
+    out["static"] = dict(losses=[loss for _, loss in static.losses], saved=static_record.get("saved"))
+    if save is not None:  # the switched run's save (at virtual stages) resumed at the plain start layout ...
         resumed = _module(name)
         callbacks, resumed_record = _callbacks(case["schedule"], describe_start=True)
         trainer = _trainer(case["start"], STEPS, case["precision"], callbacks)
         trainer.fit(resumed, datamodule=_data(name), ckpt_path=save)
         out["resumed"] = dict(losses=[loss for _, loss in resumed.losses], lr=resumed_record["lr"],
                               layouts=[str(trainer.strategy.layout)], start=resumed_record["start"])
+        # ... and the static run's save (at the plain start layout) resumed at virtual stages
+        resumed = _module(name)
+        callbacks, resumed_record = _callbacks({}, describe_start=True)
+        trainer = _trainer(RESUME_AT_VPP, STEPS, case["precision"], callbacks)
+        trainer.fit(resumed, datamodule=_data(name), ckpt_path=static_save)
+        out["resumed_at_vpp"] = dict(losses=[loss for _, loss in resumed.losses], start=resumed_record["start"],
+                                     layouts=[str(trainer.strategy.layout)])
     return out
 
 
@@ -190,4 +204,4 @@ def run_own_models4(tmp: str, names: tuple[str, ...] = tuple(CASES)) -> list[dic
     return run_distributed(_job, 4, tmp, names, timeout_s=900, collective_timeout_s=300)
 
 
-__all__ = ["CASES", "RESUME_AT", "ROLLOUTS", "STEPS", "run_own_models4"]
+__all__ = ["CASES", "RESUME_AT", "RESUME_AT_VPP", "ROLLOUTS", "STEPS", "run_own_models4"]

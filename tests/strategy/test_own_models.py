@@ -17,7 +17,7 @@ import re
 import pytest
 
 from tests.megatron_description import assemble, differences
-from tests.strategy.own_models_job import CASES, RESUME_AT, ROLLOUTS, STEPS, run_own_models4
+from tests.strategy.own_models_job import CASES, RESUME_AT, RESUME_AT_VPP, ROLLOUTS, STEPS, run_own_models4
 
 pytestmark = pytest.mark.slow
 
@@ -70,8 +70,8 @@ def test_the_fit_switches_at_the_scheduled_steps_and_tracks_a_static_run(own4, n
 
 @pytest.mark.parametrize("name, bound", [("split-mlp", 0.05), ("sigmoid-moe", 1e-5)])
 def test_a_rollout_of_the_users_model_leaves_its_state_as_it_was(own4, name, bound) -> None:
-    """The split-MLP GPT (bf16, at dp1-tp2-pp2-first1: 1 of its 4 layers on the first stage) enters a
-    rollout at dp4-tp1-pp1 with its weights freed and its optimizer parked on the host; the MoE of
+    """The split-MLP GPT (bf16, at dp2-tp1-pp2-vpp2-zero1: two model chunks of one layer on each stage)
+    enters a rollout at dp4-tp1-pp1 with its weights freed and its optimizer parked on the host; the MoE of
     the user's (fp32, at dp2-tp2-pp1-ep2) one at dp4-tp1-pp1-ep4, everything in place. Each generates
     and scores there, and leaves: megatron's description of the whole state is the same before and
     after (and the fit's ``verify=True`` fingerprint too, or it would have raised); the rollout model
@@ -129,7 +129,7 @@ def test_bert_reads_megatrons_globals_so_its_switches_are_built_on_demand(own4) 
 
 
 def test_a_resumed_fit_continues_the_schedule_exactly(own4) -> None:
-    """Saved after step 4 at dp2-tp1-pp2-zero1-last1 (an uneven pipeline, ZeRO-1; megatron's scheduler:
+    """Saved after step 4 at dp2-tp1-pp2-vpp2-zero1 (virtual stages, ZeRO-1; megatron's scheduler:
     warmup, cosine decay, weight decay growing), resumed in a new fit at dp2-tp2-pp1: the whole state
     the new fit starts from, as megatron describes it, is the saved one bit for bit; each later step's
     rate and weight decay are the uninterrupted run's, and the steps at the resumed layout track the
@@ -142,4 +142,17 @@ def test_a_resumed_fit_continues_the_schedule_exactly(own4) -> None:
         assert switched["saved"]["steps"] == resumed["start"]["steps"] == [RESUME_AT]  # Adam's step
         assert resumed["lr"] == switched["lr"][RESUME_AT:]
         assert len({lr for lr, _ in switched["lr"]}) > 4 and len({wd for _, wd in switched["lr"]}) > 4
+        assert resumed["losses"] == pytest.approx(static["losses"][RESUME_AT:], rel=1e-4)
+
+
+def test_a_checkpoint_saved_at_a_plain_layout_resumes_at_virtual_stages(own4) -> None:
+    """The run that never switched saves after step 4 at dp2-tp2-pp1; a new fit resumes it at
+    dp1-tp2-pp2-vpp2 (each rank two model chunks): the whole state it starts from, as megatron
+    describes each chunk, is the saved one bit for bit, and its steps track the static run's."""
+    saved = assemble([r["split-mlp"]["static"]["saved"] for r in own4])
+    loaded = assemble([r["split-mlp"]["resumed_at_vpp"]["start"] for r in own4])
+    assert saved and differences(saved, loaded) == []
+    for r in own4:
+        resumed, static = r["split-mlp"]["resumed_at_vpp"], r["split-mlp"]["static"]
+        assert resumed["layouts"] == [RESUME_AT_VPP] and resumed["start"]["steps"] == [RESUME_AT]
         assert resumed["losses"] == pytest.approx(static["losses"][RESUME_AT:], rel=1e-4)

@@ -48,7 +48,7 @@ def _job(rank: int, world_size: int) -> list[dict]:
     groups = initialize_for_layout(first, seed=7)
     ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, first, seed=7, params_dtype=torch.bfloat16), first,
                                              lr=1e-3)
-    state = MegatronState(layout=first, groups=groups, ddp=ddp, optimizer=optimizer)
+    state = MegatronState(layout=first, groups=groups, chunks=(ddp,), optimizer=optimizer)
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))[rank:rank + 1]
     run_train_step(ddp, optimizer, {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}, first, 1)
     out = []

@@ -96,7 +96,8 @@ class SnapshotKeeper:
             plan = snapshot_plan(spec, state.layout, self.run.switcher.topology,
                                  precision_of(state.model, state.optimizer))
             self.snapshots.prepare(state.layout, spec, plan, rank)
-            own = sum(t.nbytes for t in megatron_store(state.ddp, state.optimizer, spec, state.layout, rank).values())
+            own = sum(t.nbytes for t in
+                      megatron_store(state.chunks, state.optimizer, spec, state.layout, rank).values())
             self.front.info(f"[dynatrain] step {step}: in-memory snapshots of {state.layout} every "
                            f"{self.snapshots.every} steps, host memory of rank 0: its own copy {own / 2**20:.1f} MiB, "
                            f"kept for others {plan.held_bytes(rank) / 2**20:.1f} MiB"

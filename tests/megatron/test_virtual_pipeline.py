@@ -1,0 +1,127 @@
+"""Training at virtual pipeline stages (``-vppN``: megatron's interleaved 1F1B over model chunks), and
+hot switches into and out of them, in one spawned 4-process gloo job of a real megatron GPT.
+
+The job trains the same global batches along a chain of layouts, switching in memory between
+them: plain pp2, pp2 with two virtual stages, the same with ZeRO-1 (each chunk's buffers sharded over
+two data-parallel ranks), then with tp2, pp4 with two virtual stages, an uneven pp2, and back. Around every switch each rank describes its whole training state
+through megatron itself (each chunk's ``sharded_state_dict()`` and the optimizer's, as Megatron-LM
+saves a model of chunks): assembled, the state after the switch must be the state before, bit for
+bit. The losses must be those of the same steps at a layout that never switched, to rounding where
+tp changes the order of a sum, and bit for bit where only the interleaving differs. A second run
+from scratch at ``pp2-vpp2`` trains bit for bit as the same steps at plain ``pp2`` (megatron's
+interleaved schedule computes the same sums as its 1F1B), and evaluates a batch to the same loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import run_distributed
+from tests.megatron_description import assemble, differences
+
+#: 8 layers, so that pp4 with two virtual stages holds one layer per chunk; tied embeddings (the
+#: first chunk of the first stage and the last chunk of the last stage hold the two copies)
+SHAPE = dict(hidden=32, layers=8, heads=4, query_groups=2, ffn_hidden=64, vocab_size=120, seq_length=16,
+             make_vocab_size_divisible_by=64, gated_mlp=True, add_bias_linear=True, tied_embeddings=True)
+CHAIN = ["dp2-tp1-pp2", "dp2-tp1-pp2-vpp2", "dp2-tp1-pp2-vpp2-zero1", "dp1-tp2-pp2-vpp2-zero1",
+         "dp1-tp1-pp4-vpp2", "dp2-tp1-pp2-first3-last5", "dp2-tp1-pp2"]
+GLOBAL_BATCH, SEED = 8, 1234
+OPTIMIZER = dict(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
+
+
+def _chain_job(rank: int, world_size: int) -> dict:
+    import torch
+
+    from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model
+    from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
+    from lightning_dynatrain.megatron.optimizer import adam_config, build_ddp_chunks_and_optimizer
+    from lightning_dynatrain.megatron.parallel_state_adapter import ProcessGroupCache, initialize_for_layout
+    from lightning_dynatrain.megatron.state import MegatronState
+    from lightning_dynatrain.megatron.train_step import run_eval_step, run_train_step
+    from lightning_dynatrain.runtime.layout_checks import layout_microbatches
+    from lightning_dynatrain.runtime.steps import set_lr_and_wd
+    from lightning_dynatrain.vps.layout import ParallelConfig
+    from tests.megatron_description import describe
+
+    shape = GPTShape(**SHAPE)
+    tokens = torch.randint(0, shape.vocab_size, (GLOBAL_BATCH * 8, shape.seq_length + 1),
+                           generator=torch.Generator().manual_seed(11))
+    cache = ProcessGroupCache()
+
+    def built(text: str) -> MegatronState:
+        layout = ParallelConfig.parse(text)
+        pgs = initialize_for_layout(layout, seed=SEED, groups=cache)
+        model = build_gpt_model(shape, layout, seed=SEED)
+        chunks, optimizer = build_ddp_chunks_and_optimizer(model, layout, config=adam_config(**OPTIMIZER),
+                                                           pg_collection=pgs)
+        return MegatronState(layout=layout, groups=pgs, chunks=chunks, optimizer=optimizer)
+
+    def train(state: MegatronState, steps: int, first_step: int) -> list[float]:
+        dp, dp_rank = state.layout.dp, state.layout.dense_coord(rank).dp
+        losses = []
+        for step in range(first_step, first_step + steps):
+            rows = tokens[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+            local = rows[dp_rank * GLOBAL_BATCH // dp:(dp_rank + 1) * GLOBAL_BATCH // dp]
+            batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous()}
+            set_lr_and_wd(state.optimizer, lr=OPTIMIZER["lr"], weight_decay=OPTIMIZER["weight_decay"])
+            losses.append(run_train_step(state.chunks, state.optimizer, batch, state.layout,
+                                         layout_microbatches(GLOBAL_BATCH, 1, state.layout)))
+        return losses
+
+    out: dict = {"chunks": {}, "switches": [], "losses": []}
+    state = built(CHAIN[0])
+    out["losses"] += train(state, 2, 0)
+    setup = SwitchSetup(model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=1 << 20)
+    for text in CHAIN[1:]:
+        before = describe(state)
+        state = hot_switch(state, ParallelConfig.parse(text), setup, groups=cache).state
+        out["switches"].append((text, before, describe(state)))
+        out["chunks"][text] = [[layer.layer_number for layer in ddp.module.decoder.layers] for ddp in state.chunks]
+        out["losses"] += train(state, 1, len(out["losses"]))
+    # the same steps at the first layout without a switch, and from scratch at pp2-vpp2; then each
+    # evaluates the next batch (megatron's forward-only schedule, interleaved for the second)
+    out["static"], out["evaluated"] = [], []
+    for text, key in ((CHAIN[0], "static"), ("dp2-tp1-pp2-vpp2", "interleaved")):
+        state = built(text)
+        out[key] = train(state, len(out["losses"]), 0)
+        rows = tokens[-GLOBAL_BATCH:][state.layout.dense_coord(rank).dp::state.layout.dp]
+        batch = {"tokens": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+        out["evaluated"].append(run_eval_step(state.chunks, batch, state.layout,
+                                              layout_microbatches(GLOBAL_BATCH, 1, state.layout)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain() -> list[dict]:
+    return run_distributed(_chain_job, 4, timeout_s=300)
+
+
+@pytest.mark.slow
+def test_switches_into_and_out_of_virtual_stages_keep_the_whole_state_as_megatron_describes_it(chain):
+    for index, (target, _, _) in enumerate(chain[0]["switches"]):
+        before = assemble([rank["switches"][index][1] for rank in chain])
+        after = assemble([rank["switches"][index][2] for rank in chain])
+        assert before and differences(before, after) == [], f"switch to {target}"
+    # the optimizer's step and settings came along (megatron's description of the param groups)
+    last = chain[0]["switches"][-1]
+    assert last[1]["steps"] == last[2]["steps"] and last[1]["groups"] == last[2]["groups"]
+
+
+@pytest.mark.slow
+def test_each_rank_holds_its_chunks_layers_round_robin(chain):
+    # megatron's own layer numbers (1-based) in each model chunk of each rank (ranks 0 and 1 are
+    # data-parallel replicas of pipeline rank 0 at dp2, order tp-cp-ep-dp-pp)
+    assert [chain[r]["chunks"]["dp2-tp1-pp2-vpp2"] for r in (0, 1, 2)] == [[[1, 2], [5, 6]]] * 2 + [[[3, 4], [7, 8]]]
+    assert [chain[r]["chunks"]["dp1-tp1-pp4-vpp2"] for r in (0, 1)] == [[[1], [5]], [[2], [6]]]
+    assert chain[0]["chunks"]["dp2-tp1-pp2-first3-last5"] == [[1, 2, 3]]
+
+
+@pytest.mark.slow
+def test_training_across_the_switches_matches_a_run_that_never_switched(chain):
+    losses, static, interleaved = chain[0]["losses"], chain[0]["static"], chain[0]["interleaved"]
+    assert all(rank["losses"] == losses for rank in chain)  # the same float on every rank
+    assert losses[:3] == static[:3]  # pp2, then pp2-vpp2: the same sums
+    assert losses == pytest.approx(static, rel=1e-5)  # tp2 and other splits sum in another order
+    assert interleaved == static  # interleaving from scratch: bit for bit
+    evaluated = chain[0]["evaluated"]
+    assert evaluated[0] == evaluated[1] and all(rank["evaluated"] == evaluated for rank in chain)
