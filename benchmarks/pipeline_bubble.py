@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from benchmarks.baselines.launch import spawn_job
 
-    times = spawn_job(_job, 4, args, timeout_s=1800)[0]
+    times = spawn_job(_job, 4, args, timeout_s=1800, stamp_entry=False)[0]
     median = {text: statistics.median(values) for text, values in times.items()}
     ratios = {f"pp{pp}": median[f"{plain}-vpp2"] / median[plain]
               for pp, plain in ((2, "dp2-tp1-pp2"), (4, "dp1-tp1-pp4"))}

@@ -22,7 +22,7 @@ Example (``dp1-tp1-pp2-vpp2``, 8 layers, rank 1)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -85,7 +85,8 @@ def chunk_list(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch
     return [model]
 
 
-def build_chunks(layout: ParallelConfig, pp_rank: int, build_one) -> torch.nn.Module:
+def build_chunks(layout: ParallelConfig, pp_rank: int,
+                 build_one: Callable[[ChunkStage], torch.nn.Module]) -> torch.nn.Module:
     """``build_one(stage)`` for each of the rank's chunks: the one module, or ``ModelChunks``."""
     stages = chunk_stages(layout, pp_rank=pp_rank)
     if len(stages) == 1:

@@ -9,11 +9,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: a tiny model and a few steps; the switches change dp, tp, pp and zero
-MODEL = ["--hidden", "32", "--layers", "2", "--heads", "4", "--ffn", "64", "--seq-length", "32", "--global-batch", "8",
+#: a tiny model and a few steps; the switches change dp, tp, pp, zero and the virtual stages (one layer
+#: in each of two model chunks per pipeline stage)
+MODEL = ["--hidden", "32", "--layers", "4", "--heads", "4", "--ffn", "64", "--seq-length", "32", "--global-batch", "8",
          "--micro-batch", "1", "--warmup", "2", "--seed", "1234"]
-STEPS, START, SCHEDULE, SAVE_AT = 6, "dp2-tp2-pp1", "2:dp1-tp2-pp2,4:dp2-tp1-pp2-zero1", 3
-LAYOUT_OF_STEP = {1: START, 2: START, 3: "dp1-tp2-pp2", 4: "dp1-tp2-pp2", 5: "dp2-tp1-pp2-zero1", 6: "dp2-tp1-pp2-zero1"}
+STEPS, START, SCHEDULE, SAVE_AT = 6, "dp2-tp2-pp1", "2:dp1-tp2-pp2,4:dp2-tp1-pp2-vpp2-zero1", 3
+LAYOUT_OF_STEP = {1: START, 2: START, 3: "dp1-tp2-pp2", 4: "dp1-tp2-pp2", 5: "dp2-tp1-pp2-vpp2-zero1",
+                  6: "dp2-tp1-pp2-vpp2-zero1"}
 TIMEOUT_S = 300
 #: validation on the project's own sources (held out: the model trains on the stdlib), at steps 0, 3 and 6
 VALIDATE = ["--val-root", "lightning_dynatrain", "--val-every", "3", "--val-batches", "1"]

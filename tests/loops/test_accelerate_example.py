@@ -52,7 +52,7 @@ def test_accelerate_launch_trains_and_switches_like_the_lightning_run(runs: dict
     assert "4 processes (gloo, DistributedType.MULTI_CPU)" in out
     switches = [line for line in out.splitlines() if line.startswith("[dynatrain] step ")]
     assert [line.split(" in ")[0] for line in switches] == [
-        "[dynatrain] step 2: dp2-tp2-pp1 -> dp1-tp2-pp2", "[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-zero1"]
+        "[dynatrain] step 2: dp2-tp2-pp1 -> dp1-tp2-pp2", "[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-vpp2-zero1"]
     assert all("built ahead in" in line for line in switches), switches  # the plugin's schedule_ahead default
     assert "2 switches, losses identical on every process" in out
     assert len((runs["tmp"] / "accelerate" / "switches.jsonl").read_text().splitlines()) == 2
@@ -74,6 +74,7 @@ def test_save_state_writes_a_layout_free_checkpoint_and_load_state_resumes_at_an
     # step 4 at the resumed run's own layout, then the schedule's entry at step 4
     assert [(step, layout) for step, _, layout in resumed] == [(4, START), (5, LAYOUT_OF_STEP[5]), (6, LAYOUT_OF_STEP[6])]
     assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in straight[SAVE_AT:]], rel=1e-4)
-    step4 = next(line for line in out.splitlines() if line.startswith(f"[dynatrain] step 4: {START} -> dp2-tp1-pp2-zero1"))
+    step4 = next(line for line in out.splitlines()
+                 if line.startswith(f"[dynatrain] step 4: {START} -> dp2-tp1-pp2-vpp2-zero1"))
     assert "built ahead" not in step4, step4  # DYNATRAIN_SCHEDULE_AHEAD=false
     assert "switch_timeout 120 s, switch_safety keep_old, switches built on demand)" in out

@@ -72,7 +72,7 @@ def test_fabric_run_trains_and_switches_like_the_lightning_run(runs: dict, light
     assert "on 4 processes (gloo, Fabric under TorchElasticEnvironment)" in out
     switches = [line for line in out.splitlines() if line.startswith("[dynatrain] step ")]
     assert [line.split(" in ")[0] for line in switches] == [
-        "[dynatrain] step 2: dp2-tp2-pp1 -> dp1-tp2-pp2", "[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-zero1"]
+        "[dynatrain] step 2: dp2-tp2-pp1 -> dp1-tp2-pp2", "[dynatrain] step 4: dp1-tp2-pp2 -> dp2-tp1-pp2-vpp2-zero1"]
     assert all("built ahead in" in line for line in switches), switches
     assert "2 switches, losses identical on every process" in out
     # validation (forward only) at every layout it met, and it did not change training (the losses above)

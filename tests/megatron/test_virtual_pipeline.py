@@ -2,14 +2,16 @@
 hot switches into and out of them, in one spawned 4-process gloo job of a real megatron GPT.
 
 The job trains the same global batches along a chain of layouts, switching in memory between
-them: plain pp2, pp2 with two virtual stages, the same with ZeRO-1 (each chunk's buffers sharded over
-two data-parallel ranks), then with tp2, pp4 with two virtual stages, an uneven pp2, and back. Around every switch each rank describes its whole training state
-through megatron itself (each chunk's ``sharded_state_dict()`` and the optimizer's, as Megatron-LM
-saves a model of chunks): assembled, the state after the switch must be the state before, bit for
-bit. The losses must be those of the same steps at a layout that never switched, to rounding where
-tp changes the order of a sum, and bit for bit where only the interleaving differs. A second run
-from scratch at ``pp2-vpp2`` trains bit for bit as the same steps at plain ``pp2`` (megatron's
-interleaved schedule computes the same sums as its 1F1B), and evaluates a batch to the same loss.
+them: plain pp2, pp2 with two virtual stages, the same with ZeRO-1 (each chunk's buffers sharded
+over two data-parallel ranks), then with tp2, pp4 with two virtual stages, an uneven pp2, and back;
+and an MoE (experts over ep2, ZeRO-1, tp2 with etp1) into and out of pp2-vpp2. Around every switch
+each rank describes its whole training state through megatron itself (each chunk's
+``sharded_state_dict()`` and the optimizer's, as Megatron-LM saves a model of chunks): assembled,
+the state after the switch must be the state before, bit for bit. The losses must be those of the
+same steps at a layout that never switched, to rounding where tp changes the order of a sum, and
+bit for bit where only the interleaving differs. A second run from scratch at ``pp2-vpp2`` trains
+bit for bit as the same steps at plain ``pp2`` (megatron's interleaved schedule computes the same
+sums as its 1F1B), and evaluates a batch to the same loss.
 """
 
 from __future__ import annotations
@@ -21,15 +23,26 @@ from tests.megatron_description import assemble, differences
 
 #: 8 layers, so that pp4 with two virtual stages holds one layer per chunk; tied embeddings (the
 #: first chunk of the first stage and the last chunk of the last stage hold the two copies)
-SHAPE = dict(hidden=32, layers=8, heads=4, query_groups=2, ffn_hidden=64, vocab_size=120, seq_length=16,
+DENSE = dict(hidden=32, layers=8, heads=4, query_groups=2, ffn_hidden=64, vocab_size=120, seq_length=16,
              make_vocab_size_divisible_by=64, gated_mlp=True, add_bias_linear=True, tied_embeddings=True)
-CHAIN = ["dp2-tp1-pp2", "dp2-tp1-pp2-vpp2", "dp2-tp1-pp2-vpp2-zero1", "dp1-tp2-pp2-vpp2-zero1",
-         "dp1-tp1-pp4-vpp2", "dp2-tp1-pp2-first3-last5", "dp2-tp1-pp2"]
+#: an MoE of 4 layers (4 experts, top-2, a shared expert, untied), its experts switched with the chunks
+MOE = dict(hidden=32, layers=4, heads=4, query_groups=2, ffn_hidden=64, vocab_size=120, seq_length=16,
+           make_vocab_size_divisible_by=64, gated_mlp=True, normalization="RMSNorm", add_bias_linear=False,
+           tied_embeddings=False, num_experts=4, moe_ffn_hidden=32, moe_router_topk=2, moe_shared_expert_ffn_hidden=32)
+CHAINS = {
+    "dense": (DENSE, ["dp2-tp1-pp2", "dp2-tp1-pp2-vpp2", "dp2-tp1-pp2-vpp2-zero1", "dp1-tp2-pp2-vpp2-zero1",
+                      "dp1-tp1-pp4-vpp2", "dp2-tp1-pp2-first3-last5", "dp2-tp1-pp2"]),
+    "moe": (MOE, ["dp2-tp1-pp2-ep2", "dp2-tp1-pp2-vpp2-ep2-zero1", "dp1-tp2-pp2-vpp2-ep2-etp1", "dp2-tp1-pp2-ep2"]),
+}
 GLOBAL_BATCH, SEED = 8, 1234
 OPTIMIZER = dict(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 
 
 def _chain_job(rank: int, world_size: int) -> dict:
+    return {name: _chain(rank, *CHAINS[name], interleaved_too=name == "dense") for name in CHAINS}
+
+
+def _chain(rank: int, shape_kwargs: dict, chain: list[str], *, interleaved_too: bool) -> dict:
     import torch
 
     from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model
@@ -43,7 +56,7 @@ def _chain_job(rank: int, world_size: int) -> dict:
     from lightning_dynatrain.vps.layout import ParallelConfig
     from tests.megatron_description import describe
 
-    shape = GPTShape(**SHAPE)
+    shape = GPTShape(**shape_kwargs)
     tokens = torch.randint(0, shape.vocab_size, (GLOBAL_BATCH * 8, shape.seq_length + 1),
                            generator=torch.Generator().manual_seed(11))
     cache = ProcessGroupCache()
@@ -69,10 +82,10 @@ def _chain_job(rank: int, world_size: int) -> dict:
         return losses
 
     out: dict = {"chunks": {}, "switches": [], "losses": []}
-    state = built(CHAIN[0])
+    state = built(chain[0])
     out["losses"] += train(state, 2, 0)
     setup = SwitchSetup(model=shape, seed=SEED, optimizer=OPTIMIZER, staging_budget=1 << 20)
-    for text in CHAIN[1:]:
+    for text in chain[1:]:
         before = describe(state)
         state = hot_switch(state, ParallelConfig.parse(text), setup, groups=cache).state
         out["switches"].append((text, before, describe(state)))
@@ -80,8 +93,8 @@ def _chain_job(rank: int, world_size: int) -> dict:
         out["losses"] += train(state, 1, len(out["losses"]))
     # the same steps at the first layout without a switch, and from scratch at pp2-vpp2; then each
     # evaluates the next batch (megatron's forward-only schedule, interleaved for the second)
-    out["static"], out["evaluated"] = [], []
-    for text, key in ((CHAIN[0], "static"), ("dp2-tp1-pp2-vpp2", "interleaved")):
+    out["evaluated"] = []
+    for text, key in ((chain[0], "static"), *([("dp2-tp1-pp2-vpp2", "interleaved")] if interleaved_too else [])):
         state = built(text)
         out[key] = train(state, len(out["losses"]), 0)
         rows = tokens[-GLOBAL_BATCH:][state.layout.dense_coord(rank).dp::state.layout.dp]
@@ -92,36 +105,52 @@ def _chain_job(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def chain() -> list[dict]:
+def job() -> list[dict]:
     return run_distributed(_chain_job, 4, timeout_s=300)
 
 
 @pytest.mark.slow
-def test_switches_into_and_out_of_virtual_stages_keep_the_whole_state_as_megatron_describes_it(chain):
-    for index, (target, _, _) in enumerate(chain[0]["switches"]):
-        before = assemble([rank["switches"][index][1] for rank in chain])
-        after = assemble([rank["switches"][index][2] for rank in chain])
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_switches_into_and_out_of_virtual_stages_keep_the_whole_state_as_megatron_describes_it(job, name):
+    runs = [rank[name] for rank in job]
+    for index, (target, _, _) in enumerate(runs[0]["switches"]):
+        before = assemble([run["switches"][index][1] for run in runs])
+        after = assemble([run["switches"][index][2] for run in runs])
         assert before and differences(before, after) == [], f"switch to {target}"
-    # the optimizer's step and settings came along (megatron's description of the param groups)
-    last = chain[0]["switches"][-1]
-    assert last[1]["steps"] == last[2]["steps"] and last[1]["groups"] == last[2]["groups"]
+        # the optimizer's step and settings came along (megatron's description of the param groups)
+        for run in runs:
+            (_, was, now) = run["switches"][index]
+            assert was["steps"] == now["steps"] == [2 + index] and was["groups"] == now["groups"], target
+    if name == "moe":  # every expert's weights and moments were among what was compared
+        assert {key for key in before if ".experts." in key and key.startswith("decoder.")}
 
 
 @pytest.mark.slow
-def test_each_rank_holds_its_chunks_layers_round_robin(chain):
+def test_each_rank_holds_its_chunks_layers_round_robin(job):
     # megatron's own layer numbers (1-based) in each model chunk of each rank (ranks 0 and 1 are
     # data-parallel replicas of pipeline rank 0 at dp2, order tp-cp-ep-dp-pp)
-    assert [chain[r]["chunks"]["dp2-tp1-pp2-vpp2"] for r in (0, 1, 2)] == [[[1, 2], [5, 6]]] * 2 + [[[3, 4], [7, 8]]]
-    assert [chain[r]["chunks"]["dp1-tp1-pp4-vpp2"] for r in (0, 1)] == [[[1], [5]], [[2], [6]]]
-    assert chain[0]["chunks"]["dp2-tp1-pp2-first3-last5"] == [[1, 2, 3]]
+    chunks = [rank["dense"]["chunks"] for rank in job]
+    assert [chunks[r]["dp2-tp1-pp2-vpp2"] for r in (0, 1, 2)] == [[[1, 2], [5, 6]]] * 2 + [[[3, 4], [7, 8]]]
+    assert [chunks[r]["dp1-tp1-pp4-vpp2"] for r in (0, 1)] == [[[1], [5]], [[2], [6]]]
+    assert chunks[0]["dp2-tp1-pp2-first3-last5"] == [[1, 2, 3]]
+    assert [rank["moe"]["chunks"]["dp2-tp1-pp2-vpp2-ep2-zero1"] for rank in job][::2] == [[[1], [3]], [[2], [4]]]
 
 
 @pytest.mark.slow
-def test_training_across_the_switches_matches_a_run_that_never_switched(chain):
-    losses, static, interleaved = chain[0]["losses"], chain[0]["static"], chain[0]["interleaved"]
-    assert all(rank["losses"] == losses for rank in chain)  # the same float on every rank
-    assert losses[:3] == static[:3]  # pp2, then pp2-vpp2: the same sums
-    assert losses == pytest.approx(static, rel=1e-5)  # tp2 and other splits sum in another order
-    assert interleaved == static  # interleaving from scratch: bit for bit
-    evaluated = chain[0]["evaluated"]
-    assert evaluated[0] == evaluated[1] and all(rank["evaluated"] == evaluated for rank in chain)
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_training_across_the_switches_matches_a_run_that_never_switched(job, name):
+    runs = [rank[name] for rank in job]
+    losses, static = runs[0]["losses"], runs[0]["static"]
+    assert all(run["losses"] == losses for run in runs)  # the same float on every rank
+    assert losses[:2] == static[:2]  # before the first switch: the same run
+    assert losses == pytest.approx(static, rel=1e-5)  # tp2, ZeRO-1 and other splits sum in another order
+    if name == "dense":  # the step after the switch to pp2-vpp2 (nothing else changed): the same sums
+        assert losses[2] == static[2]
+
+
+@pytest.mark.slow
+def test_interleaving_trains_and_evaluates_bit_for_bit_as_the_plain_pipeline(job):
+    dense = [rank["dense"] for rank in job]
+    assert dense[0]["interleaved"] == dense[0]["static"]
+    evaluated = dense[0]["evaluated"]
+    assert evaluated[0] == evaluated[1] and all(run["evaluated"] == evaluated for run in dense)
