@@ -4,7 +4,8 @@ hot switches into and out of them, in one spawned 4-process gloo job of a real m
 The job trains the same global batches along a chain of layouts, switching in memory between
 them: plain pp2, pp2 with two virtual stages, the same with ZeRO-1 (each chunk's buffers sharded
 over two data-parallel ranks), then with tp2, pp4 with two virtual stages, an uneven pp2, and back;
-and an MoE (experts over ep2, ZeRO-1, tp2 with etp1) into and out of pp2-vpp2. Around every switch
+and an MoE (experts over ep2, ZeRO-1, tp2 with etp1) into and out of pp2-vpp2, then to ep4 and
+tp2 without a pipeline. Around every switch
 each rank describes its whole training state through megatron itself (each chunk's
 ``sharded_state_dict()`` and the optimizer's, as Megatron-LM saves a model of chunks): assembled,
 the state after the switch must be the state before, bit for bit. The losses must be those of the
@@ -32,7 +33,8 @@ MOE = dict(hidden=32, layers=4, heads=4, query_groups=2, ffn_hidden=64, vocab_si
 CHAINS = {
     "dense": (DENSE, ["dp2-tp1-pp2", "dp2-tp1-pp2-vpp2", "dp2-tp1-pp2-vpp2-zero1", "dp1-tp2-pp2-vpp2-zero1",
                       "dp1-tp1-pp4-vpp2", "dp2-tp1-pp2-first3-last5", "dp2-tp1-pp2"]),
-    "moe": (MOE, ["dp2-tp1-pp2-ep2", "dp2-tp1-pp2-vpp2-ep2-zero1", "dp1-tp2-pp2-vpp2-ep2-etp1", "dp2-tp1-pp2-ep2"]),
+    "moe": (MOE, ["dp2-tp1-pp2-ep2", "dp2-tp1-pp2-vpp2-ep2-zero1", "dp1-tp2-pp2-vpp2-ep2-etp1",
+                  "dp4-tp1-pp1-ep4-etp1-zero1", "dp2-tp2-pp1-ep2"]),
 }
 GLOBAL_BATCH, SEED = 8, 1234
 OPTIMIZER = dict(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
