@@ -8,9 +8,9 @@ it was ready to train (``ready_at``, wall-clock, at ``on_train_start``).
 
 Models: ``tiny`` (worlds 1-4: ``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``; global batch 12),
 ``own`` (``examples/own_model.py``'s model of the user's at the tiny size, with megatron's
-scheduler; worlds 2-4: ``dp1-tp1-pp2``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``) and ``270m`` (the switch
-benchmark's GPT; worlds 2 and 4: ``dp1-tp2-pp1``, ``dp2-tp2-pp1``). Every process records the
-learning rate each step used (``lrs``).
+scheduler; worlds 2-4: ``dp1-tp1-pp2``, ``dp3-tp1-pp1``, ``dp1-tp2-pp2-vpp3``: three model chunks of
+one layer per stage) and ``270m`` (the switch benchmark's GPT; worlds 2 and 4: ``dp1-tp2-pp1``,
+``dp2-tp2-pp1``). Every process records the learning rate each step used (``lrs``).
 
 Options for tests and benchmarks: ``--step-seconds`` stretches each step (the compute of a bigger
 model) so that processes started later find the fit still running; ``--fingerprint-salt`` changes
@@ -57,7 +57,7 @@ MODELS = {
                  policy={1: "dp1-tp1-pp1", 2: "dp2-tp1-pp1", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"}),
     # examples/own_model.py's model of the user's (a ModelProvider, megatron's OptimizerParamScheduler)
     "own": dict(own=dict(layers=6, hidden=32, heads=4, ffn=64, seq=32), global_batch=12, seq_length=32,
-                policy={1: "dp1-tp1-pp1", 2: "dp1-tp1-pp2", 3: "dp3-tp1-pp1", 4: "dp2-tp2-pp1"}),
+                policy={1: "dp1-tp1-pp1", 2: "dp1-tp1-pp2", 3: "dp3-tp1-pp1", 4: "dp1-tp2-pp2-vpp3"}),
     "270m": dict(shape=dict(hidden=1024, layers=16, heads=16, ffn_hidden=4096, vocab_size=32000, seq_length=1024,
                             make_vocab_size_divisible_by=128),
                  global_batch=4, seq_length=128,

@@ -6,7 +6,8 @@ layouts at a constant global batch of 12: the GPT preset with every change built
 (``dp2-tp1-pp1``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``) and a rollout phase inside every fourth step
 (the static run has none: the losses show the phases changed nothing), and ``examples/own_model.py``'s model of the
 user's (its description read from megatron, megatron's learning-rate scheduler) with every change
-built in its pause (``dp1-tp1-pp2``, ``dp3-tp1-pp1``, ``dp2-tp2-pp1``).
+built in its pause (``dp1-tp1-pp2``, ``dp3-tp1-pp1``, ``dp1-tp2-pp2-vpp3``: its worlds of 4 train at
+three model chunks of one layer per stage, so changes go into and out of virtual stages).
 """
 
 from __future__ import annotations
