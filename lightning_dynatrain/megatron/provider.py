@@ -51,10 +51,10 @@ from lightning_dynatrain.vps.validate import validate_layout
 _PARALLEL_FIELDS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                     "context_parallel_size": 1, "expert_model_parallel_size": 1,
                     "expert_tensor_parallel_size": None, "sequence_parallel": False}
-#: config fields that split the layers over pipeline stages (the layout's ``-firstN``/``-lastN`` do here)
+#: config fields that split the layers over pipeline stages (the layout's ``-firstN``/``-lastN``/``-vppN`` do here)
 _PIPELINE_SPLIT_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                          "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-                          "account_for_loss_in_pipeline_split")
+                          "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout",
+                          "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
 def padded_vocab_size(vocab_size: int, config: TransformerConfig, divisible_by: int = 128) -> int:
@@ -119,8 +119,9 @@ class ModelProvider:
                       if getattr(self.config, k, None) not in (None, False)]
         if split_here:
             raise ModelSpecError(f"the model's TransformerConfig sets {', '.join(split_here)}",
-                                 hint="leave the pipeline split out of the config: the layout states it, evenly "
-                                      "or with the end stages' layers, e.g. 'dp1-tp1-pp4-first1-last1'")
+                                 hint="leave the pipeline split out of the config: the layout states it, evenly, "
+                                      "with the end stages' layers or virtual stages, e.g. 'dp1-tp1-pp4-first1-last1' "
+                                      "or 'dp1-tp1-pp4-vpp2'")
 
     # ------------------------------------------------------------------------------ sizes
     @property

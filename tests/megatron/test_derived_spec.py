@@ -189,7 +189,7 @@ def test_a_config_with_parallel_sizes_is_refused() -> None:
 
 
 def test_a_config_with_a_pipeline_split_is_refused() -> None:
-    """The layout states how layers split over stages (``-firstN``/``-lastN``); a config saying it too is
+    """The layout states how layers split over stages (``-firstN``/``-lastN``/``-vppN``); a config saying it too is
     refused at once, before any layout could disagree with it."""
     from megatron.core.transformer import TransformerConfig
 
@@ -199,4 +199,9 @@ def test_a_config_with_a_pipeline_split_is_refused() -> None:
                                account_for_embedding_in_pipeline_split=True)
     with pytest.raises(ModelSpecError, match="sets account_for_embedding_in_pipeline_split=True.*"
                                              "the layout states it.*'dp1-tp1-pp4-first1-last1'"):
+        ModelProvider(config=config, model_provider=lambda **kw: None, forward_step=lambda it, model: None)
+    # and the virtual stages (``-vppN``)
+    config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4,
+                               virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ModelSpecError, match="sets virtual_pipeline_model_parallel_size=2.*'dp1-tp1-pp4-vpp2'"):
         ModelProvider(config=config, model_provider=lambda **kw: None, forward_step=lambda it, model: None)
