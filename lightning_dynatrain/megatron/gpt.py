@@ -374,19 +374,12 @@ def build_gpt_model(
 
     def build_one(stage: ChunkStage) -> GPTModel:
         with device_kind(device if device is not None else "cpu").megatron_context():
-            chunk = GPTModel(
-                config=config,
-                transformer_layer_spec=layer_spec(shape),
-                vocab_size=padded_vocab_size(shape, layout.tp),
-                max_sequence_length=shape.seq_length,
-                pre_process=stage.pre_process,
-                post_process=stage.post_process,
-                share_embeddings_and_output_weights=shape.tied_embeddings,
-                position_embedding_type=shape.position_embedding,
-                parallel_output=True,
-                pg_collection=pgs,
-                vp_stage=stage.vp_stage,
-            )
+            chunk = GPTModel(config=config, transformer_layer_spec=layer_spec(shape),
+                             vocab_size=padded_vocab_size(shape, layout.tp), max_sequence_length=shape.seq_length,
+                             pre_process=stage.pre_process, post_process=stage.post_process,
+                             share_embeddings_and_output_weights=shape.tied_embeddings,
+                             position_embedding_type=shape.position_embedding, parallel_output=True,
+                             pg_collection=pgs, vp_stage=stage.vp_stage)
         if initialize:
             init_layout_independent(chunk, shape, layout, seed=seed, pg_collection=pgs)
         else:
