@@ -407,13 +407,13 @@ def gpt_provider(shape: GPTShape) -> "ModelProvider":
 
 
 def _gpt_module(shape: GPTShape, config: TransformerConfig, pg_collection: ProcessGroupCollection, pre_process: bool,
-                post_process: bool) -> GPTModel:
+                post_process: bool, vp_stage: int | None = None) -> GPTModel:
     return GPTModel(config=config, transformer_layer_spec=layer_spec(shape),
                     vocab_size=padded_vocab_size(shape, config.tensor_model_parallel_size),
                     max_sequence_length=shape.seq_length, pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=shape.tied_embeddings,
                     position_embedding_type=shape.position_embedding, parallel_output=True,
-                    pg_collection=pg_collection)
+                    pg_collection=pg_collection, vp_stage=vp_stage)
 
 
 def release_rope_caches() -> None:
