@@ -88,6 +88,22 @@ def test_auto_keeps_only_layouts_whose_state_fits_memory():
         _choose("auto", 4, memory_per_rank=1)
 
 
+def test_auto_weighs_virtual_stages_smaller_bubble_against_their_transfers():
+    """Under a memory bound only pipelined layouts meet (tp4 does not divide 2 heads), two virtual
+    stages win where transfers cost nothing (half the bubble) and lose where they are slow (twice
+    the transfers); the state a rank holds is the same with or without them."""
+    shape = GPTShape(hidden=32, layers=8, heads=2, ffn_hidden=64, vocab_size=256, seq_length=32)
+    spec = logical_spec(shape)
+    limit = rank_state_bytes(ParallelConfig.parse("dp1-tp1-pp4"), spec, Precision.FP32)
+    assert rank_state_bytes(ParallelConfig.parse("dp1-tp1-pp4-vpp2"), spec, Precision.FP32) == limit
+    free = StepModel(links=LinkModel(intra_node=1e30, inter_node=1e30, local_copy=1e30))
+    slow = StepModel(links=LinkModel(intra_node=1e6, inter_node=1e6, local_copy=1e9))
+    chosen = {name: _choose("auto", 4, shape=shape, global_batch=8, memory_per_rank=limit, model=model)
+              for name, model in (("free", free), ("slow", slow))}
+    assert str(chosen["free"].layout) == "dp1-tp2-pp2-vpp2" and "dp1-tp2-pp2 1.06x" in chosen["free"].reason
+    assert str(chosen["slow"].layout) == "dp1-tp1-pp4" and "dp1-tp1-pp4-vpp2 2.00x" in chosen["slow"].reason
+
+
 def test_an_elastic_fit_refuses_lightnings_own_launcher_with_more_than_one_process():
     from lightning.fabric.plugins.environments import LightningEnvironment
 

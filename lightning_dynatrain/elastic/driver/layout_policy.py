@@ -11,14 +11,19 @@ given, and picks the one with the shortest modelled step time; layouts within 1%
 tie, broken by the fewest bytes the switch moves. The model of a step (``StepModel``):
 
 - compute: ``6 * parameters * tokens / (world * peak_flops)``, stretched by the pipeline bubble
-  ``(pp - 1) / microbatches``;
+  ``(pp - 1) / (vpp * microbatches)`` (two virtual stages halve it);
 - tensor parallel: four all-reduces of each layer's activations per micro-batch (forward and
   backward), ``2 (tp-1)/tp`` of the bytes each, over the intra-node links;
-- pipeline: each micro-batch's activations sent on, and their gradients back, between stages;
+- pipeline: each micro-batch's activations sent on, and their gradients back, between stages
+  (``vpp`` times as often with virtual stages: each chunk hands on to the next);
 - data parallel: the gradient all-reduce, ``2 (dp-1)/dp`` of the rank's gradient bytes.
 
 It ranks layouts; it does not predict seconds. Where no layout of the new size is valid, the
-policy refuses with the reason (``LayoutError``); it never changes the global batch.
+policy refuses with the reason (``LayoutError``); it never changes the global batch. Every layout
+with a pipeline is also weighed with two virtual stages (``-vpp2``, where the layers and the
+micro-batches allow it): the state a rank holds is the same with or without them, so the memory
+filter never prefers them; only the modelled bubble against the transfers decides. Uneven splits
+(``-firstN``/``-lastN``) are never proposed: the model counts parameters per rank, not per stage.
 
 Example::
 
@@ -122,12 +127,13 @@ def choose_layout(policy: "str | dict[int, ParallelConfig]", *, world: int, sour
 
 def candidate_layouts(world: int, current: ParallelConfig) -> list[ParallelConfig]:
     """Dense layouts of ``world`` processes (``tp * pp * dp``), keeping ``current``'s ZeRO stage
-    where data parallelism remains."""
+    where data parallelism remains; each with a pipeline also with two virtual stages."""
     out = []
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            out.append(ParallelConfig(dp=dp, tp=tp, pp=pp, zero=current.zero if dp > 1 else 0))
+            for vpp in (1, 2) if pp > 1 else (1,):
+                out.append(ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=vpp, zero=current.zero if dp > 1 else 0))
     return out
 
 
@@ -137,11 +143,12 @@ def step_seconds(layout: ParallelConfig, spec: ModelSpec, shape: "ModelSource", 
     tokens = global_batch_size * shape.seq_length
     microbatches = global_batch_size // (layout.dp * micro_batch_size)
     compute = 6 * spec.parameters * tokens / (layout.world_size * model.peak_flops)
-    bubble = (layout.pp - 1) / microbatches
+    bubble = (layout.pp - 1) / (layout.vpp * microbatches)
     act_bytes = 2 if precision.params == "bf16" else 4
     tp_bytes = (shape.layers / layout.pp) * 4 * 2 * (layout.tp - 1) / layout.tp * \
         (global_batch_size / layout.dp) * shape.seq_length * shape.hidden * act_bytes
-    pp_bytes = 2 * microbatches * micro_batch_size * shape.seq_length * shape.hidden * act_bytes if layout.pp > 1 else 0
+    pp_bytes = 2 * layout.vpp * microbatches * micro_batch_size * shape.seq_length * shape.hidden * act_bytes \
+        if layout.pp > 1 else 0
     dp_bytes = 2 * (layout.dp - 1) / layout.dp * spec.parameters / (layout.tp * layout.pp) * 4
     return compute * (1 + bubble) + (tp_bytes + pp_bytes + dp_bytes) / model.links.intra_node
 
@@ -178,7 +185,8 @@ def _auto(world, shape, global_batch_size, micro_batch_size, current, precision,
         try:
             valid.append(check(layout))
         except DynaTrainError as err:
-            refused.append(f"{layout}: {str(err).split('. HINT')[0]}")
+            if layout.vpp == 1:  # (a refused virtual-stage variant says what its plain layout says, or less)
+                refused.append(f"{layout}: {str(err).split('. HINT')[0]}")
     if memory_per_rank is not None:
         fits = [lay for lay in valid if rank_state_bytes(lay, spec, precision) <= memory_per_rank]
         refused += [f"{lay}: its state takes {rank_state_bytes(lay, spec, precision) / 2**30:.2f} GiB a rank"
