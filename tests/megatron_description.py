@@ -41,8 +41,8 @@ def describe(state: Any) -> dict:
     each chunk's description, under ``model0``, ``model1``, ... as Megatron-LM saves them).
     Collective: megatron gathers the distributed optimizer's shards over each data-parallel group.
     Returns ``{"pieces": [...], "steps": [...], "groups": [...]}``: each piece ``(key, global_shape,
-    global_offset, prepend_axes, main, bits, dtype)`` with the local data's bits (an integer view: bf16 and NaN compare exactly); the
-    optimizer's step and param groups' settings (``optimizer_settings``).
+    global_offset, prepend_axes, main, bits, dtype)`` with the local data's bits (an integer view: bf16
+    and NaN compare exactly); the optimizer's step and param groups' settings (``optimizer_settings``).
     """
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
