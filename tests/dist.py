@@ -33,13 +33,16 @@ class DistributedTestError(AssertionError):
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-                    collective_timeout_s: float | None = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
+                    collective_timeout_s: float | None = None, backend: str = "gloo", daemon: bool = True,
+                    **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks (gloo, or ``backend="nccl"``).
 
     Args:
         timeout_s: wall-clock limit of the whole run; the children are killed after it.
         collective_timeout_s: gloo's per-collective timeout in the children (default: ``timeout_s``).
             Set it lower to get a child's traceback of where it hung instead of a plain timeout.
+        daemon: daemon children, killed with the test process. ``False`` for a job whose ranks
+            start processes of their own (megatron's checkpoint writer does).
 
     Returns:
         The per-rank return values (picklable), indexed by rank.
@@ -51,7 +54,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     try:
         return spawn_job(fn, world_size, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s or timeout_s,
-                         backend=backend, daemon=True, error_grace_s=3.0, stamp_entry=False, fn_kwargs=kwargs)
+                         backend=backend, daemon=daemon, error_grace_s=3.0, stamp_entry=False, fn_kwargs=kwargs)
     except JobError as err:
         raise DistributedTestError(str(err)) from None
 

@@ -12,7 +12,8 @@ fp32 one none: the parameter is its own main copy. Both are read too.)
 layout, any layout, zero1 or not:
 
 - the model: megatron's own ``model.sharded_state_dict()`` and ``dist_checkpointing.load``, as a
-  plain megatron load does;
+  plain megatron load does (at virtual pipeline stages, of each model chunk: each describes its
+  layers at their global place, so any pipeline split reads any other);
 - the optimizer: not through ``DistributedOptimizer.sharded_state_dict``. Megatron 0.16.1 loads
   this format only into a distributed optimizer (into a non-distributed one:
   ``KeyError: 'pre_wd_mult'``), and only after two fixes on a CPU without Apex/Transformer Engine
@@ -96,14 +97,18 @@ def _main_prefix(entries: dict, saved: dict) -> str | None:
 
 
 def _optimizer_common(path: str) -> tuple[float, list[dict]]:
-    """Adam's step and the param groups from the checkpoint's common part."""
+    """Adam's step and the param groups from the checkpoint's common part: the distributed optimizer
+    keeps the step in each param group, the others as the state's ``common_step``."""
     groups: list[dict] = []
     sharding: list[Any] = []
+    common_steps: list[float] = []
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
             if isinstance(node.get("param_groups"), list):
                 groups.extend(node["param_groups"])
+            if isinstance(node.get("state"), dict) and "common_step" in node["state"]:
+                common_steps.append(float(node["state"]["common_step"]))
             if "param_state_sharding_type" in node:
                 sharding.append(node["param_state_sharding_type"])
             for value in node.values():
@@ -115,7 +120,7 @@ def _optimizer_common(path: str) -> tuple[float, list[dict]]:
         raise CheckpointError(f"megatron checkpoint {path} holds its distributed optimizer in the {bad[0]!r} format",
                               hint="save it with metadata={'distrib_optim_sharding_type': 'fully_reshardable'}; "
                                    "that format reshards to any layout")
-    steps = {g.get("step") for g in groups} - {None}
+    steps = ({g.get("step") for g in groups} | set(common_steps)) - {None}
     if len(steps) != 1:
         raise CheckpointError(f"megatron checkpoint {path} has no single Adam step in its param groups ({steps})",
                               hint="load it without the optimizer (a model-only start) or save it with megatron's "
@@ -161,8 +166,7 @@ def load_megatron_checkpoint(path: str | Path, *, model: torch.nn.Module, state:
 
     Raises:
         CheckpointError: ``path`` is no megatron checkpoint, or its optimizer state is in a format
-            this reader does not take (``dp_reshardable``), or has no Adam step; or ``model`` is
-            model chunks (a layout with virtual pipeline stages).
+            this reader does not take (``dp_reshardable``), or has no Adam step.
         CheckpointMismatchError: it holds another model (keys, shapes or dtypes differ).
     """
     from lightning_dynatrain.megatron.optimizer import set_group_settings
@@ -170,9 +174,6 @@ def load_megatron_checkpoint(path: str | Path, *, model: torch.nn.Module, state:
 
     path = str(path)
     saved = _check_is_megatron(path)
-    if len(chunk_list(model)) > 1:
-        raise CheckpointError(f"{path}: importing a megatron checkpoint into model chunks (virtual pipeline stages) "
-                              "is not built", hint="start the run at vpp1 and switch to the virtual stages after")
     kind = device_kind(next(model.parameters()).device)
     with kind.megatron_context():
         sharded = model.sharded_state_dict(metadata=dict(_METADATA))
@@ -188,7 +189,9 @@ def load_megatron_checkpoint(path: str | Path, *, model: torch.nn.Module, state:
                                        for what, prefix in kinds.items()} for name, entry in entries.items()}
     with kind.megatron_context():
         loaded = dist_checkpointing.load(request, path)
-    model.load_state_dict(loaded["model"])
+    chunks = chunk_list(model)
+    for index, chunk in enumerate(chunks):  # model chunks: each described under its index
+        chunk.load_state_dict(loaded["model"][str(index)] if len(chunks) > 1 else loaded["model"])
     if state is not None:
         materialize_optimizer_state(state.optimizer, int(step))
         set_group_settings(state.optimizer, settings)

@@ -16,6 +16,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -140,5 +141,17 @@ def checkpoint_write_results_queue() -> Any:
     return public() if public is not None else filesystem_async._get_write_results_queue()
 
 
-__all__ = ["checkpoint_write_results_queue", "forget_megatron_groups", "groups_as_globals", "megatron_groups",
+def in_process_checkpoint_write_results() -> None:
+    """Let megatron's checkpoint writer report a synchronous save through a plain in-process queue
+    instead of the ``multiprocessing.Manager`` it starts at a process's first save (a fresh
+    interpreter, about 10 s on a CPU): a synchronous save's results never cross a process. Keeps a
+    queue already there. ``_results_queue`` is private in every megatron-core this project supports."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+__all__ = ["checkpoint_write_results_queue", "forget_megatron_groups", "groups_as_globals",
+           "in_process_checkpoint_write_results", "megatron_groups",
            "optimizer_states_loaded_without_step", "shard_range"]

@@ -5,14 +5,16 @@ The job trains the same global batches along a chain of layouts, switching in me
 them: plain pp2, pp2 with two virtual stages, the same with ZeRO-1 (each chunk's buffers sharded
 over two data-parallel ranks), then with tp2, pp4 with two virtual stages, an uneven pp2, and back;
 and an MoE (experts over ep2, ZeRO-1, tp2 with etp1) into and out of pp2-vpp2, then to ep4 and
-tp2 without a pipeline. Around every switch
-each rank describes its whole training state through megatron itself (each chunk's
-``sharded_state_dict()`` and the optimizer's, as Megatron-LM saves a model of chunks): assembled,
-the state after the switch must be the state before, bit for bit. The losses must be those of the
-same steps at a layout that never switched, to rounding where tp changes the order of a sum, and
-bit for bit where only the interleaving differs. A second run from scratch at ``pp2-vpp2`` trains
-bit for bit as the same steps at plain ``pp2`` (megatron's interleaved schedule computes the same
-sums as its 1F1B), and evaluates a batch to the same loss.
+tp2 without a pipeline. Around every switch each rank describes its whole training state through
+megatron itself (each chunk's ``sharded_state_dict()`` and the optimizer's, as Megatron-LM saves a
+model of chunks): assembled, the state after the switch must be the state before, bit for bit.
+The losses must be those of the same steps at a layout that never switched, to rounding where tp
+changes the order of a sum, and bit for bit where only the interleaving differs. A second run from
+scratch at ``pp2-vpp2`` trains bit for bit as the same steps at plain ``pp2`` (megatron's
+interleaved schedule computes the same sums as its 1F1B), and evaluates a batch to the same loss.
+Megatron's own ``dist_checkpointing`` writes the dense chain's last state and
+``load_megatron_checkpoint`` reads it into model chunks at another layout: the same state as
+megatron describes it.
 """
 
 from __future__ import annotations
@@ -37,14 +39,32 @@ CHAINS = {
                   "dp4-tp1-pp1-ep4-etp1-zero1", "dp2-tp2-pp1-ep2"]),
 }
 GLOBAL_BATCH, SEED = 8, 1234
+#: where a megatron checkpoint of the dense chain's last state (dp2-tp1-pp2, no ZeRO) is imported
+IMPORT_LAYOUT = "dp1-tp2-pp2-vpp2-zero1"
 OPTIMIZER = dict(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 
 
-def _chain_job(rank: int, world_size: int) -> dict:
-    return {name: _chain(rank, *CHAINS[name], interleaved_too=name == "dense") for name in CHAINS}
+def _chain_job(rank: int, world_size: int, checkpoint: str) -> dict:
+    return {name: _chain(rank, *CHAINS[name], dense=name == "dense", checkpoint=checkpoint) for name in CHAINS}
 
 
-def _chain(rank: int, shape_kwargs: dict, chain: list[str], *, interleaved_too: bool) -> dict:
+def _megatron_import(state, built, path: str) -> tuple[dict, dict]:
+    """megatron's own ``dist_checkpointing`` writes ``state``; ``load_megatron_checkpoint`` reads it
+    into a fresh state at ``IMPORT_LAYOUT`` (model chunks). Both as megatron describes them."""
+    from benchmarks.baselines import megatron_ckpt
+    from lightning_dynatrain.checkpoint.megatron_import import load_megatron_checkpoint
+    from lightning_dynatrain.compat.megatron_internals import in_process_checkpoint_write_results
+    from tests.megatron_description import describe
+
+    in_process_checkpoint_write_results()  # a synchronous save: no helper process (the files are the same)
+    saved = describe(state)
+    megatron_ckpt.save(state, path)
+    imported = built(IMPORT_LAYOUT)
+    load_megatron_checkpoint(path, model=imported.model, state=imported)
+    return saved, describe(imported)
+
+
+def _chain(rank: int, shape_kwargs: dict, chain: list[str], *, dense: bool, checkpoint: str) -> dict:
     import torch
 
     from lightning_dynatrain.megatron.gpt import GPTShape, build_gpt_model
@@ -93,10 +113,12 @@ def _chain(rank: int, shape_kwargs: dict, chain: list[str], *, interleaved_too: 
         out["switches"].append((text, before, describe(state)))
         out["chunks"][text] = [[layer.layer_number for layer in ddp.module.decoder.layers] for ddp in state.chunks]
         out["losses"] += train(state, 1, len(out["losses"]))
+    if dense:
+        out["imported"] = _megatron_import(state, built, checkpoint)
     # the same steps at the first layout without a switch, and from scratch at pp2-vpp2; then each
     # evaluates the next batch (megatron's forward-only schedule, interleaved for the second)
     out["evaluated"] = []
-    for text, key in ((chain[0], "static"), *([("dp2-tp1-pp2-vpp2", "interleaved")] if interleaved_too else [])):
+    for text, key in ((chain[0], "static"), *([("dp2-tp1-pp2-vpp2", "interleaved")] if dense else [])):
         state = built(text)
         out[key] = train(state, len(out["losses"]), 0)
         rows = tokens[-GLOBAL_BATCH:][state.layout.dense_coord(rank).dp::state.layout.dp]
@@ -107,8 +129,10 @@ def _chain(rank: int, shape_kwargs: dict, chain: list[str], *, interleaved_too: 
 
 
 @pytest.fixture(scope="module")
-def job() -> list[dict]:
-    return run_distributed(_chain_job, 4, timeout_s=300)
+def job(tmp_path_factory) -> list[dict]:
+    # megatron's checkpoint writer starts processes of its own: the ranks cannot be daemons
+    return run_distributed(_chain_job, 4, str(tmp_path_factory.mktemp("megatron_checkpoint")), timeout_s=300,
+                           daemon=False)
 
 
 @pytest.mark.slow
@@ -156,3 +180,18 @@ def test_interleaving_trains_and_evaluates_bit_for_bit_as_the_plain_pipeline(job
     assert dense[0]["interleaved"] == dense[0]["static"]
     evaluated = dense[0]["evaluated"]
     assert evaluated[0] == evaluated[1] and all(run["evaluated"] == evaluated for run in dense)
+
+
+@pytest.mark.slow
+def test_a_megatron_checkpoint_is_imported_into_model_chunks_bit_for_bit(job):
+    """megatron's own ``dist_checkpointing`` wrote the dense chain's last state at ``dp2-tp1-pp2``
+    (Megatron-LM's format); ``load_megatron_checkpoint`` read it into ``IMPORT_LAYOUT``'s model
+    chunks and distributed optimizer: as megatron describes both, the same state bit for bit, with
+    Adam's step and the param groups' settings."""
+    saved = assemble([rank["dense"]["imported"][0] for rank in job])
+    imported = assemble([rank["dense"]["imported"][1] for rank in job])
+    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in saved), sorted(saved)
+    assert differences(saved, imported) == []
+    for rank in job:
+        was, now = rank["dense"]["imported"]
+        assert was["steps"] == now["steps"] and was["groups"] == now["groups"]

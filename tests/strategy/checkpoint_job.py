@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import os
-import queue
 from pathlib import Path
 
 from tests.dist import run_distributed
@@ -130,14 +129,10 @@ def _megatron_save(path: Path):
         saved: dict | None = None
 
         def on_train_end(self, trainer, pl_module):
-            from megatron.core.dist_checkpointing.strategies import filesystem_async
-
             from benchmarks.baselines import megatron_ckpt
+            from lightning_dynatrain.compat.megatron_internals import in_process_checkpoint_write_results
 
-            # megatron's writer reports its results through a multiprocessing.Manager queue it
-            # starts at a process's first save (a fresh interpreter, ~10 s here); a synchronous
-            # save only needs a queue in this process. The files written are the same.
-            filesystem_async._results_queue = filesystem_async._results_queue or queue.Queue()
+            in_process_checkpoint_write_results()  # a synchronous save: no helper process (the files are the same)
             megatron_ckpt.save(trainer.strategy.megatron, str(path))
             self.saved = local_state(trainer.strategy)
 
@@ -270,10 +265,7 @@ def _world2_job(rank: int, world_size: int, path: str) -> dict:
 
 def run_checkpoint4(tmp: str) -> list[dict]:
     # megatron's checkpoint writer starts processes of its own: the ranks cannot be daemons
-    from benchmarks.baselines.launch import spawn_job
-
-    return spawn_job(_world4_job, 4, tmp, timeout_s=600, collective_timeout_s=240, error_grace_s=3.0,
-                     stamp_entry=False)
+    return run_distributed(_world4_job, 4, tmp, timeout_s=600, collective_timeout_s=240, daemon=False)
 
 
 def run_checkpoint2(path: str) -> list[dict]:
