@@ -1,14 +1,16 @@
 """The survivors of a rank that died rebuild the whole training state from the replicas they hold.
 
-Four processes train a real megatron GPT at ``dp2-tp2-pp1`` (Adam, fp32) on world generation 0;
-rank 1 then dies (``os._exit``, after leaving its local tensors in the store for the comparison).
-The three survivors build generation 1 among themselves (``elastic.world``), install it, and run
+Four processes train a real megatron GPT at ``dp2-tp1-pp2-vpp2`` (two virtual stages per pipeline
+rank, megatron's interleaved schedule; Adam, fp32) on world generation 0; rank 1 then dies
+(``os._exit``, after leaving its local tensors in the store for the comparison). The three
+survivors build generation 1 among themselves (``elastic.world``), install it, and run
 ``hot_switch`` to ``dp3-tp1-pp1`` with ``Members.after_loss``: the planner reads every box from a
-surviving holder (rank 1's tensor-parallel half has a data-parallel replica on rank 3), over the
-new world only. The parent assembles the full state (every param and both Adam moments) as megatron
-itself describes it (``tests/megatron_description.py``, not the library's mapping) from the four ranks
-before and from the three after: bit for bit the same. Training then goes on at the new layout on the
-same global batches.
+surviving holder (rank 1's two model chunks of the first pipeline stage have a data-parallel
+replica on rank 0), over the new world only. The parent assembles the full state (every param and
+both Adam moments) as megatron itself describes it (each chunk's ``sharded_state_dict()``,
+``tests/megatron_description.py``, not the library's mapping) from the four ranks before and from
+the three after: bit for bit the same. Training then goes on at the new layout on the same global
+batches.
 
 A ZeRO-1 shard only the dead held: the plan's refusal is ``tests/vps/test_lost_state.py``'s, the
 fit that ends naming it ``tests/elastic/test_recovery_fit.py``'s.
@@ -35,7 +37,7 @@ from tests.megatron_description import assemble, describe, differences
 
 pytestmark = pytest.mark.slow
 
-SRC, DST, DEAD = "dp2-tp2-pp1", "dp3-tp1-pp1", 1
+SRC, DST, DEAD = "dp2-tp1-pp2-vpp2", "dp3-tp1-pp1", 1
 OPTIMIZER = dict(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 
 
@@ -45,7 +47,7 @@ def _member(name: str, address: str, rank: int, source: str) -> dict:
     from lightning_dynatrain.elastic.world import NextWorld, build_group, install, retire
     from lightning_dynatrain.megatron.gpt import build_gpt_model
     from lightning_dynatrain.megatron.hot_switch import SwitchSetup, hot_switch
-    from lightning_dynatrain.megatron.optimizer import build_ddp_and_optimizer
+    from lightning_dynatrain.megatron.optimizer import adam_config, build_ddp_chunks_and_optimizer
     from lightning_dynatrain.megatron.parallel_state_adapter import destroy, initialize_for_layout
     from lightning_dynatrain.megatron.state import MegatronState
     from lightning_dynatrain.megatron.train_step import run_train_step
@@ -65,11 +67,12 @@ def _member(name: str, address: str, rank: int, source: str) -> dict:
         local = tokens[dp_rank * per:(dp_rank + 1) * per]
         batch = {"tokens": local[:, :-1].contiguous(), "labels": local[:, 1:].contiguous()}
         set_lr_and_wd(state.optimizer, lr=OPTIMIZER["lr"], weight_decay=OPTIMIZER["weight_decay"])
-        return [run_train_step(state.ddp, state.optimizer, batch, state.layout, MICROBATCHES) for _ in range(steps)]
+        return [run_train_step(state.chunks, state.optimizer, batch, state.layout, MICROBATCHES) for _ in range(steps)]
 
     pgs = initialize_for_layout(src, seed=SEED)
-    ddp, optimizer = build_ddp_and_optimizer(build_gpt_model(shape, src, seed=SEED), src, **OPTIMIZER)
-    state = MegatronState(layout=src, groups=pgs, chunks=(ddp,), optimizer=optimizer)
+    chunks, optimizer = build_ddp_chunks_and_optimizer(build_gpt_model(shape, src, seed=SEED), src,
+                                                       config=adam_config(**OPTIMIZER), pg_collection=pgs)
+    state = MegatronState(layout=src, groups=pgs, chunks=chunks, optimizer=optimizer)
     losses = train(state, rank, 2)
     before = describe(state)
     dist.barrier()  # every rank has its state of step 2
