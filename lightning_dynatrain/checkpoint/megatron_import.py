@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_dynatrain.checkpoint.identity import CheckpointError, CheckpointMismatchError
 from lightning_dynatrain.devices import device_kind
@@ -53,11 +55,24 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 _READABLE = ("fully_reshardable", "fully_sharded_model_space", None)
 
 
-def _check_is_megatron(path: str) -> dict[str, Any]:
+class SavedTensor(NamedTuple):
+    """A tensor of the checkpoint, as its metadata states it."""
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _check_is_megatron(path: str) -> dict[str, SavedTensor]:
+    """Each tensor the checkpoint holds, by key, from the metadata of the ``torch_dist`` format megatron
+    writes (torch's own reader). Not megatron's ``load_tensors_metadata``: it rebuilds each entry with
+    ``torch.empty(**properties)``, which fails where torch's tensor properties hold a field
+    ``torch.empty`` does not take (``strides``: megatron-core 0.19.2 with torch 2.15)."""
     if not dist_checkpointing.check_is_distributed_checkpoint(path):
         raise CheckpointError(f"{path} is not a megatron dist_checkpointing checkpoint (no metadata.json)",
                               hint="pass the directory dist_checkpointing.save wrote (one iteration's directory)")
-    return {key: sh for key, sh in dist_checkpointing.load_tensors_metadata(path).items()}
+    metadata = FileSystemReader(path).read_metadata()
+    return {key: SavedTensor(tuple(meta.size), meta.properties.dtype)
+            for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
 
 
 def _param_entries(model: torch.nn.Module, sharded: dict) -> dict[str, ShardedTensor | ShardedTensorFactory]:
