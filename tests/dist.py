@@ -1,9 +1,13 @@
-"""Run a test function in N real processes (``torch.multiprocessing`` spawn, gloo on 127.0.0.1).
+"""Run a test function in N real processes (gloo on 127.0.0.1).
 
 No mocks: each child initialises a real ``torch.distributed`` gloo group, runs the function and
 sends back its return value or its traceback text. The parent re-raises the children's
 tracebacks, and fails (killing the children it started) when the run exceeds the timeout. The
-spawning is the library's (``benchmarks.baselines.launch.spawn_job``).
+spawning is the library's (``benchmarks.baselines.launch.spawn_job``), warm: the children are
+forked from one server process that imported torch, megatron-core and Lightning once for the
+whole session (``process_context``), not fresh interpreters (seconds of CPU each), with the
+parent's environment of the moment. Tests that need a fresh interpreter or a real launcher run
+``torchrun``, ``fabric run``, ``accelerate launch`` or ``srun`` themselves.
 
 Example::
 
@@ -53,8 +57,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             longer than ``timeout_s``.
     """
     try:
-        return spawn_job(fn, world_size, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s or timeout_s,
-                         backend=backend, daemon=daemon, error_grace_s=3.0, stamp_entry=False, fn_kwargs=kwargs)
+        return spawn_job(fn, world_size, *args, timeout_s=timeout_s,
+                         collective_timeout_s=collective_timeout_s or timeout_s, backend=backend, daemon=daemon,
+                         error_grace_s=3.0, warm=True, stamp_entry=False, fn_kwargs=kwargs)
     except JobError as err:
         raise DistributedTestError(str(err)) from None
 

@@ -32,9 +32,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: What a warm start's server imports once (seconds of CPU each time a fresh interpreter does).
+WARM_IMPORTS = ("torch", "torch.distributed", "megatron.core", "lightning.pytorch")
+#: The server's environment at its start: one compute thread, as a spawned child sets before it
+#: imports torch, so that no BLAS or OpenMP thread exists in the server when it forks.
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def process_context(*, warm: bool) -> Any:
+    """The ``multiprocessing`` context children start from. ``warm=False``: ``spawn``, a fresh
+    interpreter each (what a restart pays). ``warm=True``: ``forkserver`` with ``WARM_IMPORTS``
+    preloaded: one server process imports them once and each child is forked from it, before any
+    thread, tensor or process group exists there. A child then holds the server's environment, not
+    the parent's of the moment: give it ``os.environ`` and call ``take_environment`` first."""
+    import torch.multiprocessing as mp
+
+    if not warm:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(WARM_IMPORTS))
+    _start_forkserver()
+    return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the server once (a no-op after), under ``_ONE_THREAD``; the parent's environment is as before."""
+    from multiprocessing import forkserver
+
+    saved = {name: os.environ.get(name) for name in _ONE_THREAD}
+    os.environ.update(_ONE_THREAD)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def take_environment(environ: dict[str, str]) -> None:
+    """In a child: the environment the parent had when it started the child (``process_context``)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict, results: Any,
-           collective_timeout_s: float, backend: str, stamp_entry: bool) -> None:
+           collective_timeout_s: float, backend: str, stamp_entry: bool, environ: dict[str, str]) -> None:
     entered = time.time()  # the interpreter is up and ``fn``'s module imported (unpickling it does)
+    take_environment(environ)
     if backend != "nccl":
         os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -60,7 +106,8 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 def spawn_job(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 1800.0,
               collective_timeout_s: float = 900.0, backend: str = "gloo", daemon: bool = False,
-              error_grace_s: float = 0.0, stamp_entry: bool = True, fn_kwargs: dict | None = None) -> list[Any]:
+              error_grace_s: float = 0.0, stamp_entry: bool = True, fn_kwargs: dict | None = None,
+              warm: bool = False) -> list[Any]:
     """Run ``fn(rank, world, *args, **fn_kwargs)`` on ``world`` fresh processes; return the per-rank
     values (picklable) once all have exited.
 
@@ -74,17 +121,19 @@ def spawn_job(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
             first to arrive is not always the cause).
         stamp_entry: a rank's ``dict`` result gets ``process_entered_at``, the wall-clock time its
             interpreter was up with ``fn``'s module imported (what a restart's start-up costs).
+        warm: fork the children from a server that imported torch, megatron and Lightning once
+            (``process_context``) instead of a fresh interpreter each: for tests, never for what a
+            restart costs.
 
     Raises:
         JobError: a rank raised (the tracebacks are in the message), died, or the job timed out.
     """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = process_context(warm=warm)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, fn_kwargs or {}, results,
-                                              collective_timeout_s, backend, stamp_entry), daemon=daemon)
+                                              collective_timeout_s, backend, stamp_entry, dict(os.environ)),
+                         daemon=daemon)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -133,4 +182,4 @@ def _more_errors(results: Any, grace_s: float) -> list[tuple[int, str]]:
     return errors
 
 
-__all__ = ["JobError", "free_port", "spawn_job"]
+__all__ = ["JobError", "WARM_IMPORTS", "free_port", "process_context", "spawn_job", "take_environment"]

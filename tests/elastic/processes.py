@@ -20,10 +20,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.baselines.launch import process_context, take_environment
 from tests.dist import DistributedTestError
 
 
-def _child(name: str, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _child(name: str, fn: Callable[..., Any], args: tuple, results: Any, environ: dict[str, str]) -> None:
+    take_environment(environ)
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import torch
@@ -35,17 +37,16 @@ def _child(name: str, fn: Callable[..., Any], args: tuple, results: Any) -> None
 
 
 class Processes:
-    """Named spawned processes, each running ``fn(name, *args)``; their return values by name."""
+    """Named processes (forked from a warm server: ``process_context``), each running ``fn(name, *args)``;
+    their return values by name."""
 
     def __init__(self) -> None:
-        import torch.multiprocessing as mp
-
-        self._ctx = mp.get_context("spawn")
+        self._ctx = process_context(warm=True)
         self._results = self._ctx.Queue()
         self._procs: dict[str, Any] = {}
 
     def start(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
-        proc = self._ctx.Process(target=_child, args=(name, fn, args, self._results), daemon=True)
+        proc = self._ctx.Process(target=_child, args=(name, fn, args, self._results, dict(os.environ)), daemon=True)
         proc.start()
         self._procs[name] = proc
 
