@@ -1,12 +1,13 @@
 """Spawn a fresh job on 127.0.0.1: ``spawn_job(fn, world, *args)`` -> per-rank return values.
 
-Each child is a new interpreter (``torch.multiprocessing`` spawn): it imports what ``fn`` needs,
-sets one compute thread (N ranks share few cores; with ``backend="nccl"`` it takes GPU
-``rank % device_count`` instead), joins a process group and runs ``fn(rank, world, *args)``. A
-child that raises sends its traceback; one that dies (killed for memory, say) is reported with its
-exit code. The parent waits for every child to *exit*, so the next job starts on a machine the old
-processes have left: that is what a checkpoint-and-restart baseline pays for. The test suite's
-``run_distributed`` is this, with daemon children and every failing rank's traceback.
+Each child is a new interpreter (``torch.multiprocessing`` spawn; the tests' jobs fork theirs
+from a warm server instead, ``process_context``): it imports what ``fn`` needs, sets one compute
+thread (N ranks share few cores; with ``backend="nccl"`` it takes GPU ``rank % device_count``
+instead), joins a process group and runs ``fn(rank, world, *args)``. A child that raises sends its
+traceback; one that dies (killed for memory, say) is reported with its exit code. The parent waits
+for every child to *exit*, so the next job starts on a machine the old processes have left: that
+is what a checkpoint-and-restart baseline pays for. The test suite's ``run_distributed`` is this,
+warm, with daemon children and every failing rank's traceback.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def spawn_job(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
               collective_timeout_s: float = 900.0, backend: str = "gloo", daemon: bool = False,
               error_grace_s: float = 0.0, stamp_entry: bool = True, fn_kwargs: dict | None = None,
               warm: bool = False) -> list[Any]:
-    """Run ``fn(rank, world, *args, **fn_kwargs)`` on ``world`` fresh processes; return the per-rank
+    """Run ``fn(rank, world, *args, **fn_kwargs)`` on ``world`` new processes; return the per-rank
     values (picklable) once all have exited.
 
     Args:
