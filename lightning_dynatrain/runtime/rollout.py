@@ -6,7 +6,8 @@ weights alone switched to ``layout``, the rest parked) and yields the policy; le
 block returns to the training layout with the training state as it was, bit for bit.
 
 The policy runs megatron's forward at the rollout layout; across pipeline stages through megatron's
-forward-only schedule (the activations passed from stage to stage by megatron's p2p), the last
+forward-only schedule (the activations passed from stage to stage by megatron's p2p; at virtual
+stages its interleaved schedule over the rank's model chunks, the rows in ``pp`` micro-batches), the last
 stage's output (the last position's logits while sampling) broadcast to the other stages. Rows are
 split over the data-parallel ranks and gathered back, so every rank gets every row; the
 tensor-parallel ranks of a row compute its full logits (gathered over the vocabulary) and every
@@ -175,37 +176,68 @@ class RolloutPolicy:
 
     def _run_model(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor | None:
         """The model's forward on ``kwargs``; across pipeline stages megatron's forward-only schedule
-        passes the activations from stage to stage (the output on the last stage, else ``None``)."""
+        passes the activations from stage to stage (the output on the last stage, else ``None``). At
+        virtual stages megatron's interleaved schedule runs at least ``pp`` micro-batches: the rows
+        are split into ``pp`` of one size (the last row repeated to fill them, its copies dropped),
+        each with its own KV cache (``inference_context`` is then a list, one per micro-batch)."""
         with device_kind(tokens.device).megatron_context(), torch.no_grad():
             if self.layout.pp == 1:
                 return self.model(**kwargs)
+            from lightning_dynatrain.megatron.model_chunks import chunk_list
             from lightning_dynatrain.megatron.train_step import pipeline_schedule
 
-            outputs = pipeline_schedule([self.model], [{"tokens": tokens, "kwargs": kwargs}], _stage_forward,
-                                        tokens.shape[1], forward_only=True)
-        return outputs[0] if outputs else None
+            rows, count = len(tokens), self._micro_batch_count
+            size = -(-rows // count)
+            micro = [{"tokens": part, "kwargs": {}} for part in _filled(tokens, count * size).split(size)]
+            for name, value in kwargs.items():
+                if isinstance(value, torch.Tensor) and value.dim() and len(value) == rows:
+                    parts = _filled(value, count * size).split(size)
+                elif isinstance(value, list):  # one per micro-batch: the KV caches at virtual stages
+                    parts = value
+                else:
+                    parts = [value] * count
+                for batch, part in zip(micro, parts, strict=True):
+                    batch["kwargs"][name] = part
+            outputs = pipeline_schedule(chunk_list(self.model), micro, _stage_forward, tokens.shape[1],
+                                        forward_only=True)
+        return torch.cat(outputs)[:rows] if outputs else None
 
-    def _kv_cache(self, rows: int, length: int) -> "StaticInferenceContext | None":
-        """Megatron's static KV cache for ``rows`` sequences of up to ``length`` tokens, or ``None``
-        where it cannot serve: sequence parallelism pads single tokens (MoE layers at tp > 1), or a
-        model whose forward takes no ``inference_context``."""
+    @property
+    def _micro_batch_count(self) -> int:
+        """Micro-batches per forward: 1, or ``pp`` at virtual stages (megatron's interleaved schedule
+        runs whole groups of ``pp``)."""
+        return self.layout.pp if self.layout.vpp > 1 else 1
+
+    def _kv_cache(self, rows: int, length: int) -> "list[StaticInferenceContext] | StaticInferenceContext | None":
+        """Megatron's static KV cache for ``rows`` sequences of up to ``length`` tokens (at virtual
+        stages one per micro-batch), or ``None`` where it cannot serve: sequence parallelism pads
+        single tokens (MoE layers at tp > 1), or a model whose forward takes no ``inference_context``."""
         import inspect
 
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        if self._execution.sequence_parallel_at(self.layout.tp, is_moe=self.spec.num_experts > 0) or \
-                "inference_context" not in inspect.signature(self.model.forward).parameters:
-            return None
-        return StaticInferenceContext(max_batch_size=rows, max_sequence_length=length)
+        from lightning_dynatrain.megatron.model_chunks import chunk_list
 
-    def _cached_logits(self, tokens: torch.Tensor, cache: "StaticInferenceContext") -> torch.Tensor:
+        if self._execution.sequence_parallel_at(self.layout.tp, is_moe=self.spec.num_experts > 0) or \
+                "inference_context" not in inspect.signature(chunk_list(self.model)[0].forward).parameters:
+            return None
+        count = self._micro_batch_count
+        if count == 1:
+            return StaticInferenceContext(max_batch_size=rows, max_sequence_length=length)
+        return [StaticInferenceContext(max_batch_size=-(-rows // count), max_sequence_length=length)
+                for _ in range(count)]
+
+    def _cached_logits(self, tokens: torch.Tensor,
+                       cache: "list[StaticInferenceContext] | StaticInferenceContext") -> torch.Tensor:
         """``[rows, padded vocabulary]``: the logits after ``tokens``, the tokens before them read
         from ``cache`` (megatron gathers the tensor-parallel shards itself), on every rank."""
-        start = cache.sequence_len_offset
+        caches = cache if isinstance(cache, list) else [cache]
+        start = caches[0].sequence_len_offset
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         out = self._run_model(tokens, input_ids=tokens, position_ids=positions, attention_mask=None,
                               inference_context=cache, runtime_gather_output=True)
-        cache.sequence_len_offset += tokens.shape[1]
+        for each in caches:
+            each.sequence_len_offset += tokens.shape[1]
         out = out[:, -1] if out is not None else None
         return out if self.layout.pp == 1 else self._from_last_stage(out)
 
@@ -259,6 +291,11 @@ class RolloutPolicy:
 def _stage_forward(data_iterator, model: torch.nn.Module):
     """A pipeline stage's forward for megatron's schedule: the raw output, no loss."""
     return model(**next(data_iterator)["kwargs"]), None
+
+
+def _filled(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """``rows`` with its last row repeated up to ``count`` rows (micro-batches of one size)."""
+    return torch.cat([rows, rows[-1:].expand(count - len(rows), *rows.shape[1:])]) if count > len(rows) else rows
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int | None,

@@ -340,8 +340,7 @@ class TrainingRun:
         A switch being built ahead (``prepare``) finishes its build first and stays built.
 
         Raises (before anything moved, every rank):
-            RolloutError: inside a step, in a rollout already, bad ``park``/``keep_weights``, or a
-                ``layout`` with virtual pipeline stages.
+            RolloutError: inside a step, in a rollout already, or bad ``park``/``keep_weights``.
             LayoutError, WorldSizeError: ``layout`` does not fit the model or the world.
         """
         from lightning_dynatrain.megatron.execution import ExecutionOptions
@@ -358,9 +357,6 @@ class TrainingRun:
                                    hint=f"park is one of {', '.join(PARKS)}; keep_weights True or False")
             target = validate_target(layout, world_size=self.layout.world_size,
                                      current=self.layout, model=self.recipe.model, execution=ExecutionOptions())
-            if target.vpp > 1:  # megatron's interleaved schedule runs at least pp micro-batches at once
-                raise RolloutError(f"layout {target}: generation at virtual pipeline stages is not built",
-                                   hint=f"roll out at {target.replace(vpp=1)}: it holds the same stages")
         except DynaTrainError as err:
             raise mark_refused(err)
         switcher, state = self.switcher, self.state

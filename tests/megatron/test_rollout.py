@@ -10,8 +10,9 @@ training model at its own layout; tokens sampled at two rollout layouts with the
 
 Cases: fp32 tp2 -> dp2 with everything in place; bf16 zero1 -> tp2 with the weights freed and the
 optimizer parked on the host; an MoE whose experts change ep (ep2 zero1 -> tp2); a pipeline (pp2 ->
-dp2, weights freed); scoring and sampling at a rollout layout with two pipeline stages; sampling
-with megatron's KV cache against recomputing the whole sequence for every token.
+dp2, weights freed); scoring and sampling at a rollout layout with two pipeline stages, and with two
+virtual stages each; sampling with megatron's KV cache against recomputing the whole sequence for
+every token.
 """
 
 from __future__ import annotations
@@ -188,6 +189,16 @@ def _scoring_at_pp2(rank: int) -> dict:
     leave_rollout(phase, setup, groups=cache)
     out["after"] = describe(state)
     out["rescored"] = _training_log_probs(state, sampled.tokens)[:, 5:]
+    # at virtual stages: two model chunks a rank, megatron's interleaved schedule (the rows in two micro-batches)
+    phase = enter_rollout(state, ParallelConfig.parse("dp1-tp1-pp2-vpp2"), setup, groups=cache, keep_weights=False)
+    policy = RolloutPolicy(phase, setup.spec)
+    out["vpp_layers"] = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in phase.model]
+    out["vpp_log_probs"] = policy.log_probs(tokens).numpy()
+    for key, kv_cache in (("vpp_sampled", True), ("vpp_recomputed", False)):
+        again = policy.generate(tokens[:, :6], max_new_tokens=NEW, temperature=1.0, top_k=20, seed=3, kv_cache=kv_cache)
+        out[key] = (again.tokens.numpy(), again.log_probs.numpy())
+    leave_rollout(phase, setup, groups=cache)
+    out["vpp_after"] = describe(state)
     destroy(keep=None)
     cache.close()
     return out
@@ -294,6 +305,24 @@ def test_at_a_rollout_layout_with_two_stages_scoring_and_sampling_run_through_th
     for r in results[1:]:
         assert np.array_equal(r["pp2"]["sampled"][0], tokens) and np.array_equal(r["pp2"]["log_probs"],
                                                                                  first["log_probs"])
+
+
+def test_at_virtual_stages_scoring_and_sampling_run_through_the_interleaved_schedule(results):
+    """At ``dp1-tp1-pp2-vpp2`` (rank 0 holds layers 1 and 3, rank 1 layers 2 and 4; three rows in two
+    micro-batches of two) the log-probabilities are the training forward's, and the tokens sampled
+    with the same seed, with the KV cache (one per micro-batch) or without, are those sampled at
+    ``dp1-tp1-pp2``; leaving gives training its state back bit for bit."""
+    assert [r["pp2"]["vpp_layers"] for r in results] == [[[1], [3]], [[2], [4]]]
+    first = results[0]["pp2"]
+    assert differences(_whole(results, "pp2", "before"), _whole(results, "pp2", "vpp_after")) == []
+    assert np.abs(first["vpp_log_probs"] - first["train_log_probs"]).max() <= 1e-5
+    tokens, log_probs = first["sampled"]
+    for key in ("vpp_sampled", "vpp_recomputed"):
+        assert np.array_equal(first[key][0], tokens), key
+        assert np.abs(first[key][1] - log_probs).max() <= 1e-5, key
+    for r in results[1:]:
+        assert np.array_equal(r["pp2"]["vpp_sampled"][0], tokens)
+        assert np.array_equal(r["pp2"]["vpp_log_probs"], first["vpp_log_probs"])
 
 
 def test_scoring_at_a_rollout_layout_with_context_parallel_ranks_is_refused(results):

@@ -45,8 +45,10 @@ CASES = {
 #: from it at the first layout; the static run saves here too, and a third fit resumes that at virtual stages
 RESUME_AT, RESUME_AT_VPP = 4, "dp1-tp2-pp2-vpp2"
 #: fits that enter a rollout phase: after this step, at this layout, parked so, the weights kept or not
-#: (the split-MLP GPT from dp2-tp1-pp2-vpp2-zero1, bf16, its weights freed; the MoE from dp2-tp2-pp1-ep2, ep 2 -> 4)
-ROLLOUTS = {"split-mlp": (5, "dp4-tp1-pp1", "host", False), "sigmoid-moe": (3, "dp4-tp1-pp1-ep4", "in_place", True)}
+#: (the split-MLP GPT from dp2-tp1-pp2-vpp2-zero1 to other virtual stages, bf16, its weights freed; the MoE
+#: from dp2-tp2-pp1-ep2, ep 2 -> 4)
+ROLLOUTS = {"split-mlp": (5, "dp1-tp2-pp2-vpp2", "host", False),
+            "sigmoid-moe": (3, "dp4-tp1-pp1-ep4", "in_place", True)}
 
 
 def _module(name: str):

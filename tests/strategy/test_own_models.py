@@ -71,7 +71,8 @@ def test_the_fit_switches_at_the_scheduled_steps_and_tracks_a_static_run(own4, n
 @pytest.mark.parametrize("name, bound", [("split-mlp", 0.05), ("sigmoid-moe", 1e-5)])
 def test_a_rollout_of_the_users_model_leaves_its_state_as_it_was(own4, name, bound) -> None:
     """The split-MLP GPT (bf16, at dp2-tp1-pp2-vpp2-zero1: two model chunks of one layer on each stage)
-    enters a rollout at dp4-tp1-pp1 with its weights freed and its optimizer parked on the host; the MoE of
+    enters a rollout at dp1-tp2-pp2-vpp2 (virtual stages again, tensor-parallel: megatron's interleaved
+    schedule generates) with its weights freed and its optimizer parked on the host; the MoE of
     the user's (fp32, at dp2-tp2-pp1-ep2) one at dp4-tp1-pp1-ep4, everything in place. Each generates
     and scores there, and leaves: megatron's description of the whole state is the same before and
     after (and the fit's ``verify=True`` fingerprint too, or it would have raised); the rollout model
