@@ -137,7 +137,9 @@ class JobStore:
         while (verdict := self.verdict(nonce)) is None:
             if time.monotonic() > deadline:
                 raise AdmissionError(f"the job's store did not answer {request.kind} request {nonce} in {timeout:.0f} s",
-                                     hint="is `dynatrain store` running for this job?")
+                                     hint="is `dynatrain store` running for this job? (A join also waits while "
+                                          "the job's layout policy has no layout for a world with it: the store's "
+                                          "log says so.)")
             time.sleep(0.02)
         if not verdict.get("admitted"):
             raise AdmissionError(f"the job refused this process's {request.kind} request: {verdict.get('reason')}",

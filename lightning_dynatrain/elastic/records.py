@@ -77,6 +77,9 @@ class JoinRequest:
     ends_with_launch: bool = False
     """Its launcher ends every process of the launch once one ended (torchrun's agent): the store
     records them failed together."""
+    world_sizes: tuple[int, ...] | None = None
+    """The world sizes its layout policy has a layout for (``None``: any). The first world's say
+    what the job can run at: the store admits a join only into a world of one of them."""
     kind: str = "join"
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,7 +22,11 @@ a notice that came between two processes' passing of boundary ``s`` is seen by t
 reads the step before the requests. Processes a
 launcher started together (one ``torchrun``, one ``srun`` step) join together: a join waits until
 every process of its launch has asked (at most ``launch_wait`` seconds). The first world forms
-from the first launch's processes, in their launch's rank order. A member of the running world
+from the first launch's processes, in their launch's rank order; their requests say which world
+sizes the job's layout policy has a layout for (``JoinRequest.world_sizes``). A join is admitted
+only into a world of one of those sizes: the launches that asked first, as many as fit; the others
+wait, as spares, until a leave or a failure makes room (a leave or failure is never held back, and
+a join held so lets requests of the other kind go first). A member of the running world
 that stops saying it is alive for ``dead_after`` seconds without leaving is recorded as failed in a
 new generation, together with every member silent for nearly as long (``together`` seconds less:
 members that died at the same instant said they were alive last up to a heartbeat apart, and the
@@ -83,6 +87,7 @@ class _World:
     effective_step: int = 0
     failed: bool = False
     launch_of: dict[str, str] = field(default_factory=dict)  # member -> its launch, where it ends with its launch
+    world_sizes: tuple[int, ...] | None = None  # the sizes the job's layout policy has a layout for (None: any)
 
 
 #: seconds the store waits after a member's liveness connection closed for other closes before it records
@@ -187,6 +192,8 @@ class StoreServer:
                 continue
             if self.world.fingerprint is None:
                 self.world.fingerprint, self.world.first_launch = request["fingerprint"], request.get("launch_id")
+                sizes = request.get("world_sizes")
+                self.world.world_sizes = tuple(sorted(int(n) for n in sizes)) if sizes is not None else None
             if request["fingerprint"] != self.world.fingerprint:
                 self._answer(request, False, "its model, recipe or package version differs from the job's")
                 continue
@@ -228,12 +235,18 @@ class StoreServer:
             self.world.running = self.world.members
         if not self.world.waiting or self.world.running != self.world.members:
             return  # one change at a time: the last one is not installed yet
-        kind = self.world.waiting[0].get("kind")
+        for kind in dict.fromkeys(r.get("kind") for r in self.world.waiting):  # the oldest request's kind first
+            if not self._change(kind, seen):
+                return
+
+    def _change(self, kind: str, seen: int) -> bool:
+        """Make the change the waiting requests of ``kind`` ask for, if it can be made now; ``True``
+        only when they are joins the world sizes hold back (requests of the other kind may go)."""
         batch = [r for r in self.world.waiting if r.get("kind") == kind]
         if self.clock() - min(r["received"] for r in batch) < self.gather:
-            return  # others of the same kind may be on their way
+            return False  # others of the same kind may be on their way
         if kind == "leave" and seen < min(r["asked_step"] for r in batch) + 2:
-            return  # the others of the same notice: see the module docstring
+            return False  # the others of the same notice: see the module docstring
         if kind == "join":
             batch = self._launches_ready(batch)
         self.world.waiting = [r for r in self.world.waiting if all(r is not b for b in batch)]
@@ -253,9 +266,13 @@ class StoreServer:
         if kind == "leave" and len(admitted) == len(self.world.members):
             for request in admitted:
                 self._answer(request, False, "every member asked to leave: stop the job instead")
-            return
+            return False
+        held: list[dict] = []
+        if kind == "join":
+            admitted, held = self._room_for(admitted)
+            self.world.waiting = held + self.world.waiting
         if not admitted:
-            return
+            return bool(held)
         names = tuple(r["member"] for r in admitted)
         if kind == "join":
             world = self._publish(self.world.members + names, step, joined=names)
@@ -263,6 +280,31 @@ class StoreServer:
             world = self._publish(tuple(m for m in self.world.members if m not in names), step, left=names)
         for request in admitted:
             self._answer(request, True, generation=world.generation)
+        return False
+
+    def _room_for(self, joins: list[dict]) -> tuple[list[dict], list[dict]]:
+        """``joins`` (whole launches, in the order they asked) split into those admitted now, the
+        most launches in order that make a world of a size the job's policy has, and those held."""
+        sizes = self.world.world_sizes
+        if sizes is None:
+            return joins, []
+        launches: list[list[dict]] = []
+        for request in joins:
+            if launches and launches[-1][0].get("launch_id") == request.get("launch_id"):
+                launches[-1].append(request)
+            else:
+                launches.append([request])
+        counts = [len(self.world.members) + sum(len(group) for group in launches[:k])
+                  for k in range(len(launches) + 1)]
+        fits = max((k for k in range(1, len(launches) + 1) if counts[k] in sizes), default=0)
+        admitted, held = [r for group in launches[:fits] for r in group], [r for group in launches[fits:] for r in group]
+        for request in held:
+            if not request.get("held"):
+                request["held"] = True
+                self.log(f"[dynatrain store] join of {request.get('member')} waits: a world of {counts[-1]} "
+                         f"processes has no layout in the job's policy (it has {list(sizes)}); it joins when "
+                         "a leave or a failure makes room")
+        return admitted, held
 
     def _check_alive(self) -> None:
         now = self.wall_clock()  # the members' heartbeat stamps are on this clock

@@ -147,20 +147,22 @@ class ElasticSession:
 
     # ------------------------------------------------------------------------------ entering
     def enter(self, fingerprint: str, *, launch_rank: int, launch_size: int, launch_id: str,
-              ends_with_launch: bool = False) -> Membership:
+              ends_with_launch: bool = False, world_sizes: tuple[int, ...] | None = None) -> Membership:
         """Become a member and install this process's first world; its membership.
 
         The processes the first launch started (one ``torchrun``, one ``srun`` step: ``launch_id``,
         ``launch_size`` processes, this one at ``launch_rank``) form the first world; a process of a
         later launch joins the running job, with the others of its launch: ``joined_change`` says from
-        which world (the state then comes from the old members).
+        which world (the state then comes from the old members). ``world_sizes``: the sizes its
+        layout policy has a layout for (``None``: any); a join waits for room in one of them.
 
         Raises:
             AdmissionError: refused (token, model), no store, or the world could not be built.
         """
         while True:
             request = JoinRequest(member=self.me, fingerprint=fingerprint, launch_rank=launch_rank,
-                                  launch_size=launch_size, launch_id=launch_id, ends_with_launch=ends_with_launch)
+                                  launch_size=launch_size, launch_id=launch_id, ends_with_launch=ends_with_launch,
+                                  world_sizes=world_sizes)
             verdict = self.store.ask(request, timeout=self.timeout.total_seconds())
             self.store.start_alive(self.heartbeat, on_notice=self.failures.notice)
             world = self.store.membership(int(verdict["generation"]))

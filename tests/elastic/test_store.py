@@ -222,6 +222,56 @@ def test_joiners_that_ask_meanwhile_join_together_and_a_joiner_that_dies_cancels
     assert cancelled.effective_step == 13
 
 
+def test_a_join_waits_for_a_world_size_the_policy_has_and_a_leave_asked_after_it_goes_first(job):
+    """The first world's processes say their layout policy has layouts for worlds of 1-4. At world 4 a
+    joiner waits as a spare (a world of 5 has none; the store says so, once); a leave asked after it
+    is not held behind it (world 3); once that is installed the spare is admitted (world 4 again).
+    Launches that ask together are admitted as far as a size fits: from world 2 under a policy of 2
+    and 4, two one-process launches join together, never the first alone."""
+    sizes = (1, 2, 3, 4)
+    clients = [job.connect() for _ in range(4)]
+    nonces = [_join(c, launch_rank=r, launch_size=4, launch_id="first", world_sizes=sizes)
+              for r, c in enumerate(clients)]
+    job.step()
+    assert [c.verdict(n)["generation"] for c, n in zip(clients, nonces)] == [0] * 4
+    clients[0].publish_step(10)
+    spare = job.connect()
+    asked = _join(spare, launch_id="spare", world_sizes=sizes)
+    job.step()
+    for _ in range(3):
+        job.clock.advance(job.server.gather)
+        job.step()
+    assert job.waiting(spare, asked) and job.generation() == 0
+    said = [line for line in job.logged if f"join of {spare.member_id} waits" in line]
+    assert len(said) == 1 and "a world of 5 processes has no layout in the job's policy (it has [1, 2, 3, 4])" in said[0]
+    leaver = clients[3]
+    leave = leaver.send(LeaveRequest(member=leaver.member_id, step=10))
+    job.step()
+    clients[0].publish_step(12)
+    job.clock.advance(job.server.gather)
+    job.step()
+    assert leaver.verdict(leave)["generation"] == 1 and job.waiting(spare, asked)
+    assert clients[0].membership(1).members == tuple(c.member_id for c in clients[:3])
+    clients[0].mark_installed(1)
+    job.step()
+    assert spare.verdict(asked)["generation"] == 2
+    world = clients[0].membership(2)
+    assert world.members == (*(c.member_id for c in clients[:3]), spare.member_id) and world.joined == (spare.member_id,)
+
+    other = Job(dead_after=1.0, together=0.5)
+    first = [other.connect() for _ in range(2)]
+    for r, c in enumerate(first):
+        _join(c, launch_rank=r, launch_size=2, launch_id="first", world_sizes=(2, 4))
+    other.step()
+    joiners = [other.connect() for _ in range(2)]
+    asks = [_join(j, launch_id=f"launch{i}", world_sizes=(2, 4)) for i, j in enumerate(joiners)]
+    other.step()
+    other.clock.advance(other.server.gather)
+    other.step()
+    assert [j.verdict(n)["generation"] for j, n in zip(joiners, asks)] == [1, 1]
+    assert not [line for line in other.logged if "waits" in line]
+
+
 def test_a_joiner_without_the_token_or_with_another_model_is_refused_and_changes_nothing(job):
     """A request not signed with the token is refused in the pass that pops it (its sender cannot
     read why: the answer is signed too); a join with another model once its ``gather`` passed.

@@ -124,7 +124,8 @@ class ElasticDriver:
                                       keep_worlds=self.keep_worlds, recover=self.recover_from_loss)
         self.session.enter(self.fingerprint(), launch_rank=launch.rank, launch_size=launch.size,
                            launch_id=launch.launch_id if launch.size > 1 else self.session.me,
-                           ends_with_launch=launch.ends_together and launch.size > 1)
+                           ends_with_launch=launch.ends_together and launch.size > 1,
+                           world_sizes=None if self.policy == "auto" else tuple(sorted(self.policy)))
         self.front.joined(self.session)
         change = self.session.joined_change
         if change is None:  # the first world: one version directory for whoever is rank 0 later
