@@ -94,8 +94,9 @@ class SwitchAttempt:
     def failure(self, err: BaseException, *, lost_state: bool) -> SwitchFailedError:
         """This rank's switch failed with ``err``: tell the others (abort flag), find the rank(s) that
         went missing (heartbeats; the first rank's verdict is shared), wait until every other
-        survivor has its verdict too (rank 0 may host the store: it must not end before the others
-        have read it), and the error to raise. Takes about ``stale_after`` seconds.
+        survivor has its verdict too and has read whether any survivor freed old state (rank 0 may
+        host the store: it must not end before the others have read it), and the error to raise.
+        Takes about ``stale_after`` seconds.
 
         ``lost_state``: this rank freed some of its old state. The state counts as lost on every
         rank when one of them did, or when a rank holding a part of it (``holders``) is missing."""
@@ -110,17 +111,8 @@ class SwitchAttempt:
         watch.broken = True
         watch._abort_groups()
         watch._drop_group()  # peers blocked on this rank fail at once (gloo: their connections close)
-        try:
-            if lost_state:
-                watch.store.set(f"{key}/lost", str(watch.rank))
-        except Exception:  # noqa: BLE001
-            pass
         missing = self._verdict()
-        self._leave(missing)
-        try:  # a survivor that freed old state said so before it left
-            lost_state = lost_state or watch.store.check([f"{key}/lost"])
-        except Exception:  # noqa: BLE001
-            lost_state = True
+        lost_state = self._leave(missing, freed=lost_state)
         error = self._error(missing, phase, elapsed, cause, freed=lost_state,
                             gone=sorted(self.holders & missing.keys()))
         if not error.lost_state:
@@ -141,19 +133,36 @@ class SwitchAttempt:
         except Exception:  # noqa: BLE001
             return missing
 
-    def _leave(self, missing: dict[int, str]) -> None:
-        """Say this rank has its verdict, and wait (bounded) until every rank not missing says so."""
-        watch = self.watch
+    def _leave(self, missing: dict[int, str], *, freed: bool) -> bool:
+        """Say this rank has its verdict and whether it ``freed`` old state, wait (bounded) until every
+        rank not missing said so, then until each of them is done reading: the store may live in a
+        survivor's process (rank 0's), which must not end while another still reads from it. Whether
+        any survivor freed old state (``True`` when the store went away before every survivor's
+        word was read: it cannot be known then)."""
+        watch, key = self.watch, self._key
         end = max(time.monotonic() + watch.stale_after, self.started + self.deadline.seconds + watch.stale_after)
+        others = [r for r in range(watch.size) if r != watch.rank and r not in missing]
         try:
-            watch.store.set(f"{self._key}/left/{watch.rank}", watch.phase)
-            waiting = [r for r in range(watch.size) if r != watch.rank and r not in missing]
-            while waiting and time.monotonic() < end:
-                waiting = [r for r in waiting if not watch.store.check([f"{self._key}/left/{r}"])]
-                if waiting:
-                    time.sleep(watch.interval)
+            watch.store.set(f"{key}/left/{watch.rank}", "freed" if freed else "kept")
+            said = self._wait_for(f"{key}/left", others, end)
+            freed = freed or any(watch.store.get(f"{key}/left/{r}") == b"freed" for r in said)
+        except Exception:  # noqa: BLE001 - the store is gone: what the others freed is not known
+            return True
+        try:
+            watch.store.set(f"{key}/read/{watch.rank}", "1")
+            self._wait_for(f"{key}/read", others, end)
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
             pass
+        return freed
+
+    def _wait_for(self, prefix: str, ranks: list[int], end: float) -> list[int]:
+        """Poll until ``prefix/<rank>`` is set for each of ``ranks``, or ``end``; the ranks that set it."""
+        waiting = list(ranks)
+        while waiting and time.monotonic() < end:
+            waiting = [r for r in waiting if not self.watch.store.check([f"{prefix}/{r}"])]
+            if waiting:
+                time.sleep(self.watch.interval)
+        return [r for r in ranks if r not in waiting]
 
     def _missing(self) -> dict[int, str]:
         """Ranks whose heartbeat does not move for ``stale_after`` seconds (and did not report
