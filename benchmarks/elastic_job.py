@@ -1,7 +1,9 @@
 """An elastic job on this machine, as an operator runs one: ``dynatrain store`` in its own process,
 the first processes under ``torchrun``, later ones as ``python elastic_fit.py``; the store read
 through a real client to follow the job. Every process's output goes to one log file. The elastic
-tests (tests/elastic) and ``benchmarks/elastic.py`` drive their jobs with it.
+tests (tests/elastic) and ``benchmarks/elastic.py`` drive their jobs with it; the tests start the
+``python elastic_fit.py`` processes warm (``ElasticJob(..., warm=True)``: forked from a server that
+imported torch, megatron-core and Lightning once), the benchmarks as fresh interpreters.
 
 Example::
 
@@ -24,6 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.baselines.launch import WarmScript
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("elastic_fit.py")
 TOKEN = "test-job-token"
@@ -39,12 +43,17 @@ class ElasticJob:
     """A store process and the training processes of one job (see the module docstring)."""
 
     def __init__(self, out: Path, *, max_steps: int, step_seconds: float, dead_after: float = 4.0,
-                 suspect_after: float | None = None, fit_args: tuple[str, ...] = ()) -> None:
+                 suspect_after: float | None = None, fit_args: tuple[str, ...] = (), warm: bool = False) -> None:
+        """``warm``: start the ``python elastic_fit.py`` processes (``start_python``, ``start_launch``)
+        from a server that imported torch, megatron-core and Lightning once (``WarmScript``), not as
+        fresh interpreters: for tests, never where a process's start is measured. ``torchrun`` launches
+        and the store stay real processes."""
         self.out, self.max_steps, self.step_seconds, self.dead_after = out, max_steps, step_seconds, dead_after
         self.suspect_after = suspect_after
         self.fit_args = fit_args
+        self.warm = warm
         self.log_path = out / "job.log"
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | WarmScript] = []
         self.env = dict(os.environ, PYTHONPATH=str(REPO), DYNATRAIN_TOKEN=TOKEN, OMP_NUM_THREADS="1",
                         PYTHONUNBUFFERED="1")
 
@@ -52,7 +61,8 @@ class ElasticJob:
         from lightning_dynatrain.elastic.client import JobStore
 
         self.out.mkdir(parents=True, exist_ok=True)
-        self.log = open(self.log_path, "w")
+        self.log_path.write_text("")
+        self.log = open(self.log_path, "a")  # every process appends: a warm child opens the file itself
         self.store_proc = subprocess.Popen(
             [sys.executable, "-m", "lightning_dynatrain.cli", "store", "--host", "127.0.0.1", "--port", "0",
              "--dead-after", str(self.dead_after),
@@ -89,13 +99,19 @@ class ElasticJob:
     def start_torchrun(self, nproc: int, *extra: str) -> subprocess.Popen:
         return self.start(torchrun(nproc, *self._args(*extra)))
 
-    def start_python(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start_python(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen | WarmScript:
+        if self.warm:
+            proc = WarmScript(SCRIPT, self._args(*extra)[1:], env={**self.env, **(env or {})}, cwd=REPO,
+                              log=self.log_path)
+            self.procs.append(proc)
+            return proc
         return self.start([sys.executable, *self._args(*extra)], env=env)
 
     def start_launch(self, nproc: int, *extra: str, env: dict[str, str] | None = None,
-                     rank_env: dict[int, dict[str, str]] | None = None, node_rank: int = 0) -> list[subprocess.Popen]:
-        """``nproc`` processes of one launch, each its own child of this process (as ``srun`` starts
-        them: one dying ends none of the others), the launcher's variables set as torchrun would;
+                     rank_env: dict[int, dict[str, str]] | None = None,
+                     node_rank: int = 0) -> list[subprocess.Popen | WarmScript]:
+        """``nproc`` processes of one launch, each its own child of this process or of the warm server
+        (as ``srun`` starts them: one dying ends none of the others), the launcher's variables set as torchrun would;
         ``rank_env``: more variables for some of them; ``node_rank``: the launcher's node rank (a
         launch with another one counts as another node, a failure domain of its own)."""
         import socket
@@ -145,7 +161,7 @@ class ElasticJob:
                 raise AssertionError(f"every process ended while waiting for {what}; log:\n{self.tail()}")
             time.sleep(0.2)
 
-    def wait(self, proc: subprocess.Popen, timeout: float = 300.0) -> int:
+    def wait(self, proc: subprocess.Popen | WarmScript, timeout: float = 300.0) -> int:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 
@@ -76,6 +77,67 @@ def take_environment(environ: dict[str, str]) -> None:
     """In a child: the environment the parent had when it started the child (``process_context``)."""
     os.environ.clear()
     os.environ.update(environ)
+
+
+class WarmScript:
+    """``python SCRIPT ARGS...`` as a child forked from the warm server (``process_context``), with the
+    ``subprocess.Popen`` calls a job's driver uses (``pid``, ``poll``, ``wait``, ``send_signal``,
+    ``kill``, ``returncode``: negative for a signal). The child takes ``env`` as its environment and
+    ``cwd`` as its directory, writes its output to ``log`` (appended, as the job's other processes
+    do), runs the script as ``__main__`` and the interpreter's exit handlers after it, as
+    ``python SCRIPT`` would; it differs from one in what it has imported already."""
+
+    def __init__(self, script: Path, args: list[str], *, env: dict[str, str], cwd: Path, log: Path) -> None:
+        self._proc = process_context(warm=True).Process(target=_run_script, args=(str(script), args, env, str(cwd),
+                                                                                   str(log)))
+        self._proc.start()
+        self.pid = self._proc.pid
+        self.args = [str(script), *args]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def _run_script(script: str, args: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+    import atexit
+    import runpy
+    import sys
+
+    take_environment(env)
+    os.chdir(cwd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    for stream in (sys.stdout, sys.stderr):  # unbuffered, as the job's PYTHONUNBUFFERED asks of an interpreter
+        stream.reconfigure(line_buffering=True, write_through=True)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:  # what an interpreter runs as it exits; a multiprocessing child ends with os._exit, which skips them
+        atexit._run_exitfuncs()
 
 
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict, results: Any,
@@ -183,4 +245,4 @@ def _more_errors(results: Any, grace_s: float) -> list[tuple[int, str]]:
     return errors
 
 
-__all__ = ["JobError", "WARM_IMPORTS", "free_port", "process_context", "spawn_job", "take_environment"]
+__all__ = ["JobError", "WARM_IMPORTS", "WarmScript", "free_port", "process_context", "spawn_job", "take_environment"]

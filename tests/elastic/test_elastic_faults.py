@@ -88,7 +88,7 @@ def test_bad_joiners_change_nothing_and_grows_that_fail_go_back_to_the_old_world
     equals, bit for bit, a fit that never saw a joiner."""
     fit_args = ("--switch-safety", "keep_old", "--switch-timeout", str(SWITCH_TIMEOUT), "--stop-in-store")
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.2, dead_after=DEAD_AFTER,
-                    fit_args=fit_args) as job:
+                    fit_args=fit_args, warm=True) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         members = job.installed()
@@ -163,7 +163,7 @@ def _goes_back(job: ElasticJob, members: tuple, first) -> None:
 def test_a_joiner_killed_in_the_transfer_that_fills_it_fails_the_grow_naming_its_rank(tmp_path):
     """Rank 2 of world 3 (the joiner) kills itself entering the transfer of the grow that fills it
     (its watch's switch 1): the old members freed state as they sent it, so the grow fails on both."""
-    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.2, dead_after=DEAD_AFTER) as job:
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.2, dead_after=DEAD_AFTER, warm=True) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": "2:transfer:KILL:1"})
@@ -190,7 +190,7 @@ def test_a_grow_that_freed_state_and_lost_its_joiner_goes_back_to_the_snapshot(t
     steps = 60
     static = never_grown.upto(steps)
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.2, dead_after=DEAD_AFTER,
-                    fit_args=("--snapshot-every", "2", "--stop-in-store")) as job:
+                    fit_args=("--snapshot-every", "2", "--stop-in-store"), warm=True) as job:
         job.client.store.set(STOP_KEY, str(steps))
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
@@ -212,7 +212,7 @@ def test_a_leaver_killed_before_its_hand_off_moved_anything_leaves_the_others_tr
     their world of 2, rebuild the state from the data-parallel replicas they hold (nothing redone)
     and train on, to the end, at ``dp2-tp1-pp1``, identical replicas, one recovery naming it."""
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.2, dead_after=DEAD_AFTER,
-                    fit_args=("--stop-in-store",)) as job:
+                    fit_args=("--stop-in-store",), warm=True) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         killed = job.start_python(env={"DYNATRAIN_SWITCH_FAULT": "2:preflight:KILL:2"})

@@ -50,7 +50,7 @@ def test_two_join_rank0_leaves_one_joins_and_leaves_again_and_every_survivor_mat
     # and every fourth step samples in a rollout phase at dp<world>-tp1-pp1 (the changes wait for its end)
     fit_args = ("--log-dir", str(logs), "--model", model, "--stop-in-store") + (
         ("--switch-while-building", "--rollout-every", str(ROLLOUT_EVERY)) if ahead else ("--on-demand",))
-    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=fit_args) as job:
+    with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.25, fit_args=fit_args, warm=True) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 3, what="the first world to train")
         joiners = [job.start_python(), job.start_python()]

@@ -47,7 +47,7 @@ def _static(path: Path, fit_args: tuple[str, ...], described: tuple[int, ...]) -
     """A fit on four processes that never fail: rank 0's result, and the whole state after each step
     of ``described`` as megatron describes it (``states``)."""
     with ElasticJob(path, max_steps=MAX_STEPS, step_seconds=0.0,
-                    fit_args=("--static", "--describe-at", ",".join(map(str, described)), *fit_args)) as job:
+                    fit_args=("--static", "--describe-at", ",".join(map(str, described)), *fit_args), warm=True) as job:
         procs = job.start_launch(4)
         codes = [job.wait(p) for p in procs]
         assert codes == [0, 0, 0, 0], job.tail()
@@ -102,7 +102,7 @@ def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_pa
                                                                           phase, from_step):
     fault = {victim: {"DYNATRAIN_STEP_FAULT": f"{victim}:{FAULT_STEP}:{phase}"}}
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0,
-                    suspect_after=2.0, fit_args=("--describe-recovered",)) as job:
+                    suspect_after=2.0, fit_args=("--describe-recovered",), warm=True) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p) for p in procs]
         results, log = job.results(), job.text()
@@ -157,7 +157,7 @@ def test_a_member_dying_in_the_recovery_is_left_behind_too(tmp_path, static_run,
         {"DYNATRAIN_RECOVERY_FAULT": "KILL_IN_WORLD"}
     fault = {3: {"DYNATRAIN_STEP_FAULT": f"3:{SNAPSHOT_FAULT_STEP}:optimizer"}, 2: dies}
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
-                    fit_args=("--snapshot-every", "3")) as job:
+                    fit_args=("--snapshot-every", "3"), warm=True) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p, timeout=240) for p in procs]
         results, log = job.results(), job.text()
@@ -180,7 +180,7 @@ def test_a_member_dying_in_the_recovery_is_left_behind_too(tmp_path, static_run,
 def test_a_zero1_shard_only_the_dead_held_ends_the_job_naming_what_was_lost(tmp_path):
     fault = {1: {"DYNATRAIN_STEP_FAULT": f"1:{FAULT_STEP}:forward_backward"}}
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
-                    fit_args=("--zero1",)) as job:
+                    fit_args=("--zero1",), warm=True) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p, timeout=120) for p in procs]
         log = job.text()
@@ -210,7 +210,8 @@ def test_state_only_the_dead_held_comes_back_from_the_snapshot_also_when_another
     fault = {3: {"DYNATRAIN_STEP_FAULT": f"3:{SNAPSHOT_FAULT_STEP}:forward_backward"},
              1: {"DYNATRAIN_RECOVERY_FAULT": where}}
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
-                    fit_args=("--zero1", "--start", start, "--snapshot-every", "3", "--describe-recovered")) as job:
+                    fit_args=("--zero1", "--start", start, "--snapshot-every", "3", "--describe-recovered"),
+                    warm=True) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p, timeout=240) for p in procs]
         results, log = job.results(), job.text()
@@ -240,7 +241,7 @@ def test_a_member_lost_while_a_snapshot_is_taken_goes_back_to_the_previous_one(t
     fault = {1: {"DYNATRAIN_SNAPSHOT_FAULT": "1:6:KILL"}}
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
                     fit_args=("--zero1", "--start", "dp2-tp2-pp1-zero1", "--snapshot-every", "3",
-                              "--snapshot-buffers", "2", "--describe-recovered")) as job:
+                              "--snapshot-buffers", "2", "--describe-recovered"), warm=True) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p, timeout=180) for p in procs]
         results, log = job.results(), job.text()
@@ -271,7 +272,7 @@ def test_a_member_lost_in_a_switch_that_freed_state_comes_back_from_the_snapshot
     snapshot (the static fit's state of its step, bit for bit), computing the steps since again."""
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
                     fit_args=("--zero1", "--start", "dp2-tp2-pp1-zero1", "--snapshot-every", "3",
-                              "--describe-recovered", *fit_args)) as job:
+                              "--describe-recovered", *fit_args), warm=True) as job:
         procs = job.start_launch(4, rank_env={3: {"DYNATRAIN_SWITCH_FAULT": fault}})
         codes = [job.wait(p, timeout=180) for p in procs]
         results, log = job.results(), job.text()
@@ -307,7 +308,7 @@ def test_a_lost_host_is_named_after_dead_after_and_a_spare_grows_the_world_back(
 
     dead_after = 6.0
     with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.1, dead_after=dead_after,
-                    fit_args=("--stop-in-store",)) as job:
+                    fit_args=("--stop-in-store",), warm=True) as job:
         first = job.start_launch(2)
         job.wait_for(lambda: job.step() >= 2, what="the first world to train")
         host = job.start_launch(2, node_rank=1)
@@ -354,7 +355,7 @@ def test_a_torchrun_worker_killed_takes_its_launch_down_in_one_change(tmp_path):
     from benchmarks.stop_in_store import STOP_KEY
 
     with ElasticJob(tmp_path / "job", max_steps=100_000, step_seconds=0.1, dead_after=10.0, suspect_after=2.0,
-                    fit_args=("--stop-in-store",)) as job:
+                    fit_args=("--stop-in-store",), warm=True) as job:
         first = job.start_torchrun(2)
         job.wait_for(lambda: job.step() >= 2, what="the first world to train")
         second = job.start_torchrun(2)
@@ -407,7 +408,7 @@ def test_a_member_killed_in_a_layout_switch_that_keeps_the_old_state_is_recovere
     fault = {3: {"DYNATRAIN_SWITCH_FAULT": "3:transfer:KILL:1"}}
     fit_args = ("--switch-safety", "keep_old", "--switch-timeout", "20", "--schedule", f"{FAULT_STEP}:dp1-tp2-pp2")
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
-                    fit_args=fit_args) as job:
+                    fit_args=fit_args, warm=True) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p) for p in procs]
         results, log = job.results(), job.text()
@@ -434,7 +435,7 @@ def test_a_member_killed_in_a_rollout_phase_is_recovered_from_as_at_the_boundary
     which never entered a rollout: the same samples, every loss before the kill bit for bit."""
     fit_args = ("--rollout-every", "1", "--kill-in-rollout", f"3:{FAULT_STEP}")
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
-                    fit_args=fit_args) as job:
+                    fit_args=fit_args, warm=True) as job:
         procs = job.start_launch(4)
         codes = [job.wait(p) for p in procs]
         results, log = job.results(), job.text()

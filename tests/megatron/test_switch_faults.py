@@ -1,8 +1,9 @@
 """A rank lost in the middle of a hot switch: every survivor raises ``SwitchFailedError`` within the deadline.
 
-Launcher: ``subprocess.Popen``, one plain python process per rank (``switch_fault_job.py``), with
-``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set here. Lightning's launcher and torchrun's
-agent stop every rank when one dies, which would hide what the survivors do on their own.
+Launcher: one plain process per rank running ``switch_fault_job.py`` (``WarmScript``: forked from a
+server that imported torch and megatron-core once), with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
+``MASTER_PORT`` set here. Lightning's launcher and torchrun's agent stop every rank when one dies,
+which would hide what the survivors do on their own.
 
 4 ranks, gloo, a real megatron GPT switching dp4-zero1 -> dp1-tp2-pp2 (every rank needs optimizer
 state from every other: the survivors exchange with the victim) under a ``SwitchWatch`` with a
@@ -20,13 +21,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks.baselines.launch import WarmScript
 from tests.dist import free_port
 
 SCRIPT = Path(__file__).with_name("switch_fault_job.py")
@@ -50,7 +50,7 @@ def _run(tmp_path: Path, how: str, *, timeout_s: float, deadline_s: float = DEAD
     seconds later), wait for the others; every process still there at the end is killed. Returns
     (time of the fault, results of every rank that ended, in rank order)."""
     port = free_port()
-    procs: list[subprocess.Popen] = []
+    procs: list[WarmScript] = []
     start = time.monotonic()
     try:
         for rank in range(WORLD):
@@ -59,10 +59,9 @@ def _run(tmp_path: Path, how: str, *, timeout_s: float, deadline_s: float = DEAD
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                        DYNATRAIN_SWITCH_FAULT=f"{VICTIM}:{phase}:{how}", OMP_NUM_THREADS="1",
                        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-            log = open(tmp_path / f"rank{rank}.log", "w")
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "--deadline", str(deadline_s),
-                                           "--src", "dp4-tp1-pp1-zero1", "--dst", "dp1-tp2-pp2", *extra],
-                                          env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(WarmScript(SCRIPT, [str(tmp_path), "--deadline", str(deadline_s), "--src", "dp4-tp1-pp1-zero1",
+                                             "--dst", "dp1-tp2-pp2", *extra],
+                                    env=env, cwd=ROOT, log=tmp_path / f"rank{rank}.log"))
         victim = procs[VICTIM]
         t_fault, waiting = None, [p for i, p in enumerate(procs) if i != VICTIM or resume_after is not None]
         while time.monotonic() - start < timeout_s:

@@ -1,9 +1,10 @@
 """A ``trainer.fit`` whose scheduled switch loses a rank ends on every survivor with ``SwitchFailedError``.
 
-Launcher: ``subprocess.Popen``, one python process per rank (``switch_fault_fit.py``) with
-Lightning's own variables set here, so no launcher runs (Lightning's and torchrun's would stop every
-rank when one dies). 4 ranks, gloo, megatron on CPU, a real ``Trainer`` with a ``ModelCheckpoint``
-saving every step and a ``ScheduledReconfig`` switching dp4-zero1 -> dp1-tp2-pp2 after step 2;
+Launcher: one process per rank running ``switch_fault_fit.py`` (``WarmScript``: forked from a server
+that imported torch, megatron-core and Lightning once) with Lightning's own variables set here, so no
+launcher runs (Lightning's and torchrun's would stop every rank when one dies). 4 ranks, gloo,
+megatron on CPU, a real ``Trainer`` with a ``ModelCheckpoint`` saving every step and a
+``ScheduledReconfig`` switching dp4-zero1 -> dp1-tp2-pp2 after step 2;
 ``DYNATRAIN_SWITCH_FAULT`` kills rank 2 (SIGKILL) as it enters the switch's transfer phase.
 
 Every survivor's ``fit`` must end, within the switch timeout of the kill, with ``SwitchFailedError``
@@ -22,13 +23,12 @@ import csv
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks.baselines.launch import WarmScript
 from tests.dist import free_port
 
 SCRIPT = Path(__file__).with_name("switch_fault_fit.py")
@@ -37,7 +37,7 @@ WORLD, VICTIM, SWITCH_TIMEOUT = 4, 2, 20.0
 pytestmark = pytest.mark.slow
 
 
-def _start(tmp_path: Path, *args: str, fault: str | None = None) -> list[subprocess.Popen]:
+def _start(tmp_path: Path, *args: str, fault: str | None = None) -> list[WarmScript]:
     """One process per rank of ``switch_fault_fit.py OUT *args``, with ``DYNATRAIN_SWITCH_FAULT=fault``."""
     port, procs = free_port(), []
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -49,13 +49,11 @@ def _start(tmp_path: Path, *args: str, fault: str | None = None) -> list[subproc
                    WORLD_SIZE=str(WORLD), PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
         if fault is not None:
             env["DYNATRAIN_SWITCH_FAULT"] = fault
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), *args],
-                                      env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(WarmScript(SCRIPT, [str(tmp_path), *args], env=env, cwd=ROOT, log=tmp_path / f"rank{rank}.log"))
     return procs
 
 
-def _wait(tmp_path: Path, procs: list[subprocess.Popen], limit_s: float, tick=lambda: None) -> None:
+def _wait(tmp_path: Path, procs: list[WarmScript], limit_s: float, tick=lambda: None) -> None:
     """Until every process ended (``tick`` runs every 50 ms meanwhile); their logs in the error past ``limit_s``."""
     start = time.monotonic()
     while time.monotonic() - start < limit_s:
@@ -67,7 +65,7 @@ def _wait(tmp_path: Path, procs: list[subprocess.Popen], limit_s: float, tick=la
     raise AssertionError(f"the ranks did not end within {limit_s:.0f} s\n{logs}")
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+def _kill(procs: list[WarmScript]) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGCONT)
