@@ -9,7 +9,12 @@ launcher, no loop library), two gloo processes, one job:
   ``OptimizerConfig`` (SGD with momentum) trains and switches ``dp2 -> tp2 -> dp2`` under the engine
   (``verify=True``: the whole logical state compared around each switch), through the same set-up
   as the strategy (``build_training_state``: its description checked on the live module), and
-  tracks an engine that never switched.
+  tracks an engine that never switched;
+- the user's MoE (``ModelProvider``, sigmoid routing, a shared expert) at ``dp2-tp1-pp1-ep2`` enters a
+  rollout phase at ``dp1-tp2-pp1`` (the experts from ep2 to ep1, tensor-parallel, the weights freed
+  and the optimizer parked on the host), samples and scores there, and leaves: megatron's description
+  of the whole state is the same bits before and after, the rollout model held the training weights,
+  and the next step's loss is the loss of an engine that never entered the phase.
 """
 
 from __future__ import annotations
@@ -97,8 +102,42 @@ def _params(engine) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in engine.state.model.named_parameters()}
 
 
+def _moe_rollout(rank: int, world: int) -> dict:
+    from megatron.core.optimizer import OptimizerConfig
+
+    from lightning_dynatrain.accelerate import DynaTrainPlugin
+    from lightning_dynatrain.data import StdlibBytes
+    from lightning_dynatrain.loop import DynaTrainEngine
+    from lightning_dynatrain.runtime.recipe import MegatronRecipe
+    from tests.megatron_description import describe, describe_model
+    from tests.strategy.own_models import GLOBAL_BATCH, MICRO_BATCH, SEQ, sigmoid_moe
+
+    out: dict = {}
+    for name in ("rolled", "plain"):
+        recipe = MegatronRecipe(model=sigmoid_moe(), seed=13, global_batch_size=GLOBAL_BATCH,
+                                micro_batch_size=MICRO_BATCH)
+        engine = DynaTrainEngine(PlainLibrary(), DynaTrainPlugin(layout="dp2-tp1-pp1-ep2", schedule_ahead=False),
+                                 recipe=recipe, optimizer=OptimizerConfig(optimizer="adam", lr=3e-3))
+        batches = iter(engine.dataloader(StdlibBytes(SEQ, max_bytes=40_000), seed=5))
+        losses = [engine.train_step(next(batches))]
+        if name == "rolled":
+            out["before"] = describe(engine.state)
+            prompts = torch.arange(3 * 5).reshape(3, 5) % 200
+            with engine.rollout("dp1-tp2-pp1", park="host", keep_weights=False) as policy:
+                out["model"] = describe_model(policy.model)
+                generated = policy.generate(prompts, max_new_tokens=3, temperature=1.0, seed=5)
+                out["generated"] = (generated.tokens.numpy(), generated.log_probs.numpy())
+                out["scored"] = policy.log_probs(generated.tokens).numpy()
+            out["after"] = describe(engine.state)
+        losses.append(engine.train_step(next(batches)))
+        out[name] = losses
+        engine.close()
+    return out
+
+
 def _job(rank: int, world: int, folder: str) -> dict:
-    return {"per_rank": _per_rank(rank, world, folder), "own_model": _own_model(rank, world)}
+    return {"per_rank": _per_rank(rank, world, folder), "own_model": _own_model(rank, world),
+            "moe_rollout": _moe_rollout(rank, world)}
 
 
 def _per_rank(rank: int, world: int, folder: str) -> dict:
@@ -153,3 +192,22 @@ def test_a_model_of_the_users_with_sgd_trains_and_switches_under_the_loop_engine
         assert switched["losses"][:2] == static["losses"][:2]  # before the first switch: the same run
         assert switched["losses"] == pytest.approx(static["losses"], rel=1e-4)
         assert switched["losses"][-1] < switched["losses"][0]
+
+
+def test_a_rollout_of_the_users_moe_under_the_loop_engine_leaves_its_state_as_it_was(job) -> None:
+    import numpy as np
+
+    from tests.megatron_description import assemble, differences
+
+    runs = [r["moe_rollout"] for r in job[1]]
+    before, after = assemble([r["before"] for r in runs]), assemble([r["after"] for r in runs])
+    assert any(k.startswith("optimizer.") or k.startswith("chained_") for k in before)  # moments too
+    assert differences(before, after) == []
+    params = {k: v for k, v in before.items() if not k.startswith(("optimizer.", "chained_"))}
+    assert any(".experts." in k for k in params) and differences(params, assemble([r["model"] for r in runs])) == []
+    tokens, log_probs = runs[0]["generated"]
+    assert tokens.shape == (3, 8) and tokens[:, :5].tolist() == (np.arange(15).reshape(3, 5) % 200).tolist()
+    assert all(np.array_equal(r["generated"][0], tokens) and np.array_equal(r["scored"], runs[0]["scored"])
+               for r in runs)
+    assert np.abs(runs[0]["scored"][:, 4:] - log_probs).max() <= 1e-5  # what generate reports is what scoring gives
+    assert all(r["rolled"] == r["plain"] for r in runs), [(r["rolled"], r["plain"]) for r in runs]
