@@ -2,8 +2,8 @@
 the first processes under ``torchrun``, later ones as ``python elastic_fit.py``; the store read
 through a real client to follow the job. Every process's output goes to one log file. The elastic
 tests (tests/elastic) and ``benchmarks/elastic.py`` drive their jobs with it; the tests start the
-``python elastic_fit.py`` processes warm (``ElasticJob(..., warm=True)``: forked from a server that
-imported torch, megatron-core and Lightning once), the benchmarks as fresh interpreters.
+``python elastic_fit.py`` processes and the store warm (``ElasticJob(..., warm=True)``: forked from a
+server that imported torch, megatron-core and Lightning once), the benchmarks as fresh interpreters.
 
 Example::
 
@@ -45,9 +45,9 @@ class ElasticJob:
     def __init__(self, out: Path, *, max_steps: int, step_seconds: float, dead_after: float = 4.0,
                  suspect_after: float | None = None, fit_args: tuple[str, ...] = (), warm: bool = False) -> None:
         """``warm``: start the ``python elastic_fit.py`` processes (``start_python``, ``start_launch``)
-        from a server that imported torch, megatron-core and Lightning once (``WarmScript``), not as
-        fresh interpreters: for tests, never where a process's start is measured. ``torchrun`` launches
-        and the store stay real processes."""
+        and the store process from a server that imported torch, megatron-core and Lightning once
+        (``WarmScript``), not as fresh interpreters: for tests, never where a process's start is
+        measured. ``torchrun`` launches stay real."""
         self.out, self.max_steps, self.step_seconds, self.dead_after = out, max_steps, step_seconds, dead_after
         self.suspect_after = suspect_after
         self.fit_args = fit_args
@@ -63,17 +63,34 @@ class ElasticJob:
         self.out.mkdir(parents=True, exist_ok=True)
         self.log_path.write_text("")
         self.log = open(self.log_path, "a")  # every process appends: a warm child opens the file itself
-        self.store_proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_dynatrain.cli", "store", "--host", "127.0.0.1", "--port", "0",
-             "--dead-after", str(self.dead_after),
-             *(("--suspect-after", str(self.suspect_after)) if self.suspect_after is not None else ())],
-            env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        port = self.store_proc.stdout.readline().strip().rsplit(":", 1)[-1]
-        self._store_log = threading.Thread(target=self._copy_store_log, daemon=True)
-        self._store_log.start()
+        store = ["store", "--host", "127.0.0.1", "--port", "0", "--dead-after", str(self.dead_after),
+                 *(("--suspect-after", str(self.suspect_after)) if self.suspect_after is not None else ())]
+        self._store_log = None
+        if self.warm:  # its first line, ``DYNATRAIN_STORE=host:port``, is the log's too
+            self.store_proc = WarmScript("lightning_dynatrain.cli", store, env=self.env, cwd=REPO, log=self.log_path,
+                                         module=True)
+            port = self._store_port()
+        else:
+            self.store_proc = subprocess.Popen([sys.executable, "-m", "lightning_dynatrain.cli", *store],
+                                               env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            port = self.store_proc.stdout.readline().strip().rsplit(":", 1)[-1]
+            self._store_log = threading.Thread(target=self._copy_store_log, daemon=True)
+            self._store_log.start()
         self.env["DYNATRAIN_STORE"] = f"127.0.0.1:{port}"
         self.client = JobStore.connect(self.env["DYNATRAIN_STORE"], TOKEN)
         return self
+
+    def _store_port(self, timeout: float = 120.0) -> str:
+        """The port the warm store process printed to the log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if line.startswith("DYNATRAIN_STORE="):
+                    return line.rsplit(":", 1)[-1]
+            if self.store_proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"the store process printed no address; log:\n{self.tail()}")
 
     def _copy_store_log(self) -> None:
         """The store process's own lines (its decisions: ``[dynatrain store] ...``) into the job's log."""
@@ -88,7 +105,8 @@ class ElasticJob:
                 p.wait()
         self.store_proc.kill()
         self.store_proc.wait()
-        self._store_log.join(timeout=10)
+        if self._store_log is not None:
+            self._store_log.join(timeout=10)
         self.log.close()
 
     # ------------------------------------------------------------------------------ processes

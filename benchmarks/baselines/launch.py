@@ -80,16 +80,18 @@ def take_environment(environ: dict[str, str]) -> None:
 
 
 class WarmScript:
-    """``python SCRIPT ARGS...`` as a child forked from the warm server (``process_context``), with the
+    """``python SCRIPT ARGS...`` (``module=True``: ``python -m SCRIPT ARGS...``) as a child forked from
+    the warm server (``process_context``), with the
     ``subprocess.Popen`` calls a job's driver uses (``pid``, ``poll``, ``wait``, ``send_signal``,
     ``kill``, ``returncode``: negative for a signal). The child takes ``env`` as its environment and
     ``cwd`` as its directory, writes its output to ``log`` (appended, as the job's other processes
     do), runs the script as ``__main__`` and the interpreter's exit handlers after it, as
     ``python SCRIPT`` would; it differs from one in what it has imported already."""
 
-    def __init__(self, script: Path, args: list[str], *, env: dict[str, str], cwd: Path, log: Path) -> None:
+    def __init__(self, script: Path | str, args: list[str], *, env: dict[str, str], cwd: Path, log: Path,
+                 module: bool = False) -> None:
         self._proc = process_context(warm=True).Process(target=_run_script, args=(str(script), args, env, str(cwd),
-                                                                                   str(log)))
+                                                                                   str(log), module))
         self._proc.start()
         self.pid = self._proc.pid
         self.args = [str(script), *args]
@@ -117,7 +119,7 @@ class WarmScript:
         self._proc.kill()
 
 
-def _run_script(script: str, args: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+def _run_script(script: str, args: list[str], env: dict[str, str], cwd: str, log: str, module: bool) -> None:
     import atexit
     import runpy
     import sys
@@ -133,9 +135,12 @@ def _run_script(script: str, args: list[str], env: dict[str, str], cwd: str, log
     for stream in (sys.stdout, sys.stderr):  # unbuffered, as the job's PYTHONUNBUFFERED asks of an interpreter
         stream.reconfigure(line_buffering=True, write_through=True)
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(script))
+    sys.path.insert(0, cwd if module else os.path.dirname(script))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     finally:  # what an interpreter runs as it exits; a multiprocessing child ends with os._exit, which skips them
         atexit._run_exitfuncs()
 
