@@ -35,7 +35,8 @@ test-fast: $(STAMP)
 # The newest tested set (requirements/newest.txt: Python 3.12, megatron-core 0.19, torch 2.15) in its own
 # environment: the fast tests and the slow ones on the seams an upgrade moves (the demo without a
 # warning, a checkpoint at another layout, a world that grows and shrinks, the megatron checkpoint
-# baseline and import, the Accelerate and Fabric runs, megatron's interleaved schedule). torch 2.15 has no CPU
+# baseline and import, the Accelerate and Fabric runs, megatron's interleaved schedule, generation through
+# megatron's pipeline schedules and KV cache). torch 2.15 has no CPU
 # build on the registry: the first set-up downloads its CUDA build (about 3 GB). The set itself
 # (extras dropped) is the pip constraint, so a machine-wide cap on torch does not hold it back.
 PYTHON_NEWEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
@@ -45,7 +46,7 @@ STAMP_NEWEST  := $(VENV_NEWEST)/.installed
 NEWEST_SLOW   := tests/test_demo.py tests/checkpoint/test_logical_dcp.py tests/baselines/test_baselines.py \
                  tests/elastic/test_world.py::test_a_world_grows_with_joiners_and_shrinks_with_a_leaver_while_the_old_one_steps \
                  tests/loops/test_accelerate_example.py tests/loops/test_fabric_example.py \
-                 tests/megatron/test_virtual_pipeline.py tests/strategy/test_checkpoints.py
+                 tests/megatron/test_virtual_pipeline.py tests/strategy/test_checkpoints.py tests/megatron/test_rollout.py
 
 setup-newest: $(STAMP_NEWEST)
 
