@@ -81,12 +81,12 @@ def take_environment(environ: dict[str, str]) -> None:
 
 class WarmScript:
     """``python SCRIPT ARGS...`` (``module=True``: ``python -m SCRIPT ARGS...``) as a child forked from
-    the warm server (``process_context``), with the
-    ``subprocess.Popen`` calls a job's driver uses (``pid``, ``poll``, ``wait``, ``send_signal``,
-    ``kill``, ``returncode``: negative for a signal). The child takes ``env`` as its environment and
-    ``cwd`` as its directory, writes its output to ``log`` (appended, as the job's other processes
-    do), runs the script as ``__main__`` and the interpreter's exit handlers after it, as
-    ``python SCRIPT`` would; it differs from one in what it has imported already."""
+    the warm server (``process_context``), with the ``subprocess.Popen`` calls a job's driver uses
+    (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``returncode``: negative for a signal).
+    The child takes ``env`` as its environment and ``cwd`` as its directory, writes its output to
+    ``log`` (appended, as the job's other processes do), runs the script as ``__main__`` and the
+    interpreter's exit handlers after it, as ``python SCRIPT`` would; it differs from one in what it
+    has imported already."""
 
     def __init__(self, script: Path | str, args: list[str], *, env: dict[str, str], cwd: Path, log: Path,
                  module: bool = False) -> None:
