@@ -30,15 +30,15 @@ from tests.strategy.own_models import GLOBAL_BATCH, MICRO_BATCH, SEQ
 SEED, STEPS, EPS = 1234, 8, 1e-6
 #: per model: its layers, the first layout, the switches (uneven pipelines among them: the split-MLP
 #: GPT's 4 layers 1+3, then one layer in each of two chunks per stage with ZeRO-1, then 2+2; the
-#: MoE's 3 layers 2+1), the precision
+#: MoE's 4 layers in two chunks of one per stage, its experts over two ranks), the precision
 CASES = {
     "split-mlp": dict(layers=4, start="dp2-tp2-pp1",
                       schedule={2: "dp1-tp2-pp2-first1", 4: "dp2-tp1-pp2-vpp2-zero1", 6: "dp2-tp1-pp2"},
                       precision="bf16-mixed"),
     "bert": dict(layers=2, start="dp4-tp1-pp1", schedule={2: "dp2-tp2-pp1", 4: "dp1-tp2-pp2", 6: "dp2-tp1-pp2"},
                  precision="32-true"),
-    "sigmoid-moe": dict(layers=3, start="dp4-tp1-pp1-ep2",
-                        schedule={2: "dp2-tp2-pp1-ep2", 4: "dp4-tp1-pp1-ep4-zero1", 6: "dp2-tp1-pp2-ep2-last1"},
+    "sigmoid-moe": dict(layers=4, start="dp4-tp1-pp1-ep2",
+                        schedule={2: "dp2-tp2-pp1-ep2", 4: "dp4-tp1-pp1-ep4-zero1", 6: "dp2-tp1-pp2-vpp2-ep2"},
                         precision="32-true"),
 }
 #: the split-MLP fit saves here (after the switch of that step: at virtual stages); a second fit resumes

@@ -1,8 +1,8 @@
 """Models of the user's, described by nobody here (``own_models``): a GPT with the user's own MLP
 submodule (bf16, megatron's ``OptimizerParamScheduler``), megatron's BERT (SGD with momentum, a
 torch ``LambdaLR``), and an MoE with a sigmoid, group-limited router and shared experts; each through
-``Trainer`` with switches over dp/tp/pp (and ep), pipelines with uneven stages among them
-(``-firstN``/``-lastN``), ``verify=True`` on every switch (the fit would raise otherwise), against a
+``Trainer`` with switches over dp/tp/pp (and ep), pipelines with uneven stages and virtual stages
+among them (``-firstN``/``-lastN``, ``-vpp2``: the GPT and the MoE), ``verify=True`` on every switch (the fit would raise otherwise), against a
 run that never switched. One spawned job (``own_models_job``), 4 processes.
 
 The state around each switch is read through megatron's own description of the model and optimizer
