@@ -25,7 +25,7 @@ from lightning_dynatrain.compat.lightning_internals import checkpoint_connector,
 from lightning_dynatrain.elastic.driver.front import Launch
 from lightning_dynatrain.elastic.launch_teardown import ends_with_any_worker
 from lightning_dynatrain.elastic.session import ElasticSession
-from lightning_dynatrain.strategy.loggers import continue_loggers, flush_loggers, logger_versions, pin_logger_versions
+from lightning_dynatrain.strategy.loggers import continue_loggers, hand_off_loggers, logger_versions, pin_logger_versions
 from lightning_dynatrain.vps.errors import DynaTrainError
 
 if TYPE_CHECKING:
@@ -162,8 +162,10 @@ class LightningFront:
     def pin_log_versions(self, versions: list[Any]) -> None:
         pin_logger_versions(self._loggers(), versions)
 
-    def flush_logs(self) -> None:
-        flush_loggers(self._loggers())
+    def hand_off_logs(self) -> None:
+        trainer = self._strategy._running_trainer()
+        if trainer is not None:
+            hand_off_loggers(trainer)
 
     def continue_logs(self) -> None:
         continue_loggers(self._loggers())

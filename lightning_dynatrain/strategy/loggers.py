@@ -7,9 +7,11 @@ would also delete the ``metrics.csv`` it finds there when its writer is made. So
 
 - every member takes rank 0's versions when it enters the job (the first world by a broadcast, a
   joiner in the header of its change): ``logger_versions`` / ``pin_logger_versions``;
-- a rank 0 that leaves writes out what its loggers hold before it hands its state off
-  (``flush_loggers``), and its successor takes the metrics file over as it stands
-  (``continue_loggers``): its CSV writer starts from the file's columns and appends.
+- a rank 0 that leaves writes out what its loggers hold before it hands its state off and
+  writes nothing after (``hand_off_loggers``: the rows it would log once the next rank 0 is
+  chosen are that one's; a late write of its own would race the successor's take-over), and its
+  successor takes the metrics file over as it stands (``continue_loggers``): its CSV writer starts
+  from the file's columns and appends.
 
 TensorBoard's writer starts a new event file in the same directory by itself. Loggers without a
 version directory (e.g. WandB's run ids) are left as they are. Lightning's private attributes read
@@ -46,10 +48,12 @@ def pin_logger_versions(loggers: Sequence[Any], versions: Sequence[Any]) -> None
             pin_version(logger, version)
 
 
-def flush_loggers(loggers: Sequence[Any]) -> None:
-    """Write out what the loggers hold (a rank 0 about to leave)."""
-    for logger in loggers:
+def hand_off_loggers(trainer: Any) -> None:
+    """A rank 0 about to leave: write out what ``trainer``'s loggers hold, then detach them, so
+    that nothing this process logs or finalizes later touches the files its successor continues."""
+    for logger in trainer.loggers:
         logger.save()
+    trainer.loggers = []
 
 
 def continue_loggers(loggers: Sequence[Any]) -> None:
@@ -80,4 +84,4 @@ def _adopt_csv(log_dir: str) -> ExperimentWriter:
     return writer
 
 
-__all__ = ["continue_loggers", "flush_loggers", "logger_versions", "pin_logger_versions"]
+__all__ = ["continue_loggers", "hand_off_loggers", "logger_versions", "pin_logger_versions"]

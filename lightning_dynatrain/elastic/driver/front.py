@@ -78,8 +78,9 @@ class TrainingFront(Protocol):
     def pin_log_versions(self, versions: list[Any]) -> None:
         """Write where ``versions`` say, whichever rank logs later."""
 
-    def flush_logs(self) -> None:
-        """This process is rank 0 and leaves: write out what its loggers hold."""
+    def hand_off_logs(self) -> None:
+        """This process is rank 0 and leaves: write out what its loggers hold and log nothing more
+        (what it would log later is the next rank 0's)."""
 
     def continue_logs(self) -> None:
         """This process just became rank 0: go on with the files the old rank 0 wrote."""

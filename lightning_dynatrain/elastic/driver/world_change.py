@@ -54,7 +54,7 @@ def change_world(driver: "ElasticDriver", change: WorldChange, *, ahead: "AheadC
     old_watch = run.switcher.world_watch() if not change.grows else None
     if change.leaving:
         if session.rank == 0:  # written before the survivors can go on: the next rank 0 appends
-            front.flush_logs()
+            front.hand_off_logs()
         setup = run.switcher.world_change_setup(run.recipe, run.optimizer_settings)
         send_state(run.state, target, setup, members=change.members, group=old_world, watch=old_watch)
         driver.left = True
