@@ -17,7 +17,9 @@ model) so that processes started later find the fit still running; ``--fingerpri
 the model's fingerprint without changing the model; ``--stop-in-store`` ends the fit at the step
 the job's store names under ``bench/stop_at`` (every rank reads it: they stop at the same step);
 ``--rollout-every N`` enters a rollout phase (a few tokens sampled at ``dp<world>-tp1-pp1``) inside
-every N-th step, ``--kill-in-rollout RANK:STEP`` kills that rank inside step STEP's phase (``tiny``);
+every N-th step, ``--kill-in-rollout RANK:STEP[,RANK:STEP...]`` kills that rank inside step STEP's
+phase, ``--rollout-frees-weights-from STEP`` frees the training shards of the weights in the phases
+from step STEP on (``keep_weights=False``; ``tiny``);
 ``--switch-while-building`` asks for a layout switch while a world change is
 built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; ``--save`` writes one at the end; ``--log-dir`` adds a
 ``CSVLogger`` there (every step logged: its metrics file must continue whoever is rank 0);
@@ -95,8 +97,10 @@ def main() -> None:
                         help="trace the recovery in step STEP (the one DYNATRAIN_STEP_FAULT kills a member in)")
     parser.add_argument("--rollout-every", type=int, default=None, metavar="N",
                         help="a rollout phase at dp<world>-tp1-pp1 inside every N-th training step, before its update")
-    parser.add_argument("--kill-in-rollout", default=None, metavar="RANK:STEP",
+    parser.add_argument("--kill-in-rollout", default="", metavar="RANK:STEP[,RANK:STEP...]",
                         help="that rank kills itself (SIGKILL) inside step STEP's rollout phase")
+    parser.add_argument("--rollout-frees-weights-from", type=int, default=None, metavar="STEP",
+                        help="the rollout phases from step STEP on free the training shards (keep_weights=False)")
     parser.add_argument("--switch-while-building", action="store_true",
                         help="ask for a layout switch at the first boundary where a world change is built ahead")
     args = parser.parse_args()
@@ -203,8 +207,9 @@ def main() -> None:
             def training_step(self, batch, batch_idx):
                 strategy, step = self.trainer.strategy, self.trainer.global_step + 1
                 if args.rollout_every and step % args.rollout_every == 0:
-                    with strategy.rollout(f"dp{strategy.world_size}-tp1-pp1") as policy:
-                        if args.kill_in_rollout == f"{strategy.global_rank}:{step}":
+                    frees = args.rollout_frees_weights_from is not None and step >= args.rollout_frees_weights_from
+                    with strategy.rollout(f"dp{strategy.world_size}-tp1-pp1", keep_weights=not frees) as policy:
+                        if f"{strategy.global_rank}:{step}" in args.kill_in_rollout.split(","):
                             os.kill(os.getpid(), signal.SIGKILL)
                         policy.generate(batch["tokens"][:4, :8], max_new_tokens=2, seed=step)
                     self.rollouts.append(step)

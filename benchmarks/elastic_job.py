@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from benchmarks.baselines.launch import WarmScript
@@ -188,13 +188,17 @@ class ElasticJob:
     def results(self) -> dict[int, dict]:
         return {int(p.stem): json.loads(p.read_text()) for p in self.out.glob("*.json")}
 
-    def described(self, name: str) -> list[dict]:
+    def described(self, name: str, pids: Iterable[int] | None = None) -> list[dict]:
         """What ``elastic_fit.py --describe-at`` (``name`` ``"described.<step>"``) or
         ``--describe-recovered`` (``"recovered"``) wrote: each process's pieces of the state, as
-        megatron describes them (``tests/megatron_description.py``), in no particular order."""
+        megatron describes them (``tests/megatron_description.py``), in no particular order; of the
+        processes ``pids`` only, if given (a process that died later left what it wrote before)."""
         import pickle
 
-        return [pickle.loads(p.read_bytes()) for p in sorted(self.out.glob(f"*.{name}.pkl"))]
+        paths = sorted(self.out.glob(f"*.{name}.pkl"))
+        if pids is not None:
+            paths = [p for p in paths if int(p.name.split(".")[0]) in set(pids)]
+        return [pickle.loads(p.read_bytes()) for p in paths]
 
     def text(self) -> str:
         """The whole log, without c10d's store-wait timeouts and Python's warnings (what a test

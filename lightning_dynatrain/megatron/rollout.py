@@ -156,20 +156,22 @@ def leave_rollout(phase: RolloutWeights, setup, *, groups: ProcessGroupCache, gr
     for parked in phase._parked:
         parked.restore()
     phase._parked.clear()
-    with automatic_gc_paused():
-        if phase._weights is not None:
-            phase._weights.restore()  # zeroed: the inverse switch writes every element of a param
-            phase._weights = None
-            precision = precision_of(training.model, training.optimizer)
-            program = process_program(setup, phase.layout, training.layout, process, precision,
-                                      Members.same(phase.layout.world_size, training.layout.world_size),
-                                      weights_only=True)
-            source = param_store(phase.model, spec, phase.layout, process)
-            memory = PlainMemory(ParamsDestination(param_store(training.model, spec, training.layout, process)))
-            _, report = execute_switch(program, source, memory, group=group, subgroups=subgroups)
-        initialize_for_layout(training.layout, seed=setup.seed, groups=groups)
-    phase.model = None  # the rollout's model goes with the phase
-    release_rope_caches()
+    try:
+        with automatic_gc_paused():
+            if phase._weights is not None:
+                phase._weights.restore()  # zeroed: the inverse switch writes every element of a param
+                phase._weights = None
+                precision = precision_of(training.model, training.optimizer)
+                program = process_program(setup, phase.layout, training.layout, process, precision,
+                                          Members.same(phase.layout.world_size, training.layout.world_size),
+                                          weights_only=True)
+                source = param_store(phase.model, spec, phase.layout, process)
+                memory = PlainMemory(ParamsDestination(param_store(training.model, spec, training.layout, process)))
+                _, report = execute_switch(program, source, memory, group=group, subgroups=subgroups)
+            initialize_for_layout(training.layout, seed=setup.seed, groups=groups)
+    finally:  # the rollout's model goes with the phase (also when the refill failed: a member died)
+        phase.model = None
+        release_rope_caches()
     return report
 
 

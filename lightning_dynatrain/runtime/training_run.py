@@ -50,7 +50,7 @@ from lightning_dynatrain.runtime.layout_checks import layout_microbatches, valid
 from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
 from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe, optimizer_config
 from lightning_dynatrain.runtime.rollout import RolloutError, RolloutFigures, RolloutPolicy
-from lightning_dynatrain.transition.errors import mark_refused
+from lightning_dynatrain.transition.errors import mark_freed, mark_refused
 from lightning_dynatrain.vps.errors import DynaTrainError
 from lightning_dynatrain.vps.layout import ParallelConfig
 
@@ -335,7 +335,9 @@ class TrainingRun:
         ``park``: ``"in_place"`` leaves the optimizer's state and gradient buffers where they are;
         ``"host"`` moves the optimizer's state to host memory and frees the gradient buffers (on CPU
         processes nothing moves: their memory is the host's). ``keep_weights=False`` frees the
-        training shards of the weights meanwhile and refills them on leaving (a weights-only switch back).
+        training shards of the weights meanwhile and refills them on leaving (a weights-only switch back);
+        when that refill fails (a member died: it is a collective), its error is marked
+        ``transition.errors.freed_state``: the state of this step is then whole only in an in-memory snapshot.
 
         A switch being built ahead (``prepare``) finishes its build first and stays built.
 
@@ -375,7 +377,10 @@ class TrainingRun:
         finally:
             self._rollout = None
             start = time.perf_counter()
-            report = leave_rollout(phase, setup, groups=switcher.groups, subgroups=switcher.subgroups)
+            try:
+                report = leave_rollout(phase, setup, groups=switcher.groups, subgroups=switcher.subgroups)
+            except BaseException as err:  # the weights' refill failed (a member died): they are gone here
+                raise mark_freed(err) if not keep_weights else err
             policy.figures = dataclasses.replace(policy.figures, leave_report=report,
                                                  leave_seconds=time.perf_counter() - start)
         if before is not None:

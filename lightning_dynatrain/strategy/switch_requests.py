@@ -28,8 +28,9 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dynatrain.elastic.driver.recovery import recover_or_raise, recovers
+from lightning_dynatrain.elastic.failure_watch import is_communication_failure
 from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
-from lightning_dynatrain.transition.errors import mark_refused
+from lightning_dynatrain.transition.errors import freed_state, mark_refused
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
@@ -174,8 +175,9 @@ class SwitchRequests:
         """``TrainingRun.rollout`` between two steps: under ``OnNodeChange`` the snapshot in flight ends
         first (the phase leaves the state as it was, so the snapshot stays valid); rank 0 prints both
         transitions. A member lost in the phase is recovered from as at the step boundary the phase
-        began at (its training state is whole: the weights were kept), then ``RolloutInterrupted``
-        drops the phase's results and ``run_step`` runs the training step again."""
+        began at: from the survivors' training state where the weights were kept, else (their training
+        shards freed, ``keep_weights=False``) from the in-memory snapshot and the steps since run again;
+        then ``RolloutInterrupted`` drops the phase's results and ``run_step`` runs the training step again."""
         from lightning_dynatrain.runtime.rollout import RolloutError, RolloutInterrupted
 
         elastic = self._elastic()
@@ -189,13 +191,15 @@ class SwitchRequests:
                                f"{figures.enter_seconds:.2f} s, {figures.parked_bytes / 2**20:.1f} MiB parked")
                 yield policy
         except Exception as err:
+            if elastic is not None and freed_state(err) and elastic.snapshots is None and is_communication_failure(err):
+                raise RolloutError(f"a member died during the rollout at step {step}, which had freed the training "
+                                   "shards of the weights (keep_weights=False), and the job keeps no in-memory "
+                                   "snapshot: the survivors cannot rebuild them",
+                                   hint="resume from the last checkpoint; where a death may interrupt a rollout, "
+                                   "keep the weights (keep_weights=True) or take snapshots "
+                                   "(OnNodeChange(snapshot_every=N))") from err
             if elastic is None or not recovers(elastic, err):
                 raise
-            if not keep_weights:
-                raise RolloutError(f"a member died during the rollout at step {step}, which had freed the training "
-                                   "shards of the weights (keep_weights=False): the survivors cannot rebuild them",
-                                   hint="resume from the last checkpoint; rollouts a death may interrupt keep "
-                                   "their weights (keep_weights=True)") from err
             recover_or_raise(elastic, err)
             raise RolloutInterrupted(f"step {step}: a member died during the rollout; the survivors went on at "
                                      f"{self._run.layout} and run the step again",

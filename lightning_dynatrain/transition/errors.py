@@ -64,5 +64,19 @@ def was_refused(err: BaseException) -> bool:
     return bool(getattr(err, "switch_refused", False))
 
 
+def mark_freed(err: BaseException) -> BaseException:
+    """Mark ``err`` as raised after this rank's training state was freed in part and not put back
+    (a rollout phase without ``keep_weights`` whose refill failed): the state of this step is whole
+    nowhere but in an in-memory snapshot. Returns ``err``."""
+    err.state_freed = True  # type: ignore[attr-defined]
+    return err
+
+
+def freed_state(err: BaseException | None) -> bool:
+    """Whether this rank's training state was freed in part when ``err`` was raised: a switch that
+    failed after freeing old state (``SwitchFailedError.freed``), or ``mark_freed``."""
+    return bool(getattr(err, "state_freed", False)) or (isinstance(err, SwitchFailedError) and err.freed)
+
+
 __all__ = ["EngineInternalError", "StagingBudgetError", "StateStoreError", "SwitchAbortedError", "SwitchFailedError",
-           "mark_refused", "was_refused"]
+           "freed_state", "mark_freed", "mark_refused", "was_refused"]

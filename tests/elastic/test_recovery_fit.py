@@ -23,7 +23,8 @@ instead, at ``dp2-tp2-pp1-zero1`` and at ``dp4-tp1-pp1-zero1``, and compute the 
 also when another member dies after the recovery moved the state (in the keepers' fill, in the
 steps computed again). A lost host (SIGSTOP) is named after ``dead_after``; a killed process at
 once, with its torchrun launch. A member killed inside a rollout phase (a fit that samples in one
-every step) is recovered from as at the step boundary, and the step runs again.
+every step) is recovered from as at the step boundary, and the step runs again: from the replicas
+where the phase kept the training weights, from the snapshot where it had freed them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from tests.megatron_description import assemble, differences
 pytestmark = pytest.mark.slow
 
 MAX_STEPS, FAULT_STEP, SNAPSHOT_FAULT_STEP = 12, 6, 8
+#: the step from which the rollout test's phases free the training shards of the weights (and a second member dies)
+FREES_FROM = 9
 
 
 def _static(path: Path, fit_args: tuple[str, ...], described: tuple[int, ...]) -> dict:
@@ -426,27 +429,47 @@ def test_a_member_killed_in_a_layout_switch_that_keeps_the_old_state_is_recovere
                 assert loss == pytest.approx(static_losses[step], rel=1e-4), step
 
 
-def test_a_member_killed_in_a_rollout_phase_is_recovered_from_as_at_the_boundary_and_its_step_runs_again(
+def test_members_killed_in_rollout_phases_are_recovered_from_the_replicas_or_from_the_snapshot(
         tmp_path, static_run, static_losses):
-    """Every step samples a few tokens in a rollout phase at ``dp<world>-tp1-pp1`` before its update;
-    rank 3 kills itself inside step ``FAULT_STEP``'s phase. The survivors recover from the replicas of
-    step ``FAULT_STEP - 1`` (the phase left the training state as it was), drop the phase's results
-    and run the step again at ``dp3-tp1-pp1``, its rollout included. The oracle is the static fit,
-    which never entered a rollout: the same samples, every loss before the kill bit for bit."""
-    fit_args = ("--rollout-every", "1", "--kill-in-rollout", f"3:{FAULT_STEP}")
+    """Every step samples a few tokens in a rollout phase at ``dp<world>-tp1-pp1`` before its update,
+    with snapshots every 3 steps. Rank 3 kills itself inside step ``FAULT_STEP``'s phase, which kept
+    the training weights: the survivors recover from the replicas of step ``FAULT_STEP - 1`` (the phase
+    left the training state as it was), drop the phase's results and run the step again at
+    ``dp3-tp1-pp1``, its rollout included. From step ``FREES_FROM`` on the phases free the training
+    shards of the weights (``keep_weights=False``), and rank 2 kills itself inside step ``FREES_FROM``'s:
+    no survivor holds the weights of step ``FREES_FROM - 1`` at the training layout any more, so the
+    two go back to the snapshot of step 6 (the state the job had after step 6, bit for bit, as megatron
+    describes it), compute steps 7-8 again at ``dp2-tp1-pp1`` and run the interrupted step.
+    The oracle is the static fit, which never entered a rollout: the same samples, every loss before
+    the first kill bit for bit, each step once."""
+    frees_from = FREES_FROM
+    fit_args = ("--rollout-every", "1", "--kill-in-rollout", f"3:{FAULT_STEP},2:{frees_from}",
+                "--rollout-frees-weights-from", str(frees_from), "--snapshot-every", "3", "--describe-recovered",
+                "--describe-at", "6")
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0, suspect_after=2.0,
                     fit_args=fit_args, warm=True) as job:
         procs = job.start_launch(4)
         codes = [job.wait(p) for p in procs]
         results, log = job.results(), job.text()
-    assert codes == [0, 0, 0, -signal.SIGKILL], log
-    assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(3, "dp3-tp1-pp1", MAX_STEPS)}
-    assert {(x["step"], x["src"], x["dst"], x["steps_redone"]) for r in results.values() for x in r["recoveries"]} \
-        == {(FAULT_STEP - 1, "dp2-tp2-pp1", "dp3-tp1-pp1", 0)}
+        # the last recovery's state (the snapshot of step 6, as the two survivors described it) is the
+        # state the job trained to after step 6 (at dp3-tp1-pp1 after the first recovery: not the static
+        # fit's bits), as the three processes alive then described it
+        survivors = [p.pid for p, code in zip(procs, codes) if code == 0]
+        recovered = assemble(job.described("recovered", pids=survivors))
+        at_step_6 = assemble(job.described("described.6"))
+    assert recovered and differences(recovered, at_step_6) == []
+    assert codes == [0, 0, -signal.SIGKILL, -signal.SIGKILL], log
+    assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(2, "dp2-tp1-pp1", MAX_STEPS)}
+    recoveries = [[(x["step"], x["src"], x["dst"], x["snapshot_step"], x["steps_redone"]) for x in r["recoveries"]]
+                  for r in results.values()]
+    assert recoveries == [[(FAULT_STEP - 1, "dp2-tp2-pp1", "dp3-tp1-pp1", None, 0),
+                           (frees_from - 1, "dp3-tp1-pp1", "dp2-tp1-pp1", 6, frees_from - 7)]] * 2, log
     assert f"step {FAULT_STEP - 1}: a member died during the rollout; the survivors went on at dp3-tp1-pp1" in log, log
+    assert f"step {frees_from - 1}: a member died during the rollout; the survivors went on at dp2-tp1-pp1" in log, log
+    assert f"{frees_from - 7} step(s) redone from the in-memory snapshot of step 6" in log, log
     _same_samples(results, static_run)
     for r in results.values():
-        assert r["rollouts"] == list(range(1, MAX_STEPS + 1))  # each step's phase ended once (the lost one dropped)
+        assert r["rollouts"] == list(range(1, MAX_STEPS + 1))  # each step's phase ended once (the lost ones dropped)
         assert [step for step, _ in r["losses"]] == list(range(1, MAX_STEPS + 1))
         for step, loss in r["losses"]:
             if step < FAULT_STEP:

@@ -25,7 +25,9 @@ switch, or at a step boundary), or at a boundary where the store's record came f
    Steps whose result is lost and computed again (``steps_redone``) are 0 when replicas hold it all.
 
 A switch that lost a member (``SwitchFailedError``) is recovered from too: where it freed old state
-as it moved it, no step is whole on the survivors and step 5 goes to the snapshot at once. A
+as it moved it, no step is whole on the survivors and step 5 goes to the snapshot at once; so does
+a death in a rollout phase that had freed the training shards of the weights (``keep_weights=False``,
+``transition.errors.freed_state``). A
 shrink's switch that lost only its leavers leaves the running world whole: ``recover_in_world``
 runs steps 4-7 in it, reading the state as the old world's ranks held it.
 
@@ -210,7 +212,7 @@ def _switch_and_redo(driver: "ElasticDriver", everyone: list[dict], *,
                      error: BaseException | None, in_step: bool, state_world: "Membership", groups,
                      was_rank_zero: bool, times: tuple[float, float, float]) -> Recovered:
     """Steps 5-7, once every survivor's ``everyone`` entry is known."""
-    from lightning_dynatrain.transition.errors import SwitchFailedError
+    from lightning_dynatrain.transition.errors import freed_state
     from lightning_dynatrain.megatron.hot_switch import hot_switch
     from lightning_dynatrain.megatron.parallel_state_adapter import initialize_for_layout
     from lightning_dynatrain.megatron.state_bridge import precision_of
@@ -226,10 +228,10 @@ def _switch_and_redo(driver: "ElasticDriver", everyone: list[dict], *,
     setup = run.switcher.world_change_setup(run.recipe, run.optimizer_settings)
     old_size, snapshot = len(state_world.members), None
     try:  # (5)
-        if isinstance(error, SwitchFailedError) and error.freed or \
-                driver.snapshots is not None and driver.snapshots.restored:
-            raise StateLostError(f"a survivor freed part of its state of step {global_step} as the switch "
-                                 "that failed moved it, or wrote the snapshot back into it already",
+        if freed_state(error) or driver.snapshots is not None and driver.snapshots.restored:
+            raise StateLostError(f"a survivor freed part of its state of step {global_step} (a switch that failed "
+                                 "as it moved it, or a rollout phase without keep_weights), or wrote the snapshot "
+                                 "back into it already",
                                  hint="only a snapshot holds the state of one step now")
         source = recovery_source(setup.spec, src, precision, old_size=old_size,
                                  survivors=[SurvivorState(e["old_rank"], e["state"]) for e in everyone])

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from lightning_dynatrain.elastic.failure_watch import MemberFailedError, MemberLostError, is_communication_failure
 from lightning_dynatrain.elastic.world import retire
-from lightning_dynatrain.transition.errors import SwitchFailedError, was_refused
+from lightning_dynatrain.transition.errors import SwitchFailedError, freed_state, was_refused
 
 if TYPE_CHECKING:
     from lightning_dynatrain.elastic.driver.driver import ElasticDriver
@@ -97,13 +97,14 @@ class FailedAt:
 
 def recovers(driver: "ElasticDriver", err: BaseException) -> bool:
     """``err`` is a collective that failed, or a switch a rank went missing in, and the survivors go
-    on after it: from the state they hold, or, where the switch freed some of it as it moved it
-    (``SwitchFailedError.freed``), from the in-memory snapshot (if any)."""
+    on after it: from the state they hold, or, where some of it was freed (a switch that moved it,
+    a rollout phase without ``keep_weights``: ``freed_state``), from the in-memory snapshot (if any)."""
     if not driver.recover_from_loss or driver.session is None or driver.left:
         return False
+    if freed_state(err) and driver.snapshots is None:
+        return False
     if isinstance(err, SwitchFailedError):
-        return (not err.freed or driver.snapshots is not None) and \
-            (err.rank is not None or is_communication_failure(err))
+        return err.rank is not None or is_communication_failure(err)
     return is_communication_failure(err)
 
 
@@ -154,7 +155,7 @@ def _recover(driver: "ElasticDriver", *, error: BaseException | None = None, rec
                 raise  # (MemberFailedError: the recovery itself found the job cannot go on)
             driver.front.warn(f"[dynatrain] a member died during the recovery ({type(err).__name__}: {err}); "
                               "the survivors agree on a world without it too")
-            freed = getattr(error, "freed", False)  # (a state freed stays freed: the snapshot or nothing)
+            freed = freed_state(error)  # (a state freed stays freed: the snapshot or nothing)
             if lost:
                 record, retired = err.record, None
             else:
