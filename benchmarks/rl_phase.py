@@ -5,7 +5,8 @@ megatron GPT at the training layout (fp32, Adam state from one real step) and me
 
 1. **enter** (``megatron.rollout.enter_rollout``, ``keep_weights=True``, ``park="in_place"``): the
    weights-only switch into a bare model at the rollout layout, and its engine's part (the walker's
-   report; the rest is the groups, the program and the model's build); its bytes; the floor of that plan
+   report, and its phases: ``enter_phases``; the rest is the groups, the program and the model's
+   build); its bytes; the floor of that plan
    (``baselines.floor``: received bytes over the measured p2p rate + kept bytes at ``copy_`` speed);
 2. **leave** with ``keep_weights=True``: nothing moves back;
 3. the same with ``keep_weights=False``: entering frees the training shards of the weights, leaving
@@ -76,6 +77,11 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
+def _slowest_phases(report) -> dict[str, float]:
+    """The walker's seconds per phase (``SwitchReport.seconds``), each the slowest rank's (collective)."""
+    return {name: _slowest(seconds) for name, seconds in report.seconds.items()}
+
+
 def _timed(fn):
     """``fn()`` between two barriers: its result and the slowest rank's seconds."""
     import torch.distributed as dist
@@ -125,6 +131,7 @@ def _job(rank: int, world: int, quick: bool, train_text: str, rollout_text: str,
     phase, out["enter_seconds"] = _timed(lambda: enter_rollout(state, rollout, setup, groups=cache))
     out["enter_bytes"] = phase.enter_report.recv_bytes
     out["enter_engine_seconds"] = _slowest(phase.enter_report.total_seconds)  # the walker's part of it
+    out["enter_phases"] = _slowest_phases(phase.enter_report)
     out["tokens_per_s"] = generate(phase)
     out["rss_in_phase_kept"] = rss() - before
     report, out["leave_seconds"] = _timed(lambda: leave_rollout(phase, setup, groups=cache))
@@ -133,6 +140,7 @@ def _job(rank: int, world: int, quick: bool, train_text: str, rollout_text: str,
                                                                      keep_weights=False))
     out["rss_in_phase_freed"] = rss() - before
     out["enter_freed_engine_seconds"] = _slowest(phase.enter_report.total_seconds)
+    out["enter_freed_phases"] = _slowest_phases(phase.enter_report)
     out["parked_bytes"] = phase.parked_bytes
     report, out["leave_refill_seconds"] = _timed(lambda: leave_rollout(phase, setup, groups=cache))
     out["leave_refill_bytes"] = 0 if report is None else report.recv_bytes
@@ -170,6 +178,9 @@ def run_pair(quick: bool, train: str, rollout: str, args: argparse.Namespace) ->
         row[key] = max(r[key] for r in per_rank)
     transitions = row["enter_seconds"] + row["leave_seconds"]
     generation = args.rows * args.new / row["tokens_per_s"]
+    for entry in ("enter", "enter_freed"):  # the walker's two largest phases, in the table too
+        for name in ("transfer", "unpack"):
+            row[f"{entry}_{name}_seconds"] = first[f"{entry}_phases"][name]
     row["enter_over_floor"] = row["enter_seconds"] / row["floor_seconds"]
     row["refit_over_enter"] = row["refit_seconds"] / row["enter_seconds"]
     row["transition_share"] = transitions / (transitions + generation + row["step_seconds"])
@@ -186,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rl_phase] {train} <-> {rollout} ...", flush=True)
         rows[f"{train} <-> {rollout}"] = run_pair(args.quick, train, rollout, args)
     keys = ["floor_seconds", "enter_seconds", "enter_engine_seconds", "enter_over_floor", "enter_bytes",
-            "leave_seconds", "leave_bytes", "enter_freed_seconds", "enter_freed_engine_seconds", "leave_refill_seconds", "leave_refill_bytes", "refit_seconds", "refit_over_enter",
+            "enter_transfer_seconds", "enter_unpack_seconds", "leave_seconds", "leave_bytes", "enter_freed_seconds",
+            "enter_freed_engine_seconds", "enter_freed_transfer_seconds", "enter_freed_unpack_seconds",
+            "leave_refill_seconds", "leave_refill_bytes", "refit_seconds", "refit_over_enter",
             "tokens_per_s", "train_layout_tokens_per_s", "step_seconds", "transition_share", "rss_in_phase_kept",
             "rss_in_phase_freed"]
     print(f"{'':28}" + "".join(f"{name[:26]:>28}" for name in rows))
