@@ -29,7 +29,8 @@ built ahead (``tiny``; it must be refused); ``--resume`` resumes a checkpoint; `
 ``ScheduledReconfig`` of that one switch; ``--zero1`` shards the optimizer's state
 (ZeRO-1) at every layout of the policy with data parallelism; ``--start LAYOUT`` starts the first
 world at ``LAYOUT``; ``--snapshot-every N`` keeps in-memory snapshots (``OnNodeChange(snapshot_every=N)``),
-``--snapshot-buffers 2`` in two buffers; ``--trace-death STEP`` records, on a survivor, the call chains
+``--snapshot-buffers 2`` in two buffers; ``--slow-layers RANKS:STEP:SECONDS`` slows those ranks' layers
+in step STEP (a bigger model's compute); ``--trace-death STEP`` records, on a survivor, the call chains
 of step ``STEP`` (the one ``DYNATRAIN_STEP_FAULT`` kills a member in), from its failed collective to
 the step done (``call_chains.DeathTrace``; the result's ``death_path``). For the tests' bit-for-bit
 checks, this rank's pieces of the whole training state as megatron-core describes them
@@ -89,6 +90,8 @@ def main() -> None:
     parser.add_argument("--snapshot-buffers", type=int, default=1, help="OnNodeChange(snapshot_buffers=1|2)")
     parser.add_argument("--schedule", default=None, help="STEP:LAYOUT: one scheduled layout switch")
     parser.add_argument("--leave", default=None, help="RANK:STEP: that rank asks to leave after that step")
+    parser.add_argument("--slow-layers", default=None, metavar="RANKS:STEP:SECONDS",
+                        help="those ranks (comma-separated) sleep SECONDS before each transformer layer in step STEP")
     parser.add_argument("--describe-at", default=None, metavar="STEP[,STEP...]",
                         help="after these steps, write megatron's description of this rank's state (tests)")
     parser.add_argument("--describe-recovered", action="store_true",
@@ -133,6 +136,28 @@ def main() -> None:
     class Pace(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             time.sleep(args.step_seconds)
+
+    class SlowLayers(Callback):
+        """``--slow-layers RANKS:STEP:SECONDS``: those ranks sleep SECONDS at the start of each transformer
+        layer's forward in step STEP (the compute of a bigger model, in the step a member dies in)."""
+
+        def __init__(self, spec: str) -> None:
+            ranks, step, seconds = spec.split(":")
+            self.ranks, self.step, self.seconds = {int(r) for r in ranks.split(",")}, int(step), float(seconds)
+            self.handles: list = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            from megatron.core.transformer.transformer_layer import TransformerLayer
+
+            if trainer.global_step + 1 == self.step and trainer.global_rank in self.ranks:
+                for chunk in trainer.strategy.run.state.chunks:
+                    self.handles += [m.register_forward_pre_hook(lambda *_: time.sleep(self.seconds))
+                                     for m in chunk.modules() if isinstance(m, TransformerLayer)]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            for handle in self.handles:
+                handle.remove()
+            self.handles = []
 
     class LeaveAt(Callback):
         """One rank asks to leave after a step, as a preemption notice would (the store sets the boundary)."""
@@ -306,6 +331,8 @@ def main() -> None:
         callbacks.append(ScheduledReconfig({int(at): layout}))
     if args.leave:
         callbacks.append(LeaveAt(args.leave))
+    if args.slow_layers:
+        callbacks.append(SlowLayers(args.slow_layers))
     if args.switch_while_building:
         callbacks.append(SwitchWhileBuilding())  # after OnNodeChange: sees the change it started building
     logger = CSVLogger(args.log_dir, name="metrics") if args.log_dir else False

@@ -380,6 +380,13 @@ class ElasticSession:
         stores = (self.store.port, self.store.liveness_port, launcher_store_port())
         return abandon_world(registered_groups(), keep_ports=stores)
 
+    def raise_if_lost(self) -> None:
+        """``MemberLostError`` now if the watchdog read the store's record of a member that died and
+        this process goes on without it (a step's layers call this: ``StepProgress.stop_if_lost``)."""
+        lost = self.failures.lost
+        if lost is not None:
+            raise MemberLostError(lost)
+
     def recover_into(self, record: Membership) -> WorldGroups:
         """Install the survivors' world ``record`` (a failure record this process is a member of),
         built now over the store by every survivor; returns the old world's groups, to ``retire``

@@ -6,6 +6,11 @@ passed megatron's ``optimizer.step()`` (their state is this step's). ``stepped``
 recovery then takes every box from survivors at one step only (``elastic/driver/recovery.py``), so the
 step is in the new world's state everywhere or nowhere.
 
+A step can also stop early: ``stop_if_lost`` (the elastic driver's) raises ``MemberLostError`` once
+this process's watchdog has read the store's record of a member that died; ``checked_at_layers``
+calls it as each transformer layer starts its forward and its backward, so a survivor leaves the
+step in flight at the next layer instead of computing on until a collective with the dead fails.
+
 ``StepFault`` is a test hook: ``DYNATRAIN_STEP_FAULT=<rank>:<step>:<phase>`` kills this process
 (SIGKILL, no goodbye) when rank ``rank`` reaches ``phase`` (``forward_backward``: the micro-batches
 ran, the gradients are not reduced yet; ``optimizer``: megatron's step returned, the loss not yet
@@ -16,8 +21,11 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 STEP_FAULT_ENV = "DYNATRAIN_STEP_FAULT"
 PHASES = ("forward_backward", "optimizer")
@@ -56,6 +64,9 @@ class StepProgress:
     before_update: Callable[[], None] | None = None
     """Called once the gradients are computed, before the update (an in-memory snapshot's copy of
     the state must be complete by then)."""
+    stop_if_lost: Callable[[], None] | None = None
+    """Raises when the step must stop now (a member died): called at every layer of the step's
+    forward and backward (``checked_at_layers``)."""
 
     def reached(self, phase: str) -> None:
         if phase == "optimizer":
@@ -67,4 +78,37 @@ class StepProgress:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["PHASES", "STEP_FAULT_ENV", "StepFault", "StepProgress"]
+@contextmanager
+def checked_at_layers(chunks: Sequence[torch.nn.Module], check: Callable[[], None] | None) -> Iterator[None]:
+    """Call ``check`` as each of ``chunks``' megatron transformer layers starts its forward (a forward
+    pre-hook) and its backward (a hook on the gradient of its output), while the block runs; what
+    ``check`` raises leaves the step from there. A chunk without transformer layers is checked as
+    a whole. ``None``: nothing is checked. The hooks go on exit."""
+    if check is None:
+        yield
+        return
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    def before_forward(module: torch.nn.Module, args: object) -> None:
+        check()
+
+    def before_backward(grad: torch.Tensor) -> None:
+        check()
+
+    def after_forward(module: torch.nn.Module, args: object, output: object) -> None:
+        tensor = output[0] if isinstance(output, tuple) and output else output
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(before_backward)
+
+    handles = []
+    for chunk in chunks:
+        for layer in [m for m in chunk.modules() if isinstance(m, TransformerLayer)] or [chunk]:
+            handles += [layer.register_forward_pre_hook(before_forward), layer.register_forward_hook(after_forward)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+__all__ = ["PHASES", "STEP_FAULT_ENV", "StepFault", "StepProgress", "checked_at_layers"]

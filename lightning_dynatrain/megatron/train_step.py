@@ -27,7 +27,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lightning_dynatrain.devices import device_kind
 from lightning_dynatrain.megatron.model_chunks import chunk_list
-from lightning_dynatrain.megatron.step_progress import StepProgress
+from lightning_dynatrain.megatron.step_progress import StepProgress, checked_at_layers
 from lightning_dynatrain.megatron.parallel_state_adapter import current_process_groups
 from lightning_dynatrain.vps.errors import LayoutError
 from lightning_dynatrain.vps.layout import ParallelConfig
@@ -85,7 +85,8 @@ def run_train_step(
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = pipeline_schedule(chunks, micro, forward_step, seq_length, forward_only=False)
+        with checked_at_layers(chunks, progress.stop_if_lost if progress is not None else None):
+            reports = pipeline_schedule(chunks, micro, forward_step, seq_length, forward_only=False)
         if progress is not None:
             progress.reached("forward_backward")
         finalize_model_grads(chunks, pg_collection=pgs)

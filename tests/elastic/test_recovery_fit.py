@@ -103,9 +103,16 @@ def _same_samples(results: dict, static_run: dict) -> None:
                                                           (0, "optimizer", FAULT_STEP)])
 def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_path, static_run, static_losses, victim,
                                                                           phase, from_step):
+    """Rank 3 killed once its micro-batches ran (ranks 0 and 1, the other tensor-parallel pair,
+    still compute: each of their layers takes 0.5 s in that step, a bigger model's compute), or rank
+    0 once megatron's optimizer step returned. Ranks 0 and 1 leave their forward at the next layer
+    once their watchdog read the store's record (``noticed_by == "store"``), not at the step's
+    gradient all-reduce with the dead."""
     fault = {victim: {"DYNATRAIN_STEP_FAULT": f"{victim}:{FAULT_STEP}:{phase}"}}
+    computing = phase == "forward_backward"
+    slow = ("--slow-layers", f"0,1:{FAULT_STEP}:0.5") if computing else ()
     with ElasticJob(tmp_path / "job", max_steps=MAX_STEPS, step_seconds=0.0, dead_after=10.0,
-                    suspect_after=2.0, fit_args=("--describe-recovered",), warm=True) as job:
+                    suspect_after=2.0, fit_args=("--describe-recovered", *slow), warm=True) as job:
         procs = job.start_launch(4, rank_env=fault)
         codes = [job.wait(p) for p in procs]
         results, log = job.results(), job.text()
@@ -122,6 +129,9 @@ def test_the_survivors_of_a_member_killed_mid_step_go_on_and_lose_nothing(tmp_pa
                rs[0]["dst"], rs[0]["steps_redone"]) for rs in recoveries}
     assert agreed == {(from_step, 1, 4, 3, "dp2-tp2-pp1", "dp3-tp1-pp1", 0)}, agreed
     assert f":{procs[victim].pid}:" in recoveries[0][0]["failed"][0], (procs[victim].pid, recoveries[0][0]["failed"])
+    if computing:  # the ranks still computing stopped at a layer of the step in flight
+        assert {r["rank"]: r["recoveries"][0]["noticed_by"] for r in results.values() if r["rank"] < 2} == \
+            {0: "store", 1: "store"}, log
     recovery = recoveries[0][0]
     print(f"killed rank {victim} in {phase}: recovered in {recovery['pause_seconds']:.2f} s (agreement "
           f"{recovery['agree_seconds']:.2f} s, world {recovery['world_seconds']:.2f} s, transfer "

@@ -256,8 +256,11 @@ class ElasticDriver:
     # ------------------------------------------------------------------------------ failures
     def progress(self, step: int) -> StepProgress:
         """A record of the step that ends at global step ``step`` as it goes (read by a recovery)."""
+        session = self.session
         return StepProgress(step=step, rank=dist.get_rank(), fault=self.step_fault,
-                            before_update=self.snapshots.before_update if self.snapshots is not None else None)
+                            before_update=self.snapshots.before_update if self.snapshots is not None else None,
+                            stop_if_lost=session.raise_if_lost if session is not None and self.recover_from_loss
+                            else None)
 
     def drop_ahead(self) -> None:
         """Forget a world change built ahead (its world will not come)."""

@@ -89,6 +89,10 @@ class RecoveryReport:
     noticed_at: float = float("nan")
     """Wall-clock time the failure was first noticed here: the store's record read (by the watchdog,
     when the store said it recorded one), or a collective that failed, whichever came first."""
+    noticed_by: str = ""
+    """What made this survivor leave what it was doing: ``"store"`` (the store's record, read by the
+    watchdog: at a step boundary, or at a layer of the step in flight), else the type of the error
+    its failed call raised (a collective's, a switch's)."""
 
     def __str__(self) -> str:
         return (f"[dynatrain] step {self.step}: member(s) {', '.join(self.failed)} lost; world {self.old_world} -> "
@@ -279,7 +283,8 @@ def _switch_and_redo(driver: "ElasticDriver", everyone: list[dict], *,
         transfer_seconds=result.phases.get("engine", 0.0), rebuild_seconds=result.rebuild_seconds,
         pause_seconds=time.perf_counter() - start, finished_at=time.time(),
         noticed_at=min(time.time() - (time.perf_counter() - start),
-                       session.failures.known_at.get(session.world.generation, float("inf"))))
+                       session.failures.known_at.get(session.world.generation, float("inf"))),
+        noticed_by="store" if error is None else type(error).__name__)
     front.warn(str(report))
     return Recovered(redo=redo, loss=known.get(global_step + 1, float("nan")), report=report)
 

@@ -115,7 +115,7 @@ def recover_or_raise(driver: "ElasticDriver", err: BaseException, at: FailedAt =
     if at.grow is not None:
         return _grow_failed(driver, err, at.grow)
     if isinstance(err, MemberLostError):  # the store's record came before any collective failed here
-        return _recover(driver, record=err.record)
+        return _recover(driver, record=err.record, progress=at.progress)
     if not recovers(driver, err):
         raise err
     if at.shrink is not None:
