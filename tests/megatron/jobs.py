@@ -84,6 +84,42 @@ def _uneven_gather_probe(rank: int) -> list[float]:
     return gathered[:, 0].tolist()
 
 
+class _Stop(Exception):
+    """What the layer check of ``_layer_check_probe`` raises."""
+
+
+def _layer_check_probe(ddp, optimizer, batch, layout) -> dict:
+    """``step_progress.checked_at_layers`` on real steps of ``ddp``: how often one step's layers call
+    the check (a counting one), how many calls a check that raises on its third lets through (the
+    step leaves there, with the check's own exception), and how many calls a plain step makes after
+    both (0 when the hooks went with each step, also with the exception)."""
+    from lightning_dynatrain.megatron.step_progress import StepProgress
+    from lightning_dynatrain.megatron.train_step import run_train_step
+
+    calls: list[str] = []
+
+    def counting() -> None:
+        calls.append("count")
+
+    def stop_at_third() -> None:
+        calls.append("stop")
+        if calls.count("stop") == 3:
+            raise _Stop
+
+    run_train_step(ddp, optimizer, batch, layout, MICROBATCHES, progress=StepProgress(step=0, rank=0,
+                                                                                       stop_if_lost=counting))
+    raised = None
+    try:
+        run_train_step(ddp, optimizer, batch, layout, MICROBATCHES, progress=StepProgress(step=1, rank=0,
+                                                                                           stop_if_lost=stop_at_third))
+    except _Stop as err:
+        raised = type(err).__name__
+    before_plain = len(calls)
+    run_train_step(ddp, optimizer, batch, layout, MICROBATCHES)
+    return dict(per_step=calls.count("count"), stopped_after=calls.count("stop"), raised=raised,
+                plain_step=len(calls) - before_plain)
+
+
 def _run_layouts(rank: int, world_size: int, plan: list[tuple[str, str]]) -> dict:
     import torch.distributed as dist
 
@@ -135,6 +171,8 @@ def _run_layouts(rank: int, world_size: int, plan: list[tuple[str, str]]) -> dic
             params={n: p.detach().reshape(-1).numpy().copy() for n, p in model.named_parameters()},
             buffers=_buffers(ddp),
         )
+        if world_size == 1:  # (after the results above: these steps move the state on)
+            results[(shape_name, layout_str)]["layer_checks"] = _layer_check_probe(ddp, optimizer, batch, layout)
         destroy()
         results[(shape_name, layout_str)]["groups_leaked"] = len(dist.distributed_c10d._world.pg_map) - groups_before
     return results

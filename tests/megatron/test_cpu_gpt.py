@@ -21,6 +21,18 @@ def test_reference_trains(world1):
         assert second < first
 
 
+def test_a_steps_layers_check_as_they_start_forward_and_backward(world1):
+    """``StepProgress.stop_if_lost`` is called at every transformer layer's forward and backward of
+    each micro-batch (how a survivor's step stops at its next layer once a member died); what it
+    raises leaves the step at once, as that exception; no hook outlives its step."""
+    from tests.megatron.jobs import MICROBATCHES, SHAPES
+
+    for key in WORLD1:
+        probe = world1[0][key]["layer_checks"]
+        assert probe == dict(per_step=2 * SHAPES[key[0]]["layers"] * MICROBATCHES, stopped_after=3,
+                             raised="_Stop", plain_step=0), (key, probe)
+
+
 CASES = [(2, key) for key in WORLD2] + [(4, key) for key in WORLD4]
 
 
