@@ -467,8 +467,8 @@ def test_members_killed_in_rollout_phases_are_recovered_from_the_replicas_or_fro
         survivors = [p.pid for p, code in zip(procs, codes) if code == 0]
         recovered = assemble(job.described("recovered", pids=survivors))
         at_step_6 = assemble(job.described("described.6"))
-    assert recovered and differences(recovered, at_step_6) == []
     assert codes == [0, 0, -signal.SIGKILL, -signal.SIGKILL], log
+    assert recovered and differences(recovered, at_step_6) == []
     assert {(r["world"], r["layout"], r["global_step"]) for r in results.values()} == {(2, "dp2-tp1-pp1", MAX_STEPS)}
     recoveries = [[(x["step"], x["src"], x["dst"], x["snapshot_step"], x["steps_redone"]) for x in r["recoveries"]]
                   for r in results.values()]
