@@ -113,7 +113,10 @@ class WarmScript:
 
     def send_signal(self, sig: int) -> None:
         if self._proc.exitcode is None:
-            os.kill(self.pid, sig)
+            try:  # it may end between the check and the signal: nothing to signal then (as Popen's)
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         self._proc.kill()
