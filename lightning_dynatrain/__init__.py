@@ -39,6 +39,7 @@ _EXPORTS = {
     "ScheduledReconfig": "lightning_dynatrain.callbacks.scheduled",
     "LayoutProgressBar": "lightning_dynatrain.callbacks.progress",
     "OnNodeChange": "lightning_dynatrain.callbacks.node_change",
+    "ElasticOptions": "lightning_dynatrain.elastic.driver.options",
     "RunRecorder": "lightning_dynatrain.callbacks.run_record",
     "GlobalBatchSampler": "lightning_dynatrain.data.sampler",
     "StdlibBytes": "lightning_dynatrain.data.stdlib_text",

@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data, checkpoints, pictures", ("data", "checkpoint", "viz")),
     ("the training core: settings, recipe, run, switcher, schedule", ("runtime",)),
     ("the elastic driver: world changes and recoveries", ("elastic/driver",)),
+    ("an elastic job's launchers as Lightning and Fabric see them", ("launch_environment",)),
     ("the front ends: the Lightning strategy, the loop engine", ("strategy", "loop")),
     ("the loop libraries' front ends", ("accelerate", "fabric")),
     ("Lightning callbacks", ("callbacks",)),
@@ -137,5 +138,5 @@ def test_the_check_fails_on_an_import_up_the_layers(tmp_path: Path, monkeypatch:
         path.write_text("")
     monkeypatch.setitem(globals(), "PACKAGE", root)
     assert broken_imports() == ["lightning_dynatrain/runtime/bad.py:2 imports lightning_dynatrain.strategy.x "
-                                "(runtime, layer 7 -> strategy, layer 9: the front ends: the Lightning strategy, "
+                                "(runtime, layer 7 -> strategy, layer 10: the front ends: the Lightning strategy, "
                                 "the loop engine)"]

@@ -35,10 +35,7 @@ N: member(s) ... lost; world 4 -> 3 ...``, the metrics ``dynatrain/recovery_paus
 
 from __future__ import annotations
 
-import os
-import signal
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
@@ -46,8 +43,9 @@ from typing_extensions import override
 
 from lightning_dynatrain.compat.lightning_internals import log_this_step
 from lightning_dynatrain.elastic.driver.front import ElasticCallback
-from lightning_dynatrain.elastic.launch_teardown import launch_torn_down
-from lightning_dynatrain.elastic.driver.layout_policy import Policy, StepModel, parse_policy
+from lightning_dynatrain.elastic.driver.layout_policy import Policy, StepModel
+from lightning_dynatrain.elastic.driver.leave_notice import LeaveNotice
+from lightning_dynatrain.elastic.driver.options import ElasticOptions
 from lightning_dynatrain.elastic.session import MemberFailedError
 
 if TYPE_CHECKING:
@@ -56,10 +54,6 @@ if TYPE_CHECKING:
     from lightning_dynatrain.elastic.driver.driver import ElasticDriver
     from lightning_dynatrain.elastic.driver.front import TrainingFront
     from lightning_dynatrain.runtime.training_run import TrainingRun
-
-#: the signals that mean "this process will be taken away": leave
-LEAVE_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
-
 
 class OnNodeChange(Callback, ElasticCallback):
     """Make the fit elastic and pick the layout of every new world.
@@ -114,21 +108,10 @@ class OnNodeChange(Callback, ElasticCallback):
                  step_model: StepModel = StepModel(), heartbeat: float = 1.0, exit_after: float = 30.0,
                  ahead: bool = True, keep_worlds: int = 2, recover: bool = True,
                  snapshot_every: int | None = None, snapshot_buffers: int = 1) -> None:
-        parse_policy(policy)  # fail at construction, not at the first change
-        if snapshot_every is not None and (isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int)
-                                           or snapshot_every < 1):
-            raise ValueError(f"OnNodeChange(snapshot_every={snapshot_every!r}): give a number of steps, 1 or more "
-                             "(None: no snapshots)")
-        if snapshot_buffers not in (1, 2) or isinstance(snapshot_buffers, bool):
-            raise ValueError(f"OnNodeChange(snapshot_buffers={snapshot_buffers!r}): 1 (each snapshot overwrites the "
-                             "last) or 2 (the previous snapshot stays whole while the next is taken)")
-        if isinstance(keep_worlds, bool) or not isinstance(keep_worlds, int) or keep_worlds < 0:
-            raise ValueError(f"OnNodeChange(keep_worlds={keep_worlds!r}): give a count of worlds, 0 or more "
-                             "(0: every world left is destroyed)")
-        self.policy = policy if not isinstance(policy, (str, Path)) or str(policy).lower() == "auto" else Path(policy)
-        self.memory_per_rank, self.step_model = memory_per_rank, step_model
-        self.heartbeat, self.exit_after, self.ahead, self.keep_worlds = heartbeat, exit_after, ahead, keep_worlds
-        self.recover, self.snapshot_every, self.snapshot_buffers = recover, snapshot_every, snapshot_buffers
+        #: the options, checked (``elastic.driver.options.ElasticOptions``, what the Fabric engine takes too)
+        self.options = ElasticOptions(policy, memory_per_rank=memory_per_rank, step_model=step_model,
+                                      heartbeat=heartbeat, exit_after=exit_after, ahead=ahead, keep_worlds=keep_worlds,
+                                      recover=recover, snapshot_every=snapshot_every, snapshot_buffers=snapshot_buffers)
         #: every world change of the job, in order: a joiner gets rank 0's list with Lightning's state and
         #: adds the grow that admitted it, so every process holds the same history
         self.changes: list[dict[str, Any]] = []
@@ -140,19 +123,13 @@ class OnNodeChange(Callback, ElasticCallback):
         self._recoveries_logged = 0
         self._snapshot_logged: int | None = None
         self._driver: ElasticDriver | None = None
-        self._previous_handlers: dict[int, Any] = {}
+        self._leave_notice = LeaveNotice()
         self._wrapped_connector: Any = None  # Lightning's signal connector, while its handler registration is wrapped
-        self._leave_noticed = False
 
     def make_driver(self, run: "TrainingRun", front: "TrainingFront") -> "ElasticDriver":
         """The run's elastic side (called by the strategy when it sets up: ``ElasticCallback``)."""
-        from lightning_dynatrain.elastic.driver.driver import ElasticDriver
-
-        self._listen_for_leave()  # from before this process enters the job: a notice during its set-up counts
-        self._driver = ElasticDriver(run, front, policy=self.policy, memory_per_rank=self.memory_per_rank,
-                                     step_model=self.step_model, heartbeat=self.heartbeat, exit_after=self.exit_after,
-                                     ahead=self.ahead, keep_worlds=self.keep_worlds, recover=self.recover,
-                                     snapshot_every=self.snapshot_every, snapshot_buffers=self.snapshot_buffers)
+        self._leave_notice.listen()  # from before this process enters the job: a notice during its set-up counts
+        self._driver = self.options.driver(run, front)
         return self._driver
 
     @override
@@ -172,26 +149,10 @@ class OnNodeChange(Callback, ElasticCallback):
 
         def register_then_listen() -> None:
             register()
-            self._listen_for_leave()
+            self._leave_notice.listen()  # (Lightning's SIGTERM handler broadcasts from inside itself)
 
         connector.register_signal_handlers = register_then_listen
         self._wrapped_connector = connector
-
-    def _listen_for_leave(self) -> None:
-        """A leave signal only marks this process (it leaves at the next change boundary). Lightning's
-        own SIGTERM handler broadcasts inside the handler and stops every rank, and before Lightning
-        registers it the default one ends the process: ours replaces both (the first ones are kept,
-        to be put back at teardown)."""
-        for sig in LEAVE_SIGNALS:
-            self._previous_handlers.setdefault(sig, signal.getsignal(sig))
-            signal.signal(sig, self._on_leave_signal)
-
-    def _on_leave_signal(self, signum: int, frame: Any) -> None:
-        if launch_torn_down():  # torchrun stops the launch a worker of died: not a notice, the launch's end
-            print(f"[dynatrain] a worker of this torchrun launch exited and torchrun stops the launch: process "
-                  f"{os.getpid()} ends with it (the others recover its state as the dead worker's)", flush=True)
-            os._exit(128 + signum)
-        self._leave_noticed = True
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -203,8 +164,7 @@ class OnNodeChange(Callback, ElasticCallback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         assert self._driver is not None
-        if self._leave_noticed:
-            self._leave_noticed = False
+        if self._leave_notice.take():
             self._driver.leave(trainer.global_step)
         seen = len(self._driver.rolled_back)
         try:
@@ -248,7 +208,7 @@ class OnNodeChange(Callback, ElasticCallback):
         if isinstance(exception, (MemberFailedError, SwitchFailedError)) or self._driver is None \
                 or self._driver.session is None:
             return
-        failure = self._driver.session.wait_for_failure(timeout=3 * self.heartbeat + 15.0,
+        failure = self._driver.session.wait_for_failure(timeout=3 * self.options.heartbeat + 15.0,
                                                          cause=f"{type(exception).__name__}: {exception}")
         if failure is not None:
             raise MemberFailedError(failure, hint="see the failed process's log; restart the job from its last "
@@ -256,9 +216,7 @@ class OnNodeChange(Callback, ElasticCallback):
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        self._previous_handlers.clear()
+        self._leave_notice.restore()
         if self._wrapped_connector is not None:  # Lightning's own method again
             self._wrapped_connector.__dict__.pop("register_signal_handlers", None)
             self._wrapped_connector = None
@@ -275,4 +233,4 @@ class OnNodeChange(Callback, ElasticCallback):
         self.recoveries = list(state_dict.get("recoveries", []))
 
 
-__all__ = ["LEAVE_SIGNALS", "OnNodeChange"]
+__all__ = ["OnNodeChange"]

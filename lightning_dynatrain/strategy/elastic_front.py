@@ -3,96 +3,26 @@
 The driver (``elastic.driver.ElasticDriver``) reaches the loop only through the small protocol
 ``elastic.driver.front.TrainingFront``; this is its Lightning implementation: the Trainer's global
 step and ``should_stop``, Lightning's checkpoint dict for a joiner, the loggers when rank 0
-changes (``loggers.py``), rank-zero messages, and the launcher (``launch``).
-
-Lightning reads a run's world size and this process's rank from its cluster environment on every
-use; in an elastic run they are the job store's (``ElasticEnvironment``), and Lightning's
-rank-zero-only helpers follow the rank (``set_rank_zero``). A launch (``launch_id``) is the set of
-processes one launcher started together: they join the job together.
+changes (``loggers.py``), rank-zero messages, and the launcher (``launch``). The world size and
+rank Lightning reads follow the job's store (``launch_environment.ElasticEnvironment``).
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dynatrain.compat.lightning_internals import checkpoint_connector, restore_as_loaded
 from lightning_dynatrain.elastic.driver.front import Launch
-from lightning_dynatrain.elastic.launch_teardown import ends_with_any_worker
 from lightning_dynatrain.elastic.session import ElasticSession
+from lightning_dynatrain.launch_environment import ElasticEnvironment, launch_of, set_rank_zero
 from lightning_dynatrain.strategy.loggers import continue_loggers, hand_off_loggers, logger_versions, pin_logger_versions
-from lightning_dynatrain.vps.errors import DynaTrainError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
-
-
-class LauncherError(DynaTrainError):
-    """The processes were started by a launcher that cannot carry an elastic job."""
-
-
-class ElasticEnvironment(ClusterEnvironment):
-    """The launcher's environment for devices and nodes; the world and this process's rank from
-    the elastic session, live (Lightning reads them on every use)."""
-
-    def __init__(self, launcher: ClusterEnvironment, session: ElasticSession) -> None:
-        self.launcher, self.session = launcher, session
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        return self.launcher.main_address
-
-    @property
-    def main_port(self) -> int:
-        return self.launcher.main_port
-
-    @staticmethod
-    def detect() -> bool:
-        return False
-
-    def world_size(self) -> int:
-        return self.session.size
-
-    def set_world_size(self, size: int) -> None:
-        pass  # the job's store says it
-
-    def global_rank(self) -> int:
-        return self.session.rank
-
-    def set_global_rank(self, rank: int) -> None:
-        pass  # the job's store says it
-
-    def local_rank(self) -> int:
-        return self.launcher.local_rank()
-
-    def node_rank(self) -> int:
-        return self.launcher.node_rank()
-
-
-def launch_id(launcher: ClusterEnvironment) -> str:
-    """What the processes one launch started share, and no other launch: a SLURM job step (two
-    ``srun`` steps of one job share its address and port), else the launcher's address and port
-    (a process launched alone is a launch of its own: the driver names it after itself)."""
-    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
-    if isinstance(launcher, SLURMEnvironment) and job is not None and step is not None:
-        return f"slurm:{job}.{step}"
-    return f"{launcher.main_address}:{launcher.main_port}"
-
-
-def set_rank_zero(rank: int) -> None:
-    """Lightning reads the rank for its rank-zero-only calls from a module global: keep it current."""
-    rank_zero_only.rank = utils_rank_zero_only.rank = rank
 
 
 class LightningFront:
@@ -109,25 +39,11 @@ class LightningFront:
         return trainer
 
     def launch(self) -> Launch:
-        """This process as its launcher started it.
-
-        Raises:
-            LauncherError: Lightning's own launcher started more than one process (its rank 0 is the
-                parent of every other rank and ends them all when one exits).
-        """
+        """This process as its launcher started it (``launch_environment.launch_of``, which raises
+        ``LauncherError`` under Lightning's own launcher of more than one process)."""
         strategy = self._strategy
-        launcher = strategy.cluster_environment
-        if not launcher.creates_processes_externally and launcher.world_size() > 1:
-            raise LauncherError(
-                "elastic training (OnNodeChange) cannot run under Lightning's own launcher with more than one "
-                "process: rank 0 is the parent of every other rank and ends them all when one exits",
-                hint="launch with torchrun or srun (or one process per `python train.py`), with DYNATRAIN_STORE "
-                "and DYNATRAIN_TOKEN set; start the store with `dynatrain store`")
-        device = strategy.root_device if strategy.root_device.type == "cuda" else None
-        return Launch(rank=launcher.global_rank(), size=launcher.world_size(), launch_id=launch_id(launcher),
-                      node_rank=launcher.node_rank(), backend=strategy.process_group_backend, device=device,
-                      timeout=strategy._collective_timeout,
-                      ends_together=launcher.creates_processes_externally and ends_with_any_worker())
+        return launch_of(strategy.cluster_environment, backend=lambda: strategy.process_group_backend,
+                         device=lambda: strategy.root_device, timeout=strategy._collective_timeout, library="Lightning")
 
     def joined(self, session: ElasticSession) -> None:
         self._strategy.cluster_environment = ElasticEnvironment(self._strategy.cluster_environment, session)
@@ -194,4 +110,4 @@ class LightningFront:
         rank_zero_warn(message)
 
 
-__all__ = ["ElasticEnvironment", "LauncherError", "LightningFront", "launch_id", "set_rank_zero"]
+__all__ = ["LightningFront"]

@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.types import ReduceOp
 
 from lightning_dynatrain.compat.lightning_internals import step_start_collectives, sync_ddp_if_available
-from lightning_dynatrain.elastic.driver.recovery import FailedAt, recover_or_raise
+from lightning_dynatrain.elastic.driver.recovery import step_recovering
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -66,29 +66,16 @@ class Stepping:
 
     def optimizer_step(self, batch: Mapping[str, torch.Tensor], *, lr: float, weight_decay: float,
                        forward_step: Callable | None = None) -> float:
-        """The megatron step; under ``OnNodeChange``, a member lost in it is recovered from here
-        (the one guard, ``elastic.driver.recovery.recover_or_raise``) and the step runs again at the survivors' layout on the
-        same global batch, or counts as done where its result survived."""
+        """The megatron step; under ``OnNodeChange``, a member lost in it is recovered from
+        (``elastic.driver.recovery.step_recovering``, under the one guard) and the step runs again at
+        the survivors' layout on the same global batch, or counts as done where its result survived."""
         elastic, trainer = self._elastic(), self._trainer()
         if elastic is None:
             return self._run.train_step(batch, lr=lr, weight_decay=weight_decay, forward_step=forward_step)
         assert trainer is not None
-        if elastic.snapshots is not None:  # what a recovery from a snapshot runs again
-            elastic.snapshots.record(trainer.global_step + 1, batch, lr=lr, weight_decay=weight_decay,
-                                     forward_step=forward_step)
-        while True:
-            progress = elastic.progress(trainer.global_step + 1)
-            try:
-                loss = self._run.train_step(batch, lr=lr, weight_decay=weight_decay, progress=progress,
-                                            forward_step=forward_step)
-                elastic.last_loss = (progress.step, loss)
-                return loss
-            except Exception as err:
-                outcome = recover_or_raise(elastic, err, FailedAt(progress=progress))
-            assert outcome is not None
-            if not outcome.redo:
-                return outcome.loss
-            step_start_collectives(trainer)  # as the survivors that step through the loop
+        return step_recovering(elastic, trainer.global_step + 1, batch, lr=lr, weight_decay=weight_decay,
+                               forward_step=forward_step,
+                               before_redo=lambda: step_start_collectives(trainer))  # as the loop's steps
 
     def reduce(self, tensor: torch.Tensor | Any, group: Any | None = None,
                reduce_op: ReduceOp | str | None = "mean") -> torch.Tensor | Any:

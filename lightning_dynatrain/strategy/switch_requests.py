@@ -27,10 +27,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_dynatrain.elastic.driver.recovery import recover_or_raise, recovers
-from lightning_dynatrain.elastic.failure_watch import is_communication_failure
+from lightning_dynatrain.elastic.driver.recovery import rollout_recovering, switch_recovering
 from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
-from lightning_dynatrain.transition.errors import freed_state, mark_refused
 from lightning_dynatrain.vps.layout import ParallelConfig
 
 if TYPE_CHECKING:
@@ -145,66 +143,30 @@ class SwitchRequests:
         """Switch to the checked ``layout`` now (``deferred``: it was requested during the step that
         just ended); under ``OnNodeChange``, a member lost in the switch is recovered from here."""
         run, step, elastic = self._run, self._global_step(), self._elastic()
-        src = run.layout
-        if layout != src and elastic is not None and elastic.preparing is not None:
-            from lightning_dynatrain.elastic.driver.ahead_change import WorldChangePendingError
-
-            raise mark_refused(WorldChangePendingError(
-                f"a switch to {layout} was asked for while a world change to {elastic.preparing} is built "
-                f"ahead from {src}", hint="switch after the change (a step or two later), or build world changes "
-                "in their pause: OnNodeChange(ahead=False)"))
-        snapshots = elastic.snapshots if elastic is not None and layout != src else None
-        if snapshots is not None:
-            snapshots.before_state_change()
-        try:
+        if elastic is None:
             report = run.switch(layout, step=step, deferred=deferred)
-        except Exception as err:  # a member died in the switch with the old state whole: survivors go on
-            if elastic is None:
-                raise
-            recover_or_raise(elastic, err)
-            return ReconfigReport(step=step, src=str(src), dst=str(run.layout), deferred=deferred)
+        else:
+            report, lost = switch_recovering(elastic, layout, step=step, deferred=deferred)
+            if lost:  # the survivors went on at their world's layout (the recovery logged it)
+                return report
         if not report.noop:
-            if snapshots is not None:
-                snapshots.after_state_change(step)
             self.history.append(report)
         log_switch(self._trainer(), report, is_global_zero=not dist.is_initialized() or dist.get_rank() == 0)
         return report
 
     @contextmanager
     def rollout(self, layout: str | ParallelConfig, *, park: str, keep_weights: bool) -> "Iterator[RolloutPolicy]":
-        """``TrainingRun.rollout`` between two steps: under ``OnNodeChange`` the snapshot in flight ends
-        first (the phase leaves the state as it was, so the snapshot stays valid); rank 0 prints both
-        transitions. A member lost in the phase is recovered from as at the step boundary the phase
-        began at: from the survivors' training state where the weights were kept, else (their training
-        shards freed, ``keep_weights=False``) from the in-memory snapshot and the steps since run again;
-        then ``RolloutInterrupted`` drops the phase's results and ``run_step`` runs the training step again."""
-        from lightning_dynatrain.runtime.rollout import RolloutError, RolloutInterrupted
-
-        elastic = self._elastic()
-        if elastic is not None and elastic.snapshots is not None:
-            elastic.snapshots.before_state_change()
-        step = self._global_step()
-        try:
-            with self._run.rollout(layout, park=park, keep_weights=keep_weights) as policy:
-                figures = policy.figures
-                rank_zero_info(f"[dynatrain] step {step}: rollout at {policy.layout}, weights moved in "
-                               f"{figures.enter_seconds:.2f} s, {figures.parked_bytes / 2**20:.1f} MiB parked")
-                yield policy
-        except Exception as err:
-            if elastic is not None and freed_state(err) and elastic.snapshots is None and is_communication_failure(err):
-                raise RolloutError(f"a member died during the rollout at step {step}, which had freed the training "
-                                   "shards of the weights (keep_weights=False), and the job keeps no in-memory "
-                                   "snapshot: the survivors cannot rebuild them",
-                                   hint="resume from the last checkpoint; where a death may interrupt a rollout, "
-                                   "keep the weights (keep_weights=True) or take snapshots "
-                                   "(OnNodeChange(snapshot_every=N))") from err
-            if elastic is None or not recovers(elastic, err):
-                raise
-            recover_or_raise(elastic, err)
-            raise RolloutInterrupted(f"step {step}: a member died during the rollout; the survivors went on at "
-                                     f"{self._run.layout} and run the step again",
-                                     hint="choose the rollout layout from the world size where members may die") \
-                from err
+        """``TrainingRun.rollout`` between two steps; rank 0 prints both transitions. Under ``OnNodeChange``
+        a member lost in the phase is recovered from (``recovery.rollout_recovering``), and its
+        ``RolloutInterrupted`` makes ``run_step`` run the training step again."""
+        elastic, step = self._elastic(), self._global_step()
+        phase = self._run.rollout(layout, park=park, keep_weights=keep_weights) if elastic is None else \
+            rollout_recovering(elastic, layout, park=park, keep_weights=keep_weights, step=step)
+        with phase as policy:
+            figures = policy.figures
+            rank_zero_info(f"[dynatrain] step {step}: rollout at {policy.layout}, weights moved in "
+                           f"{figures.enter_seconds:.2f} s, {figures.parked_bytes / 2**20:.1f} MiB parked")
+            yield policy
         rank_zero_info(f"[dynatrain] step {step}: back at {self._run.layout} from the rollout in "
                        f"{policy.figures.leave_seconds:.2f} s")
 

@@ -107,8 +107,9 @@ def test_auto_weighs_virtual_stages_smaller_bubble_against_their_transfers():
 def test_an_elastic_fit_refuses_lightnings_own_launcher_with_more_than_one_process():
     from lightning.fabric.plugins.environments import LightningEnvironment
 
+    from lightning_dynatrain.launch_environment import LauncherError
     from lightning_dynatrain.strategy.dynatrain import DynaTrainStrategy
-    from lightning_dynatrain.strategy.elastic_front import LauncherError, LightningFront
+    from lightning_dynatrain.strategy.elastic_front import LightningFront
 
     env = LightningEnvironment()
     env.set_world_size(2)

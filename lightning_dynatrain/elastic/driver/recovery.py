@@ -30,25 +30,35 @@ cannot go on. A member dying during a recovery is recovered from again, without 
 ``MAX_RECOVERY_ATTEMPTS`` in a row): before the state moved, from what the survivors hold; after it
 moved to the new layout from a snapshot (in the keepers' fill, or as the lost steps run again), from
 the same snapshot again (``SnapshotKeeper.restored``). Each recovery's figures are a ``rebuild.RecoveryReport``.
+
+What every front end runs under the guard in an elastic run, so that the Lightning strategy and the
+loop engine recover alike: a training step (``step_recovering``), a layout switch
+(``switch_recovering``) and a rollout phase (``rollout_recovering``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_dynatrain.elastic.failure_watch import MemberFailedError, MemberLostError, is_communication_failure
 from lightning_dynatrain.elastic.world import retire
-from lightning_dynatrain.transition.errors import SwitchFailedError, freed_state, was_refused
+from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
+from lightning_dynatrain.transition.errors import SwitchFailedError, freed_state, mark_refused, was_refused
 
 if TYPE_CHECKING:
+    import torch
+
     from lightning_dynatrain.elastic.driver.driver import ElasticDriver
     from lightning_dynatrain.elastic.driver.rebuild import Recovered
     from lightning_dynatrain.elastic.records import Membership
     from lightning_dynatrain.elastic.session import WorldChange
     from lightning_dynatrain.elastic.world_cache import KeptWorld
     from lightning_dynatrain.megatron.step_progress import StepProgress
+    from lightning_dynatrain.runtime.rollout import RolloutPolicy
     from lightning_dynatrain.runtime.switcher import WorldGroupCaches
     from lightning_dynatrain.vps.topology import Topology
 
@@ -230,5 +240,101 @@ def go_back(driver: "ElasticDriver", grow: GrowInFlight, err: BaseException) -> 
                       f"({type(err).__name__}: {err})")
 
 
+def step_recovering(driver: "ElasticDriver", step: int, batch: Mapping[str, "torch.Tensor"], *, lr: float,
+                    weight_decay: float, forward_step: Callable | None = None,
+                    before_redo: Callable[[], None] | None = None) -> float:
+    """The training step that ends at global step ``step``, over the global ``batch``; its loss. A
+    member lost in it is recovered from here (``recover_or_raise``) and the step runs again at the
+    survivors' layout on the same batch, or counts as done where its result survived. With
+    snapshots the step is logged first (what a recovery from a snapshot runs again).
+    ``before_redo``: what the front end does before a step again (Lightning: its per-step collectives)."""
+    if driver.snapshots is not None:
+        driver.snapshots.record(step, batch, lr=lr, weight_decay=weight_decay, forward_step=forward_step)
+    while True:
+        progress = driver.progress(step)
+        try:
+            loss = driver.run.train_step(batch, lr=lr, weight_decay=weight_decay, progress=progress,
+                                         forward_step=forward_step)
+            driver.last_loss = (progress.step, loss)
+            return loss
+        except Exception as err:
+            outcome = recover_or_raise(driver, err, FailedAt(progress=progress))
+        assert outcome is not None
+        if not outcome.redo:
+            return outcome.loss
+        if before_redo is not None:
+            before_redo()
+
+
+def switch_recovering(driver: "ElasticDriver", layout: Any, *, step: int,
+                      deferred: bool = False) -> tuple[ReconfigReport, bool]:
+    """The run's switch to the checked ``layout`` after step ``step``, and whether a member was lost
+    in it (the survivors then went on at the layout of their world, and the report only says where
+    the run is). A snapshot in flight ends first and the next is taken after the switch.
+
+    Raises:
+        WorldChangePendingError: (refused, nothing moved) a world change is built ahead.
+        The switch's own errors, where there is no way back (``recover_or_raise``).
+    """
+    run = driver.run
+    src = run.layout
+    if layout != src and driver.preparing is not None:
+        from lightning_dynatrain.elastic.driver.ahead_change import WorldChangePendingError
+
+        raise mark_refused(WorldChangePendingError(
+            f"a switch to {layout} was asked for while a world change to {driver.preparing} is built "
+            f"ahead from {src}", hint="switch after the change (a step or two later), or build world changes "
+            "in their pause: OnNodeChange(ahead=False)"))
+    snapshots = driver.snapshots if layout != src else None
+    if snapshots is not None:
+        snapshots.before_state_change()
+    try:
+        report = run.switch(layout, step=step, deferred=deferred)
+    except Exception as err:  # a member died in the switch with the old state whole: survivors go on
+        recover_or_raise(driver, err)
+        return ReconfigReport(step=step, src=str(src), dst=str(run.layout), deferred=deferred), True
+    if not report.noop and snapshots is not None:
+        snapshots.after_state_change(step)
+    return report, False
+
+
+@contextmanager
+def rollout_recovering(driver: "ElasticDriver", layout: Any, *, park: str, keep_weights: bool,
+                       step: int) -> "Iterator[RolloutPolicy]":
+    """``TrainingRun.rollout`` between two steps of an elastic run: the snapshot in flight ends first
+    (the phase leaves the state as it was, so the snapshot stays valid). A member lost in the phase
+    is recovered from as at the step boundary the phase began at: from the survivors' training state
+    where the weights were kept, else (their training shards freed, ``keep_weights=False``) from the
+    in-memory snapshot and the steps since run again; then ``RolloutInterrupted`` drops the phase's
+    results (the front end runs the training step again).
+
+    Raises:
+        RolloutInterrupted: a member died in the phase and the survivors went on.
+        RolloutError: a member died in a phase that freed the training weights, and no snapshot is kept.
+    """
+    from lightning_dynatrain.runtime.rollout import RolloutError, RolloutInterrupted
+
+    if driver.snapshots is not None:
+        driver.snapshots.before_state_change()
+    try:
+        with driver.run.rollout(layout, park=park, keep_weights=keep_weights) as policy:
+            yield policy
+    except Exception as err:
+        if freed_state(err) and driver.snapshots is None and is_communication_failure(err):
+            raise RolloutError(f"a member died during the rollout at step {step}, which had freed the training "
+                               "shards of the weights (keep_weights=False), and the job keeps no in-memory "
+                               "snapshot: the survivors cannot rebuild them",
+                               hint="resume from the last checkpoint; where a death may interrupt a rollout, "
+                               "keep the weights (keep_weights=True) or take snapshots "
+                               "(OnNodeChange(snapshot_every=N))") from err
+        if not recovers(driver, err):
+            raise
+        recover_or_raise(driver, err)
+        raise RolloutInterrupted(f"step {step}: a member died during the rollout; the survivors went on at "
+                                 f"{driver.run.layout} and run the step again",
+                                 hint="choose the rollout layout from the world size where members may die") \
+            from err
+
+
 __all__ = ["FailedAt", "GrowInFlight", "MAX_RECOVERY_ATTEMPTS", "RetainedWorld", "ShrinkInFlight", "go_back",
-           "recover_or_raise", "recovers"]
+           "recover_or_raise", "recovers", "rollout_recovering", "step_recovering", "switch_recovering"]
