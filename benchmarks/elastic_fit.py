@@ -268,14 +268,7 @@ def main() -> None:
                 self.trace.stop()
                 self.result = self.trace.result()
 
-    def write_description(state, name: str) -> None:
-        """Megatron's own description of this rank's state (collective: every rank of the world)."""
-        import pickle
-
-        from tests.megatron_description import describe
-
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{os.getpid()}.{name}.pkl").write_bytes(pickle.dumps(describe(state)))
+    from benchmarks.state_description import describe_recovered, write_description
 
     class Describe(Callback):
         """After each step of ``--describe-at``."""
@@ -285,28 +278,16 @@ def main() -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             elastic = trainer.strategy.elastic
             if trainer.global_step in self.steps and not (elastic is not None and elastic.left):
-                write_description(trainer.strategy.megatron, f"described.{trainer.global_step}")
+                write_description(args.out, trainer.strategy.megatron, f"described.{trainer.global_step}")
 
     class DescribeRecovered(Callback):
         """``--describe-recovered``: the first state installed during training (a recovery's, the only
-        one in the tests that ask) is described right before the run trains on it again (a step redone,
-        the steps since a snapshot computed again, or the next step): the state the recovery made."""
+        one in the tests that ask) is described right before the run trains on it again."""
+
+        training = False
 
         def setup(self, trainer, pl_module, stage):
-            run, self.training, self.armed = trainer.strategy.run, False, False
-            install, train_step = run.install, run.train_step
-
-            def installed(state):
-                install(state)
-                self.armed = self.armed or self.training
-
-            def stepped(batch, **kwargs):
-                if self.armed:
-                    self.armed = False
-                    write_description(run.state, "recovered")
-                return train_step(batch, **kwargs)
-
-            run.install, run.train_step = installed, stepped
+            describe_recovered(trainer.strategy.run, args.out, lambda: self.training)
 
         def on_train_start(self, trainer, pl_module):
             self.training = True

@@ -43,8 +43,10 @@ class ElasticJob:
     """A store process and the training processes of one job (see the module docstring)."""
 
     def __init__(self, out: Path, *, max_steps: int, step_seconds: float, dead_after: float = 4.0,
-                 suspect_after: float | None = None, fit_args: tuple[str, ...] = (), warm: bool = False) -> None:
-        """``warm``: start the ``python elastic_fit.py`` processes (``start_python``, ``start_launch``)
+                 suspect_after: float | None = None, fit_args: tuple[str, ...] = (), warm: bool = False,
+                 script: Path = SCRIPT) -> None:
+        """``script``: the training script (``elastic_fit.py``, the Trainer's; ``elastic_loop.py``, the
+        Fabric loop engine's), which takes ``OUT --max-steps N --step-seconds S``. ``warm``: start the ``python elastic_fit.py`` processes (``start_python``, ``start_launch``)
         and the store process from a server that imported torch, megatron-core and Lightning once
         (``WarmScript``), not as fresh interpreters: for tests, never where a process's start is
         measured. ``torchrun`` launches stay real."""
@@ -52,6 +54,7 @@ class ElasticJob:
         self.suspect_after = suspect_after
         self.fit_args = fit_args
         self.warm = warm
+        self.script = script
         self.log_path = out / "job.log"
         self.procs: list[subprocess.Popen | WarmScript] = []
         self.env = dict(os.environ, PYTHONPATH=str(REPO), DYNATRAIN_TOKEN=TOKEN, OMP_NUM_THREADS="1",
@@ -111,7 +114,7 @@ class ElasticJob:
 
     # ------------------------------------------------------------------------------ processes
     def _args(self, *extra: str) -> list[str]:
-        return [str(SCRIPT), str(self.out), "--max-steps", str(self.max_steps), "--step-seconds",
+        return [str(self.script), str(self.out), "--max-steps", str(self.max_steps), "--step-seconds",
                 str(self.step_seconds), *self.fit_args, *extra]
 
     def start_torchrun(self, nproc: int, *extra: str) -> subprocess.Popen:
@@ -119,7 +122,7 @@ class ElasticJob:
 
     def start_python(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen | WarmScript:
         if self.warm:
-            proc = WarmScript(SCRIPT, self._args(*extra)[1:], env={**self.env, **(env or {})}, cwd=REPO,
+            proc = WarmScript(self.script, self._args(*extra)[1:], env={**self.env, **(env or {})}, cwd=REPO,
                               log=self.log_path)
             self.procs.append(proc)
             return proc

@@ -38,14 +38,22 @@ current layout (``engine.eval_step``), over ``fabric.setup_dataloaders(engine.ev
 ``fabric.load`` of it resumes at any layout and number of processes. ``DynaTrainEngine`` is the one the
 Accelerate integration uses (``lightning_dynatrain.loop``): the same step, switches and messages.
 
+Elastic: ``DynaTrainFabricStrategy(layout=..., elastic=ElasticOptions({2: "dp2-tp1-pp1", 3: "dp3-tp1-pp1"}))``
+under ``torchrun``/``srun`` with ``DYNATRAIN_STORE`` and ``DYNATRAIN_TOKEN`` set: processes join and
+leave the running loop and a member lost without leaving is recovered from, as under ``OnNodeChange``
+(whose options ``ElasticOptions`` holds). The loop ends where ``engine.should_stop`` says (this
+process left); ``fabric.world_size`` and ``fabric.global_rank`` follow the job's world.
+
 The pieces: ``strategy`` (``DynaTrainFabricStrategy``: no DDP wrapper, no distributed sampler,
 megatron's own precision, the engine's checkpoints, threads fitted to the cores) ``library`` (a
 launched Fabric as the engine's ``LoopLibrary``) and ``engine`` (``DynaTrainEngine`` over a Fabric).
 """
 
+from lightning_dynatrain.elastic.driver.options import ElasticOptions
 from lightning_dynatrain.fabric.engine import DynaTrainEngine
 from lightning_dynatrain.fabric.strategy import DynaTrainFabricStrategy, FabricSetupError
 from lightning_dynatrain.loop.engine import DataMismatchError
 from lightning_dynatrain.runtime.settings import DynaTrainSettings
 
-__all__ = ["DataMismatchError", "DynaTrainEngine", "DynaTrainFabricStrategy", "DynaTrainSettings", "FabricSetupError"]
+__all__ = ["DataMismatchError", "DynaTrainEngine", "DynaTrainFabricStrategy", "DynaTrainSettings", "ElasticOptions",
+           "FabricSetupError"]

@@ -52,6 +52,7 @@ from lightning_dynatrain.runtime.settings import DynaTrainSettings
 from lightning_dynatrain.vps.errors import DynaTrainError
 
 if TYPE_CHECKING:
+    from lightning_dynatrain.elastic.driver.options import ElasticOptions
     from lightning_dynatrain.loop.engine import DynaTrainEngine
 
 #: Fabric's precision settings -> the dtype megatron builds the params in
@@ -71,6 +72,10 @@ class DynaTrainFabricStrategy(DDPStrategy):
         settings: the layout, the switch schedule and budgets (``DynaTrainSettings``); or give them as ``values``.
         process_group_backend: the default group's backend (default: gloo on CPU, nccl on GPUs).
         timeout: the default group's timeout.
+        elastic: make the run elastic (``ElasticOptions``, the options of ``OnNodeChange``): the job's
+            store makes the worlds (set ``DYNATRAIN_STORE`` and ``DYNATRAIN_TOKEN``; ``dynatrain store``
+            starts one), processes join and leave the running loop and a member lost without leaving
+            is recovered from (``loop.engine``'s module docstring says what the loop does).
         **values: ``DynaTrainSettings``' fields (``layout``, ``schedule``, ``staging_budget``,
             ``switch_memory_limit``, ``verify``, ``promote_broadcasts``, ``seed``, ``switch_timeout``,
             ``switch_safety``, ``schedule_ahead``).
@@ -88,8 +93,11 @@ class DynaTrainFabricStrategy(DDPStrategy):
     """
 
     def __init__(self, settings: DynaTrainSettings | None = None, *, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout, **values: Any) -> None:
+                 timeout: timedelta | None = default_pg_timeout, elastic: "ElasticOptions | None" = None,
+                 **values: Any) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method="popen")
+        self.elastic = elastic
+        self._backend_asked, self._collective_timeout = process_group_backend, timeout or default_pg_timeout
         if settings is not None and values:
             raise FabricSetupError(f"DynaTrainFabricStrategy got settings and the values {sorted(values)}",
                                    hint="give the values to DynaTrainSettings(...), or pass them here without it")
@@ -134,7 +142,22 @@ class DynaTrainFabricStrategy(DDPStrategy):
         threads = fit_intra_op_threads(local_processes=max(1, self.num_processes))
         if threads.message:
             rank_zero_info(threads.message)
-        super().setup_environment()
+        if self.elastic is None:
+            super().setup_environment()
+        else:  # the device only: the job's store makes the worlds (the engine enters the job)
+            super(DDPStrategy, self).setup_environment()
+
+    @property
+    def elastic_backend(self) -> str:
+        """The backend of an elastic run's worlds: the one asked for, else the device's (gloo, nccl)."""
+        from lightning_dynatrain.compat.lightning_internals import default_backend_for_device
+
+        return self._backend_asked or default_backend_for_device(self.root_device)
+
+    @property
+    def collective_timeout(self) -> timedelta:
+        """The process groups' timeout outside switches."""
+        return self._collective_timeout
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The engine's model as it is (see the module docstring).

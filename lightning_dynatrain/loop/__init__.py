@@ -8,7 +8,8 @@
   ``fabric.setup``, views of one engine that those leave unwrapped;
 - ``data``: the loader of whole global batches;
 - ``checkpoint``: the engine's layout-free checkpoint, for ``accelerator.save_state`` and ``fabric.save``;
-- ``gather``: what every rank holds of one small value (the engine's agreement checks).
+- ``gather``: what every rank holds of one small value (the engine's agreement checks);
+- ``elastic_front``: ``LoopFront``, what the elastic driver needs of the engine (an elastic run).
 """
 
 from lightning_dynatrain.loop.engine import DataMismatchError, DynaTrainEngine, LoopSetupError

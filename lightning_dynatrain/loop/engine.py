@@ -25,6 +25,15 @@ data-parallel ranks and sent from the last pipeline stage: the same float on eve
 needs no further reduction (``accelerator.gather_for_metrics`` or ``fabric.all_gather`` over it
 returns one equal copy per process).
 
+Elastic (the library's ``elastic`` options: ``DynaTrainFabricStrategy(elastic=ElasticOptions(...))``):
+the engine enters the job through its store as it is built (a process that joins a running job
+receives the state and the engine's progress there), runs each step, layout switch and rollout
+phase under the recovery guard (``elastic.driver.recovery``: a member lost in them is recovered
+from and the survivors go on), and hands each step boundary to the elastic driver, which makes a
+change that is due. A process asked to leave (SIGTERM, SIGUSR1) hands its state off at a boundary
+and sets ``should_stop``: the loop ends there (``train_step`` refuses to run on). The driver
+reaches the engine through ``elastic_front.LoopFront``; ``docs/elastic.md``.
+
 The learning rate of step ``k`` (0-based) is ``lr_at(k)``: a function of the step count, so it
 survives switches and resumes untouched, as under the Lightning strategy. Weight decay is the
 optimizer settings' ``weight_decay``, applied the way megatron's scheduler does (``set_lr_and_wd``).
@@ -39,8 +48,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lightning_dynatrain.elastic.driver.leave_notice import LeaveNotice
+from lightning_dynatrain.elastic.driver.recovery import rollout_recovering, step_recovering, switch_recovering
 from lightning_dynatrain.loop.gather import every_rank
-from lightning_dynatrain.loop.library import LoopLibrary, as_library
+from lightning_dynatrain.loop.library import LoopLibrary, as_library, elastic_options
 from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe, optimizer_config
 from lightning_dynatrain.runtime.reconfig_report import ReconfigReport
 from lightning_dynatrain.runtime.settings import DynaTrainSettings
@@ -54,6 +65,8 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from lightning_dynatrain.data.datamodule import GlobalBatchDataLoader
+    from lightning_dynatrain.elastic.driver.driver import ElasticDriver
+    from lightning_dynatrain.elastic.driver.options import ElasticOptions
     from lightning_dynatrain.data.sampler import GlobalBatchSampler
     from lightning_dynatrain.megatron.state import MegatronState
 
@@ -119,23 +132,15 @@ class DynaTrainEngine:
                 f"precision ({dtype})", hint=f"leave params_dtype=None: the {self.library.name} precision says it")
         self.settings = _settings_of(self.library, settings)
         optimizer_settings = optimizer if optimizer is not None else adam
+        self._optimizer_settings = optimizer_settings
         config = optimizer_config(optimizer_settings)
         self.weight_decay = config.weight_decay
         self.recipe = replace(recipe, params_dtype=dtype)
         self.lr_at: Callable[[int], float] = lr_at if lr_at is not None else _Constant(config.lr)
-        self.world_size = dist.get_world_size()
-        layout = self.settings.validate(world_size=self.world_size, model=recipe.model,
-                                        global_batch_size=recipe.global_batch_size,
-                                        micro_batch_size=recipe.micro_batch_size)
         self.schedule = SwitchSchedule(self.settings.schedule, on_refused=self.settings.on_refused,
                                        ahead=self.settings.schedule_ahead)
         #: the checkpoint folder last saved or loaded (a failed switch names it to resume from), else None
         self.last_checkpoint: str | None = None
-        self.run = TrainingRun(self.settings, resume_from=lambda: self.last_checkpoint, warn=self._say)
-        topology = self.run.start(layout, world_size=self.world_size, node_rank=self.library.node_rank())
-        self.run.set_optimizer(optimizer_settings)
-        self.run.build_model(self.recipe, rank=dist.get_rank(), device=self.library.device)
-        self.run.install(self.run.build_state())
         #: optimizer steps done
         self.step = 0
         #: the step of the checkpoint last loaded into the state (``loop.checkpoint``), else None
@@ -143,6 +148,32 @@ class DynaTrainEngine:
         self.history: list[ReconfigReport] = []
         self._samplers: list[GlobalBatchSampler] = []
         self._data_checked = False
+        #: this process left an elastic job (its loop ends: ``train_step`` refuses to run)
+        self.should_stop = False
+        self.run = TrainingRun(self.settings, resume_from=lambda: self.last_checkpoint, warn=self._say)
+        #: the elastic driver (an ``ElasticLoopLibrary`` with options: Fabric's ``DynaTrainFabricStrategy(elastic=...)``)
+        self.elastic: ElasticDriver | None = None
+        self._leave_notice: LeaveNotice | None = None
+        options = elastic_options(self.library)
+        layout = self._enter_job(options) if options is not None else None
+        if layout is None:
+            layout = self.settings.validate(world_size=self.world_size, model=recipe.model,
+                                            global_batch_size=recipe.global_batch_size,
+                                            micro_batch_size=recipe.micro_batch_size)
+        topology = self.run.start(layout, world_size=self.world_size, node_rank=self.library.node_rank())
+        elastic = self.elastic
+        if elastic is not None and elastic.fills_model_later:
+            self.run.switcher.world_watch()  # the next world's switch watch, where the others made theirs ahead
+        self.run.set_optimizer(optimizer_settings)
+        joining = elastic is not None and elastic.joining
+        self.run.build_model(self.recipe, rank=dist.get_rank(), device=self.library.device, agree=not joining,
+                             unfilled=elastic is not None and elastic.fills_model_later)
+        if joining:  # the state and the progress come from the members (they checked the data already)
+            elastic.join_state()
+            elastic.end_catching_up()
+            self._data_checked = True
+        else:
+            self.run.install(self.run.build_state())
         self.model = DynaTrainModel(self)
         self.optimizer = LoopOptimizer(self)
         self.scheduler = DynaTrainScheduler(self)
@@ -168,11 +199,16 @@ class DynaTrainEngine:
     @property
     def optimizer_settings(self) -> "AdamSettings | OptimizerConfig":
         """The optimizer's settings, as given (every layout's optimizer is built from them)."""
-        return self.run.optimizer_settings
+        return self._optimizer_settings
 
     @property
     def rank(self) -> int:
         return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """Processes training now (in an elastic run, the job's current world)."""
+        return dist.get_world_size()
 
     @property
     def num_microbatches(self) -> int:
@@ -223,16 +259,25 @@ class DynaTrainEngine:
         """
         import time
 
+        if self.should_stop:
+            raise LoopSetupError(f"this process left the elastic job after step {self.step}: it trains no more",
+                                 hint="end the loop once engine.should_stop is True, then engine.close()")
         self.step_boundary()
         if not self._data_checked:
             _check_same_batch(batch, step=self.step)
             self._data_checked = True
         switcher = self.run.switcher
         beside_build, start = switcher.building, time.perf_counter()
-        loss = self.run.train_step(batch, lr=self.lr_at(self.step), weight_decay=self.weight_decay,
+        lr = self.lr_at(self.step)
+        if self.elastic is None:
+            loss = self.run.train_step(batch, lr=lr, weight_decay=self.weight_decay, forward_step=forward_step)
+        else:  # a member lost in the step: recovered from, the step again at the survivors' layout
+            loss = step_recovering(self.elastic, self.step + 1, batch, lr=lr, weight_decay=self.weight_decay,
                                    forward_step=forward_step)
         switcher.step_ran(time.perf_counter() - start, beside_build=beside_build)
         self.step += 1
+        if self.elastic is not None:
+            self._elastic_boundary()
         return loss
 
     def eval_step(self, batch: Mapping[str, torch.Tensor]) -> float:
@@ -247,6 +292,8 @@ class DynaTrainEngine:
         (``settings.schedule_ahead``). A switch refused before anything moved (or rolled back with the
         old state whole) is printed and recorded in ``refusals``, and training goes on at the old
         layout, unless ``settings.on_refused="raise"``."""
+        if self.should_stop:  # this process left the elastic job: nothing runs here any more
+            return None
         report = self.schedule.run_due(self.step, switch=self.reconfigure, current=lambda: self.layout, say=self._say)
         self.schedule.prepare_next(self.step, current=self.layout, prepared=self.run.switcher.prepared_pair,
                                    prepare=self.run.prepare, say=self._say)
@@ -260,7 +307,13 @@ class DynaTrainEngine:
             SwitchMemoryError: it would not fit in memory (or exceed the settings' limit); nothing
                 moved, training can go on at the current layout.
         """
-        report = self.run.switch(self.run.check(target), step=self.step)
+        layout = self.run.check(target)
+        if self.elastic is None:
+            report = self.run.switch(layout, step=self.step)
+        else:
+            report, lost = switch_recovering(self.elastic, layout, step=self.step)
+            if lost:  # the survivors went on at their world's layout (the recovery said so)
+                return report
         if not report.noop:
             self.history.append(report)
         self.library.print(str(report))
@@ -268,8 +321,12 @@ class DynaTrainEngine:
 
     def rollout(self, layout: str | ParallelConfig, *, park: str = "in_place", keep_weights: bool = True):
         """``with engine.rollout(layout) as policy:`` the training weights at ``layout`` for generation,
-        between two steps (``TrainingRun.rollout``, ``docs/rollout.md``). Collective."""
-        return self.run.rollout(layout, park=park, keep_weights=keep_weights)
+        between two steps (``TrainingRun.rollout``, ``docs/rollout.md``). Collective. In an elastic run
+        a member lost in the phase is recovered from and the ``with`` raises ``RolloutInterrupted``:
+        the survivors drop the phase's results and run the iteration again."""
+        if self.elastic is None:
+            return self.run.rollout(layout, park=park, keep_weights=keep_weights)
+        return rollout_recovering(self.elastic, layout, park=park, keep_weights=keep_weights, step=self.step)
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -299,19 +356,45 @@ class DynaTrainEngine:
         for sampler in self._samplers:
             sampler.set_step(self.step)
 
-    def close(self) -> None:
+    # ------------------------------------------------------------------------------ elastic
+    def _enter_job(self, options: "ElasticOptions") -> ParallelConfig | None:
+        """Enter the elastic job through its store (``ElasticDriver.enter``): the first world's
+        members get ``None`` (the settings' layout), a joiner the layout of the world it joins."""
+        from lightning_dynatrain.loop.elastic_front import LoopFront
+
+        self._leave_notice = LeaveNotice()
+        self._leave_notice.listen()  # from before this process enters the job: a notice during its set-up counts
+        front = LoopFront(self)
+        self.elastic = options.driver(self.run, front)
+        return self.elastic.enter(front.launch())
+
+    def _elastic_boundary(self) -> None:
+        """After optimizer step ``step``: a leave notice asks to leave here; the driver makes a change
+        that is due (a grow, a shrink, this process's leave, which sets ``should_stop``)."""
+        assert self.elastic is not None and self._leave_notice is not None
+        if self._leave_notice.take():
+            self.elastic.leave(self.step)
+        self.elastic.at_boundary()
+
+    def close(self, *, finished: bool = True) -> None:
         """Release megatron's groups and the library's checkpoint wiring (before ``accelerator.end_training()``
-        or the end of the Fabric script)."""
+        or the end of the Fabric script); in an elastic run, this process's part of the job ends
+        (``finished=False``: on an error, and the job's store records it failed at once)."""
         for undo in self._detach:
             undo()
         self._detach = []
         self.run.close()
+        if self.elastic is not None:
+            self.elastic.close(finished=finished)
+        if self._leave_notice is not None:
+            self._leave_notice.restore()
+            self._leave_notice = None
 
     def __enter__(self) -> "DynaTrainEngine":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self.close(finished=exc_type is None)
 
     def __repr__(self) -> str:
         state = self.run.state_or_none

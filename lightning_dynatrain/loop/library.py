@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from lightning_dynatrain.elastic.driver.front import Launch
+    from lightning_dynatrain.elastic.driver.options import ElasticOptions
+    from lightning_dynatrain.elastic.session import ElasticSession
     from lightning_dynatrain.loop.engine import DynaTrainEngine
     from lightning_dynatrain.runtime.settings import DynaTrainSettings
 
@@ -56,6 +59,31 @@ class LoopLibrary(Protocol):
         """Wire ``engine`` into the library's checkpointing; the callables that undo it (``engine.close``)."""
 
 
+
+@runtime_checkable
+class ElasticLoopLibrary(LoopLibrary, Protocol):
+    """A ``LoopLibrary`` that can carry an elastic run (Fabric's; Accelerate's cannot: its state keeps
+    the process count it started with). The engine is elastic where ``elastic`` is set.
+
+    Attributes:
+        elastic: the options of an elastic run (``ElasticOptions``: the job's store makes the worlds,
+            the library made no process group), or ``None``.
+    """
+
+    elastic: "ElasticOptions | None"
+
+    def launch(self) -> "Launch":
+        """This process as the library's launcher started it."""
+
+    def follow(self, session: "ElasticSession") -> None:
+        """The world size and rank the library reports are ``session``'s from now on."""
+
+
+def elastic_options(library: LoopLibrary) -> "ElasticOptions | None":
+    """The options of ``library``'s elastic run, or ``None`` where it has none (or cannot carry one)."""
+    return library.elastic if isinstance(library, ElasticLoopLibrary) else None
+
+
 def as_library(obj: Any) -> LoopLibrary:
     """``obj`` if it is a ``LoopLibrary``.
 
@@ -70,4 +98,4 @@ def as_library(obj: Any) -> LoopLibrary:
                     "lightning_dynatrain.fabric.DynaTrainEngine(fabric, ...)")
 
 
-__all__ = ["LoopLibrary", "as_library"]
+__all__ = ["ElasticLoopLibrary", "LoopLibrary", "as_library", "elastic_options"]

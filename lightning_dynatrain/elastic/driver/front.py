@@ -5,7 +5,8 @@ megatron side (``runtime.training_run.TrainingRun``: layout, state, switcher, in
 little of the loop around it: the step count, stopping, the loop's own state for a joiner, the
 log files when rank 0 changes, the messages. That little is this protocol, which the Lightning
 strategy implements (``strategy/elastic_front.py``: the Trainer's global step, ``should_stop``,
-checkpoint connector and loggers); nothing of the driver imports Lightning.
+checkpoint connector and loggers) and so does the loop engine of Fabric (``loop/elastic_front.py``:
+the engine's step, ``should_stop`` and progress); nothing of the driver imports Lightning.
 
 ``Launch`` is what the front end's launcher says of this process when it enters the job, and
 ``ElasticCallback`` what a front end looks for to make a run elastic (``OnNodeChange`` is one).
