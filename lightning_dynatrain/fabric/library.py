@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 
     from lightning_dynatrain.elastic.driver.front import Launch
     from lightning_dynatrain.elastic.session import ElasticSession
-
     from lightning_dynatrain.loop.engine import DynaTrainEngine
 
 

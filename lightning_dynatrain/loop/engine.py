@@ -65,9 +65,9 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from lightning_dynatrain.data.datamodule import GlobalBatchDataLoader
+    from lightning_dynatrain.data.sampler import GlobalBatchSampler
     from lightning_dynatrain.elastic.driver.driver import ElasticDriver
     from lightning_dynatrain.elastic.driver.options import ElasticOptions
-    from lightning_dynatrain.data.sampler import GlobalBatchSampler
     from lightning_dynatrain.megatron.state import MegatronState
 
 

@@ -59,7 +59,6 @@ class LoopLibrary(Protocol):
         """Wire ``engine`` into the library's checkpointing; the callables that undo it (``engine.close``)."""
 
 
-
 @runtime_checkable
 class ElasticLoopLibrary(LoopLibrary, Protocol):
     """A ``LoopLibrary`` that can carry an elastic run (Fabric's; Accelerate's cannot: its state keeps

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning_dynatrain.elastic.failure_watch import MemberFailedError, MemberLostError, is_communication_failure
 from lightning_dynatrain.elastic.world import retire
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from lightning_dynatrain.megatron.step_progress import StepProgress
     from lightning_dynatrain.runtime.rollout import RolloutPolicy
     from lightning_dynatrain.runtime.switcher import WorldGroupCaches
+    from lightning_dynatrain.vps.layout import ParallelConfig
     from lightning_dynatrain.vps.topology import Topology
 
 #: recoveries tried in a row when members keep dying during one (each agrees on a world without them)
@@ -266,7 +267,7 @@ def step_recovering(driver: "ElasticDriver", step: int, batch: Mapping[str, "tor
             before_redo()
 
 
-def switch_recovering(driver: "ElasticDriver", layout: Any, *, step: int,
+def switch_recovering(driver: "ElasticDriver", layout: "ParallelConfig", *, step: int,
                       deferred: bool = False) -> tuple[ReconfigReport, bool]:
     """The run's switch to the checked ``layout`` after step ``step``, and whether a member was lost
     in it (the survivors then went on at the layout of their world, and the report only says where
@@ -299,7 +300,7 @@ def switch_recovering(driver: "ElasticDriver", layout: Any, *, step: int,
 
 
 @contextmanager
-def rollout_recovering(driver: "ElasticDriver", layout: Any, *, park: str, keep_weights: bool,
+def rollout_recovering(driver: "ElasticDriver", layout: "str | ParallelConfig", *, park: str, keep_weights: bool,
                        step: int) -> "Iterator[RolloutPolicy]":
     """``TrainingRun.rollout`` between two steps of an elastic run: the snapshot in flight ends first
     (the phase leaves the state as it was, so the snapshot stays valid). A member lost in the phase
