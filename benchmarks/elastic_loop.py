@@ -13,7 +13,9 @@ For the tests' bit-for-bit checks (``state_description.py``): ``--describe-at ST
 writes megatron's description of this rank's state after each such step, ``--describe-recovered``
 the state a recovery made, before the next step is computed on it. ``--step-seconds`` stretches each
 step; ``--snapshot-every N`` keeps in-memory snapshots; ``--rollout-every N`` samples a few tokens in a
-rollout phase at ``dp<world>-tp1-pp1`` before every N-th step (``engine.rollout``).
+rollout phase at ``dp<world>-tp1-pp1`` before every N-th step (``engine.rollout``; a member lost in
+the phase: ``RolloutInterrupted``, and the survivors sample again); with ``--stop-in-store`` the
+process at rank R kills itself inside step S's phase once the store holds ``R:S`` under ``KILL_KEY``.
 ``DYNATRAIN_STEP_FAULT`` kills a rank in a step.
 """
 
@@ -23,10 +25,14 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+#: the store key a test writes ``RANK:STEP`` under: that rank kills itself inside that step's rollout phase
+KILL_KEY = "bench/kill_in_rollout"
 
 
 def main() -> None:
@@ -56,6 +62,7 @@ def main() -> None:
     from lightning_dynatrain.fabric import DynaTrainEngine, DynaTrainFabricStrategy, ElasticOptions
     from lightning_dynatrain.megatron.gpt import GPTShape
     from lightning_dynatrain.runtime.recipe import AdamSettings, MegatronRecipe
+    from lightning_dynatrain.runtime.rollout import RolloutInterrupted
 
     torch.set_num_threads(1)
     model = MODELS["tiny"]
@@ -81,15 +88,23 @@ def main() -> None:
 
         store = JobStore.from_environment().store
     describe_at = {int(s) for s in args.describe_at.split(",") if s}
-    losses, samples, rollouts = [], [], []
+    losses, samples, rollouts, interrupted = [], [], [], []
     training[0] = True
     done = False
     while not done:
         for batch in loader:
             digest = hashlib.sha256(batch["tokens"].numpy().tobytes()).hexdigest()[:16]
             if args.rollout_every and (engine.step + 1) % args.rollout_every == 0:  # sample, then train
-                with engine.rollout(f"dp{engine.world_size}-tp1-pp1") as policy:
-                    policy.generate(batch["tokens"][:4, :8], max_new_tokens=2, seed=engine.step)
+                while True:  # a member lost in the phase: the survivors sample again at their world's layout
+                    try:
+                        with engine.rollout(f"dp{engine.world_size}-tp1-pp1") as policy:
+                            if store is not None and store.check([KILL_KEY]) and \
+                                    store.get(KILL_KEY).decode() == f"{engine.rank}:{engine.step + 1}":
+                                os.kill(os.getpid(), signal.SIGKILL)
+                            policy.generate(batch["tokens"][:4, :8], max_new_tokens=2, seed=engine.step)
+                        break
+                    except RolloutInterrupted as err:
+                        interrupted.append((engine.step + 1, str(err)))
                 rollouts.append(engine.step + 1)
             loss = model_view(batch)  # the whole megatron step, then the elastic boundary
             fabric.backward(loss)
@@ -114,6 +129,7 @@ def main() -> None:
         shard.update(p.detach().float().contiguous().numpy().tobytes())
     driver = engine.elastic
     result = {"pid": os.getpid(), "losses": losses, "samples": samples, "rollouts": rollouts,
+              "interrupted": interrupted,
               "global_step": engine.step, "left": left,
               "world": None if left else engine.world_size, "rank": None if left else engine.rank,
               "fabric": None if left else [fabric.world_size, fabric.global_rank],

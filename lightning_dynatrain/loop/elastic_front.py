@@ -7,7 +7,8 @@ The driver (``elastic.driver.ElasticDriver``) reaches the loop only through the 
 (``state_dict``: step, schedule, switch history) as a resume would load it; the launcher and the
 world the library reports are the library's (``ElasticLoopLibrary.launch``, ``.follow``).
 The engine keeps no loggers: a loop logs where it likes (log from ``engine.rank == 0``, which may
-be another process after a change); the job's rank 0 prints the messages (the library's ``print``).
+be another process after a change); the job's rank 0 prints the messages (the library's ``print``
+is once per node of a launch, and the job's rank 0 may be any process of its launch).
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class LoopFront:
                 str(engine.library.params_dtype))
 
     def info(self, message: str) -> None:
-        if self._engine.rank == 0:  # once per job
-            self._engine.library.print(message)
+        if self._engine.rank == 0:  # once per job: the job's rank 0, whatever its place in its launch
+            print(message, flush=True)
 
     def warn(self, message: str) -> None:
         self.info(message)
