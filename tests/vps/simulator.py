@@ -13,31 +13,45 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 
 import numpy as np
 
 from lightning_dynatrain.vps.box import Box
-from lightning_dynatrain.vps.mapping import Region, rank_regions
+from lightning_dynatrain.vps.mapping import Region, rank_regions as library_rank_regions
 from lightning_dynatrain.vps.members import Members
 from lightning_dynatrain.vps.plan import RankPlan, Transfer
 from lightning_dynatrain.vps.snapshot_plan import FillPiece, SnapshotPlan
 from lightning_dynatrain.vps.spec import ModelSpec, Precision, StateKind
 
 
-def _offsets(spec: ModelSpec, precision: Precision) -> dict:
-    out = {}
-    base = 0
-    for k, _ in precision.kinds:
-        for t in spec.tensors:
-            out[(t.name, k)] = base
-            base += t.numel
-    return out
+#: the library's ``rank_regions`` (pure), each answer kept: a switch's check asks for every rank's
+#: regions of both layouts, in ``simulate`` and again in ``minimum_moved`` (callers only read them)
+rank_regions = lru_cache(maxsize=4096)(library_rank_regions)
 
 
-def _expected(spec: ModelSpec, offsets: dict, tensor: str, kind, box: Box) -> np.ndarray:
-    shape = spec.tensor(tensor).shape
-    grids = np.meshgrid(*[np.arange(l, h) for l, h in zip(box.lo, box.hi)], indexing="ij")
-    return offsets[(tensor, kind)] + np.ravel_multi_index(tuple(grids), shape).astype(np.int64)
+class LogicalIndices:
+    """Each element's global logical index: the tensor's offset (per state kind, in the order of
+    ``precision.kinds`` then ``spec.tensors``) plus its row-major index in the tensor. Each tensor's
+    table is built once, at its first use; ``of`` returns a read-only view of a box of it."""
+
+    def __init__(self, spec: ModelSpec, precision: Precision) -> None:
+        self.spec, self.bases, self.tables = spec, {}, {}
+        base = 0
+        for k, _ in precision.kinds:
+            for t in spec.tensors:
+                self.bases[(t.name, k)] = base
+                base += t.numel
+
+    def of(self, tensor: str, kind, box: Box) -> np.ndarray:
+        table = self.tables.get((tensor, kind))
+        if table is None:
+            shape = self.spec.tensor(tensor).shape
+            table = np.arange(self.bases[(tensor, kind)], self.bases[(tensor, kind)] + int(np.prod(shape)),
+                              dtype=np.int64).reshape(shape)
+            table.flags.writeable = False
+            self.tables[(tensor, kind)] = table
+        return table[box.relative_to((0,) * len(box.lo))]
 
 
 def _find(regions: list[Region], box: Box) -> Region:
@@ -63,15 +77,15 @@ class SimulationResult:
 KeptCopies = dict[int, dict[tuple[str, StateKind, Box], np.ndarray]]
 
 
-def kept_copies(spec: ModelSpec, snapshot: SnapshotPlan, offsets: dict | None = None) -> KeptCopies:
+def kept_copies(spec: ModelSpec, snapshot: SnapshotPlan, indices: LogicalIndices | None = None) -> KeptCopies:
     """What each old rank keeps for others after a snapshot: by keeper, the copy of every box
     ``snapshot.copies`` gives it, as its sender held it (the sender must hold the box)."""
-    offsets = offsets or _offsets(spec, snapshot.precision)
+    indices = indices or LogicalIndices(spec, snapshot.precision)
     kept: KeptCopies = {}
     for c in snapshot.copies:
         regions = rank_regions(spec, snapshot.layout, c.sender, snapshot.precision).get((c.tensor, c.kind), [])
         region = _find(regions, c.box)  # the sender copies out what it holds, nothing else
-        held = _expected(spec, offsets, c.tensor, c.kind, region.box)
+        held = indices.of(c.tensor, c.kind, region.box)
         copies = kept.setdefault(c.keeper, {})
         assert (c.tensor, c.kind, c.box) not in copies, f"old rank {c.keeper} keeps {c.tensor} {c.box} twice"
         copies[(c.tensor, c.kind, c.box)] = _view(held, region, c.box).copy()
@@ -111,18 +125,18 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
     ``keepers``: the old rank keeping each lost box (``SnapshotSource.keepers``), which every
     piece's keeper must be. ``weights_only``: the destination's params alone must be written (a
     rollout's switch); a transfer of any other kind fails."""
-    offsets = _offsets(spec, precision)
+    indices = LogicalIndices(spec, precision)
     assert not patch or snapshot is not None, "a patch needs the snapshot plan: the keepers hold only its copies"
     if snapshot is not None:
         assert (snapshot.layout, snapshot.precision) == (src, precision), "the snapshot is not of the source state"
-    kept = kept_copies(spec, snapshot, offsets) if snapshot is not None else {}
+    kept = kept_copies(spec, snapshot, indices) if snapshot is not None else {}
     members = members or Members.same(src.world_size, dst.world_size)
     src_regions = {p: rank_regions(spec, src, r, precision) for r, p in enumerate(members.src) if p is not None}
     dst_regions = {members.dst[r]: _kinds(rank_regions(spec, dst, r, precision), weights_only)
                    for r in range(dst.world_size)}
     # source storage: each region holds the global indices of its elements
     src_store = {
-        (r, key, i): _expected(spec, offsets, key[0], key[1], reg.box)
+        (r, key, i): indices.of(key[0], key[1], reg.box)
         for r, regs in src_regions.items() for key, lst in regs.items() for i, reg in enumerate(lst)
     }
     dst_store = {}
@@ -182,7 +196,7 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
                 continue  # a hole: zeroed, then written by the patch
             # otherwise only vocabulary padding rows the source layout does not have may be filled
             assert t.box.lo[axis] >= min(spec.padded_vocab(src.tp), tensor.shape[axis]) >= spec.vocab_size
-            _view(dst_store[(r, key, d_i)], d_regs[d_i], t.box)[...] = _expected(spec, offsets, t.tensor, t.kind, t.box)
+            _view(dst_store[(r, key, d_i)], d_regs[d_i], t.box)[...] = indices.of(t.tensor, t.kind, t.box)
             _view(writes[(r, key, d_i)], d_regs[d_i], t.box)[...] += 1
             result.filled_elements += t.box.numel
 
@@ -199,7 +213,7 @@ def simulate(spec, src, dst, plans: dict[int, RankPlan], precision=Precision.FP3
         reg = dst_regions[r][key][i]
         w = writes[(r, key, i)]
         assert (w == 1).all(), f"rank {r} {key} {reg.box}: elements written {w.min()}..{w.max()} times"
-        assert (arr == _expected(spec, offsets, key[0], key[1], reg.box)).all(), f"rank {r} {key}: wrong data"
+        assert (arr == indices.of(key[0], key[1], reg.box)).all(), f"rank {r} {key}: wrong data"
         result.dest_elements += arr.size
     return result
 
