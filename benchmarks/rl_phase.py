@@ -1,13 +1,17 @@
 """RL's two phases in the same processes: a rollout phase's transitions against a second model refit.
 
 For each (training layout, rollout layout) pair, one spawned job of 4 gloo processes builds a
-megatron GPT at the training layout (fp32, Adam state from one real step) and measures, slowest rank:
+megatron GPT at the training layout (fp32, Adam state from one real step on a batch the size of an
+iteration's samples) and measures, slowest rank:
 
 1. **enter** (``megatron.rollout.enter_rollout``, ``keep_weights=True``, ``park="in_place"``): the
    weights-only switch into a bare model at the rollout layout, and its engine's part (the walker's
    report, and its phases: ``enter_phases``; the rest is the groups, the program and the model's
    build); its bytes; the floor of that plan
-   (``baselines.floor``: received bytes over the measured p2p rate + kept bytes at ``copy_`` speed);
+   (``baselines.floor``: received bytes over the measured p2p rate + kept bytes at ``copy_`` speed),
+   and the same floor into untouched memory (``fresh_floor_seconds``: the rollout model is new memory
+   at each entry, and PyTorch's CPU allocator gives large blocks back to the kernel; a GPU's caching
+   allocator keeps them);
 2. **leave** with ``keep_weights=True``: nothing moves back;
 3. the same with ``keep_weights=False``: entering frees the training shards of the weights, leaving
    refills them (the inverse weights-only switch), and the process's RSS in the phase against before;
@@ -17,8 +21,9 @@ megatron GPT at the training layout (fp32, Adam state from one real step) and me
 5. **the RL frameworks' way**: a second model built once at the rollout layout (as verl and
    NeMo-RL keep an inference copy), refilled by a weights-only gather-and-slice refit
    (``baselines.allgather``, params only) per iteration;
-6. one training step, for the share of an iteration (enter + generate + leave + step) spent in the
-   two transitions.
+6. one training step on what the iteration generated (``--rows`` sequences of ``--prompt`` +
+   ``--new`` tokens, as a GRPO step trains on its samples), for the share of an iteration
+   (enter + generate + leave + step) spent in the two transitions.
 
 megatron-core's ``swap_model_weights`` / ``resharding`` (0.19) need CUDA (a ``torch.cuda.Stream`` and
 ``torch.cuda.synchronize`` even on their gloo path): not run here.
@@ -113,13 +118,15 @@ def _job(rank: int, world: int, quick: bool, train_text: str, rollout_text: str,
 
     torch.set_num_threads(1)
     train, rollout = ParallelConfig.parse(train_text), ParallelConfig.parse(rollout_text)
-    bench = BenchSetup(shape=_shape(quick))
+    bench = BenchSetup(shape=_shape(quick), global_batch=rows, train_seq=prompt + new)  # a GRPO step's batch
     cache = ProcessGroupCache()
     state = build_trained_state(bench, train, rank, groups=cache)
     setup = bench.switch_setup(Topology.uniform(world, 8))
     spec, out = setup.spec, {}
-    speeds = measure_speeds(nbytes=(4 if quick else 64) * 2**20, copy_bytes=(16 if quick else 256) * 2**20)
-    out["floor_seconds"] = switch_floor(spec, train, rollout, rank, speeds, weights_only=True).seconds
+    speeds = measure_speeds(nbytes=(4 if quick else 64) * 2**20, copy_bytes=(16 if quick else 256) * 2**20,
+                            fresh=True)
+    floor = switch_floor(spec, train, rollout, rank, speeds, weights_only=True)
+    out["floor_seconds"], out["fresh_floor_seconds"] = floor.seconds, floor.fresh_seconds
     prompts = torch.randint(0, spec.vocab_size, (rows, prompt), generator=torch.Generator().manual_seed(3))
 
     def generate(phase) -> float:
@@ -182,6 +189,7 @@ def run_pair(quick: bool, train: str, rollout: str, args: argparse.Namespace) ->
         for name in ("transfer", "unpack"):
             row[f"{entry}_{name}_seconds"] = first[f"{entry}_phases"][name]
     row["enter_over_floor"] = row["enter_seconds"] / row["floor_seconds"]
+    row["enter_over_fresh_floor"] = row["enter_seconds"] / row["fresh_floor_seconds"]
     row["refit_over_enter"] = row["refit_seconds"] / row["enter_seconds"]
     row["transition_share"] = transitions / (transitions + generation + row["step_seconds"])
     return row
@@ -196,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     for train, rollout in pairs:
         print(f"[rl_phase] {train} <-> {rollout} ...", flush=True)
         rows[f"{train} <-> {rollout}"] = run_pair(args.quick, train, rollout, args)
-    keys = ["floor_seconds", "enter_seconds", "enter_engine_seconds", "enter_over_floor", "enter_bytes",
+    keys = ["floor_seconds", "fresh_floor_seconds", "enter_seconds", "enter_engine_seconds", "enter_over_floor",
+            "enter_over_fresh_floor", "enter_bytes",
             "enter_transfer_seconds", "enter_unpack_seconds", "leave_seconds", "leave_bytes", "enter_freed_seconds",
             "enter_freed_engine_seconds", "enter_freed_transfer_seconds", "enter_freed_unpack_seconds",
             "leave_refill_seconds", "leave_refill_bytes", "refit_seconds", "refit_over_enter",
@@ -208,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:28}" + "".join(f"{'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else f'{v:,}'):>28}"
                                     for v in values))
     geomean = {k: math.exp(sum(math.log(r[k]) for r in rows.values()) / len(rows))
-               for k in ("enter_over_floor", "refit_over_enter", "transition_share")}
+               for k in ("enter_over_floor", "enter_over_fresh_floor", "refit_over_enter", "transition_share")}
     goals = {"enter_over_floor": (geomean["enter_over_floor"], 1.5, "<="),
              "refit_over_enter": (min(r["refit_over_enter"] for r in rows.values()), 3.0, ">="),
              "transition_share": (max(r["transition_share"] for r in rows.values()), 0.05, "<="),
