@@ -5,8 +5,9 @@ buffers. Writing into fresh memory costs a page fault and a kernel zero per page
 into memory the process already touched does not. This measures both, in 1 and in 4 processes at
 once (as the switch benchmark's ranks do), with and without PyTorch's transparent huge pages
 (``THP_MEM_ALLOC_ENABLE``): ``torch.zeros(n)`` of fresh memory, and ``zero_()`` of a tensor of the
-same size written once before. It also zeroes memory the process freed a moment ago and memory it
-freed ``--wait`` seconds ago: a virtual machine whose guest reports free pages to its host (Linux
+same size written once before; then it frees that tensor ("give back": the kernel takes its
+pages, what a rollout model's end costs on CPU). It also zeroes memory the process freed a moment
+ago and memory it freed ``--wait`` seconds ago: a virtual machine whose guest reports free pages to its host (Linux
 ``page_reporting``, shown when present) gives memory freed a while ago back to the host, and the
 next write there costs a fault on the host as well; memory freed a moment ago may not be reported
 yet. Either way it is the allocator that decides: PyTorch's CPU allocator frees large blocks to
@@ -45,12 +46,16 @@ def _job(rank: int, world: int, nbytes: int, wait_s: float) -> dict:
     start = time.perf_counter()
     fresh.zero_()  # the same memory again: touched
     touched_s = time.perf_counter() - start
+    dist.barrier()
+    start = time.perf_counter()
     del fresh  # back to the kernel (a large block), then at once into a new tensor
+    give_back_s = time.perf_counter() - start
     again, just_freed_s = timed_zeros()
     del again
     time.sleep(wait_s)
     _, freed_before_s = timed_zeros()
-    return {"fresh_s": fresh_s, "touched_s": touched_s, "just_freed_s": just_freed_s, "freed_before_s": freed_before_s}
+    return {"fresh_s": fresh_s, "touched_s": touched_s, "give_back_s": give_back_s, "just_freed_s": just_freed_s,
+            "freed_before_s": freed_before_s}
 
 
 def page_reporting() -> dict[str, str]:
@@ -61,7 +66,8 @@ def page_reporting() -> dict[str, str]:
     return {f.name: f.read_text().strip() for f in sorted(folder.iterdir()) if f.is_file()}
 
 
-COLUMNS = {"fresh": "fresh", "touched": "touched", "just_freed": "just freed", "freed_before": "freed before"}
+COLUMNS = {"fresh": "fresh", "touched": "touched", "give_back": "give back", "just_freed": "just freed",
+           "freed_before": "freed before"}
 
 
 def main(argv: list[str] | None = None) -> int:
